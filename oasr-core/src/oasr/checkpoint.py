@@ -1,0 +1,129 @@
+"""Checkpoint resolution (local directory or Hugging Face Hub id), format detection, and OASR's
+native format.
+
+Formats are registered on the ``checkpoint_format`` axis; each has a cheap ``detect(path)`` and a
+``load(path, config)``. Detection tries formats in descending ``priority`` and takes the first
+match, so a native checkpoint (which may also contain e.g. a config.json) wins.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from oasr.errors import CheckpointError, UnknownModelError
+from oasr.plugins import get_registry
+
+if TYPE_CHECKING:
+    from oasr.model import ASRModel
+    from oasr.types import EngineConfig
+
+NATIVE_CONFIG = "oasr_model.json"
+NATIVE_FORMAT_VERSION = 1
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_checkpoint_dir(ckpt: str | Path) -> Path:
+    """A local directory as is; otherwise a Hub repo id resolved through ``huggingface_hub``
+    (its cache, ``HF_HOME`` and ``HF_HUB_OFFLINE`` are honoured)."""
+    path = Path(ckpt).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            # A single-file checkpoint (e.g. openai-whisper's .pt) is opened by its parent's
+            # format detectors with the file as the path.
+            return path
+        return path
+    text = str(ckpt)
+    if not _HUB_ID.match(text):
+        raise UnknownModelError(
+            f"checkpoint {text!r} is neither an existing local path nor a Hugging Face Hub id "
+            f"like 'openai/whisper-tiny'"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - huggingface_hub is a core dependency
+        raise UnknownModelError("install huggingface_hub to load models by Hub id") from exc
+    try:
+        return Path(snapshot_download(repo_id=text))
+    except Exception as exc:  # noqa: BLE001 - network/cache errors: tell the user what to do
+        raise UnknownModelError(
+            f"could not fetch {text!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}); "
+            f"download it first (huggingface-cli download {text}) or pass a local directory"
+        ) from exc
+
+
+def detect_format(path: Path) -> str:
+    """Return the registry key of the first format (by priority) that recognises ``path``."""
+    registry = get_registry("checkpoint_format")
+    specs = sorted(registry, key=lambda s: -int(s.metadata.get("priority", 0)))
+    for spec in specs:
+        if spec.load().detect(path):
+            return spec.key
+    known = ", ".join(s.key for s in specs) or "none"
+    raise UnknownModelError(
+        f"no installed plugin recognises the checkpoint at {path} (formats tried: {known}); "
+        f"install the model family's plugin (see `oasr models`)"
+    )
+
+
+def load_model(config: EngineConfig) -> ASRModel:
+    """Resolve, detect and load the checkpoint named by ``config.ckpt_dir``."""
+    if config.ckpt_dir is None:
+        raise UnknownModelError("no checkpoint given; pass ckpt_dir (a directory or Hub id)")
+    path = resolve_checkpoint_dir(config.ckpt_dir)
+    fmt = detect_format(path)
+    return get_registry("checkpoint_format").resolve(fmt).load(path, config)
+
+
+# -- native format -------------------------------------------------------------------------------
+
+
+def write_native_config(dst: Path, architecture: str, config: dict[str, Any]) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    body = {"format_version": NATIVE_FORMAT_VERSION, "architecture": architecture, **config}
+    (dst / NATIVE_CONFIG).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+
+
+def read_native_config(path: Path) -> dict[str, Any]:
+    try:
+        body = json.loads((path / NATIVE_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path / NATIVE_CONFIG} is unreadable: {exc}") from exc
+    if body.get("format_version") != NATIVE_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} uses native format version {body.get('format_version')!r}; this OASR reads "
+            f"version {NATIVE_FORMAT_VERSION}: re-run `oasr convert` from the original checkpoint"
+        )
+    return body
+
+
+class NativeFormat:
+    """``oasr_model.json`` + ``model.safetensors`` + tokenizer assets, written by ``oasr convert``.
+    The architecture class named in the json loads it with ``from_native``."""
+
+    @staticmethod
+    def detect(path: Path) -> bool:
+        return path.is_dir() and (path / NATIVE_CONFIG).is_file()
+
+    @staticmethod
+    def load(path: Path, config: EngineConfig) -> ASRModel:
+        body = read_native_config(path)
+        arch = get_registry("architecture").resolve(body["architecture"])
+        return arch.from_native(path, body, config)
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, config: EngineConfig | None = None) -> str:
+    """Load ``src`` in whatever format and write OASR's native format to ``dst``.
+    Returns the architecture key written."""
+    from oasr.types import EngineConfig
+
+    cfg = config or EngineConfig(ckpt_dir=str(src))
+    if cfg.ckpt_dir is None:
+        cfg.ckpt_dir = str(src)
+    model = load_model(cfg)
+    save = getattr(model, "save_native", None)
+    if save is None:
+        raise CheckpointError(f"{model.name} does not support conversion to the native format")
+    return save(Path(dst))

@@ -1,0 +1,1 @@
+"""Feature frontends, registered on the ``feature_extractor`` axis by ``FeatureSpec.kind``."""

@@ -1,0 +1,448 @@
+"""Audio input: decode any container/codec (or declared raw PCM) to float32 mono at a given rate.
+
+Decoding uses PyAV (FFmpeg bundled in the wheel; no system ffmpeg is needed). Multi-channel audio
+is down-mixed by averaging the channels. Resampling uses FFmpeg's libswresample through
+``av.AudioResampler`` (windowed-sinc polyphase filter, 32 taps per phase at 1024 phases, cutoff
+0.97 of Nyquist): it streams frame by frame, so no full-rate copy of a long input is kept, and it is
+the resampler behind ``ffmpeg -ar 16000`` that openai-whisper and most reference pipelines use.
+
+Every failure raises an :class:`~oasr.errors.OASRError` subclass with a message that says what to
+change: :class:`~oasr.errors.BadAudioError` for undecodable, empty, corrupt or absurd input, and
+:class:`~oasr.errors.AudioTooLongError` once more than ``max_seconds`` have been *decoded* (so a
+10-hour file is rejected after ``max_seconds`` of work, not after decoding all of it). Decoding is
+bounded in time (``timeout_s``) and memory (a hard cap on decoded seconds and channels).
+
+Nothing here imports torch; PyAV is imported on first use.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import numpy as np
+
+from oasr.errors import AudioTooLongError, BadAudioError, InvalidRequestError
+
+__all__ = [
+    "RawPCMFormat",
+    "Resampler",
+    "load_audio",
+    "decode_raw_pcm",
+    "resample",
+    "HARD_MAX_SECONDS",
+    "DEFAULT_TIMEOUT_S",
+]
+
+#: Absolute cap on decoded audio when the caller gives no ``max_seconds`` (memory bound: 6 h of
+#: 16 kHz float32 mono is 1.4 GB).
+HARD_MAX_SECONDS = 6 * 3600.0
+#: Default wall-clock budget for one decode.
+DEFAULT_TIMEOUT_S = 300.0
+#: Slack on ``max_seconds`` for codec padding (MP3/AAC priming frames), in seconds.
+LENGTH_SLACK_S = 0.05
+MAX_CHANNELS = 64
+MIN_RATE, MAX_RATE = 1000, 768_000
+
+Source = str | os.PathLike | bytes | bytearray | memoryview | IO[bytes]
+
+RawEncoding = Literal["pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_f32le", "mulaw", "alaw"]
+_RAW_WIDTH = {"pcm_s16le": 2, "pcm_s24le": 3, "pcm_s32le": 4, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
+
+
+@dataclass(frozen=True)
+class RawPCMFormat:
+    """Declares headerless PCM: its rate, sample encoding and interleaved channel count."""
+
+    sample_rate: int
+    encoding: RawEncoding = "pcm_s16le"
+    channels: int = 1
+
+    def __post_init__(self) -> None:
+        if self.encoding not in _RAW_WIDTH:
+            raise InvalidRequestError(
+                f"raw PCM encoding must be one of {sorted(_RAW_WIDTH)}, not {self.encoding!r}",
+                param="raw_format",
+            )
+        if not (isinstance(self.sample_rate, int) and MIN_RATE <= self.sample_rate <= MAX_RATE):
+            raise InvalidRequestError(
+                f"raw PCM sample_rate must be an integer in [{MIN_RATE}, {MAX_RATE}] Hz, "
+                f"not {self.sample_rate!r}",
+                param="raw_format",
+            )
+        if not (isinstance(self.channels, int) and 1 <= self.channels <= MAX_CHANNELS):
+            raise InvalidRequestError(
+                f"raw PCM channels must be in [1, {MAX_CHANNELS}], not {self.channels!r}",
+                param="raw_format",
+            )
+
+    @property
+    def bytes_per_frame(self) -> int:
+        return _RAW_WIDTH[self.encoding] * self.channels
+
+
+# --------------------------------------------------------------------------------------------
+# G.711 (ITU-T) expansion tables, built from the standard's segment/mantissa definitions.
+
+
+def _mulaw_table() -> np.ndarray:
+    u = ~np.arange(256, dtype=np.int32) & 0xFF
+    sign = u & 0x80
+    exponent = (u >> 4) & 0x07
+    mantissa = u & 0x0F
+    magnitude = (((mantissa << 3) + 0x84) << exponent) - 0x84
+    return np.where(sign != 0, -magnitude, magnitude).astype(np.float32) / 32768.0
+
+
+def _alaw_table() -> np.ndarray:
+    a = np.arange(256, dtype=np.int32) ^ 0x55
+    sign = a & 0x80
+    exponent = (a >> 4) & 0x07
+    mantissa = a & 0x0F
+    magnitude = np.where(
+        exponent == 0, (mantissa << 4) + 8, ((mantissa << 4) + 0x108) << np.maximum(exponent - 1, 0)
+    )
+    return np.where(sign != 0, magnitude, -magnitude).astype(np.float32) / 32768.0
+
+
+_G711: dict[str, np.ndarray] = {}
+
+
+def decode_raw_pcm(data: bytes | bytearray | memoryview, fmt: RawPCMFormat) -> np.ndarray:
+    """Raw interleaved PCM bytes -> float32 array of shape (channels, samples) in [-1, 1]."""
+    buf = memoryview(data).cast("B")
+    n = len(buf)
+    if n % fmt.bytes_per_frame:
+        raise BadAudioError(
+            f"raw {fmt.encoding} audio with {fmt.channels} channel(s) needs a multiple of "
+            f"{fmt.bytes_per_frame} bytes, got {n}; check the declared raw format or the upload"
+        )
+    enc = fmt.encoding
+    if enc == "pcm_s16le":
+        x = np.frombuffer(buf, dtype="<i2").astype(np.float32) / 32768.0
+    elif enc == "pcm_s32le":
+        x = (np.frombuffer(buf, dtype="<i4").astype(np.float64) / 2147483648.0).astype(np.float32)
+    elif enc == "pcm_s24le":
+        b = np.frombuffer(buf, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+        v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+        v = np.where(v >= 1 << 23, v - (1 << 24), v)
+        x = v.astype(np.float32) / 8388608.0
+    elif enc == "pcm_f32le":
+        x = np.frombuffer(buf, dtype="<f4").astype(np.float32)
+        if not np.isfinite(x).all():
+            raise BadAudioError(
+                "raw pcm_f32le audio contains NaN or infinite samples; is the declared "
+                "encoding right (maybe pcm_s16le)?"
+            )
+    else:  # mulaw / alaw
+        table = _G711.get(enc)
+        if table is None:
+            table = _G711[enc] = _mulaw_table() if enc == "mulaw" else _alaw_table()
+        x = table[np.frombuffer(buf, dtype=np.uint8)]
+    return np.ascontiguousarray(x.reshape(-1, fmt.channels).T)
+
+
+# --------------------------------------------------------------------------------------------
+# Resampling
+
+
+class Resampler:
+    """Streaming mono float32 resampler (libswresample via PyAV). Feed chunks, then ``flush``.
+
+    The concatenated outputs equal resampling the whole signal at once.
+    """
+
+    def __init__(self, src_rate: int, dst_rate: int) -> None:
+        import av
+
+        if not (MIN_RATE <= src_rate <= MAX_RATE and MIN_RATE <= dst_rate <= MAX_RATE):
+            raise BadAudioError(
+                f"cannot resample {src_rate} Hz -> {dst_rate} Hz; rates must be in "
+                f"[{MIN_RATE}, {MAX_RATE}] Hz"
+            )
+        self.src_rate = int(src_rate)
+        self.dst_rate = int(dst_rate)
+        self._identity = self.src_rate == self.dst_rate
+        self._rs = (
+            None
+            if self._identity
+            else av.AudioResampler(format="flt", layout="mono", rate=self.dst_rate)
+        )
+
+    def _pull(self, frames: list[Any]) -> np.ndarray:
+        if not frames:
+            return np.zeros(0, np.float32)
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(
+            np.float32, copy=False
+        )
+
+    def process(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        if self._identity or x.size == 0:
+            return x.copy() if self._identity else np.zeros(0, np.float32)
+        import av
+
+        frame = av.AudioFrame.from_ndarray(x[None, :], format="flt", layout="mono")
+        frame.sample_rate = self.src_rate
+        return self._pull(self._rs.resample(frame))
+
+    def flush(self) -> np.ndarray:
+        if self._identity:
+            return np.zeros(0, np.float32)
+        return self._pull(self._rs.resample(None))
+
+
+def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
+    """Resample a mono float32 signal from ``src_rate`` to ``dst_rate`` (whole-signal)."""
+    rs = Resampler(src_rate, dst_rate)
+    out = [rs.process(x), rs.flush()]
+    return np.concatenate(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Container decoding
+
+
+def _describe(source: Any) -> str:
+    if isinstance(source, (str, os.PathLike)):
+        return repr(os.fspath(source))
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"<{len(memoryview(source).cast('B'))} bytes>"
+    return f"<{type(source).__name__}>"
+
+
+class _Budget:
+    def __init__(self, sample_rate: int, max_seconds: float | None, timeout_s: float | None):
+        self.limit_s = HARD_MAX_SECONDS if max_seconds is None else float(max_seconds)
+        self.user_limit = max_seconds is not None
+        self.decoded_s = 0.0
+        self.deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
+        self.timeout_s = timeout_s
+
+    def add(self, seconds: float) -> None:
+        self.decoded_s += seconds
+        if self.decoded_s > self.limit_s + LENGTH_SLACK_S:
+            if self.user_limit:
+                raise AudioTooLongError(
+                    f"audio is longer than the limit of {self.limit_s:g} s; send a shorter clip "
+                    f"or raise max_seconds"
+                )
+            raise AudioTooLongError(
+                f"audio is longer than the hard cap of {self.limit_s:g} s; split it into parts"
+            )
+        self.check_time()
+
+    def check_time(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise BadAudioError(
+                f"decoding took longer than {self.timeout_s:g} s; the file is probably corrupt "
+                f"or far too long (re-encode it, or raise timeout_s)"
+            )
+
+
+def _frame_to_mono(frame: Any) -> np.ndarray:
+    """A resampled 'fltp' frame of any channel count -> mono float32 by channel averaging."""
+    arr = frame.to_ndarray()  # (channels, samples) for planar float
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.shape[0] == 1:
+        return arr[0].astype(np.float32, copy=False)
+    return arr.mean(axis=0, dtype=np.float32)
+
+
+def _decode_container(
+    source: Any, sample_rate: int, budget: _Budget, name: str
+) -> np.ndarray:
+    import av
+
+    try:
+        container = av.open(source, mode="r", metadata_errors="ignore")
+    except av.FFmpegError as e:
+        raise BadAudioError(
+            f"could not open {name} as audio: {_ffmsg(e)}; the data is not a supported "
+            f"audio/video container (or it is truncated/corrupt)"
+        ) from None
+    with container:
+        streams = container.streams.audio
+        if not streams:
+            kinds = sorted({s.type for s in container.streams}) or ["none"]
+            raise BadAudioError(
+                f"{name} has no audio stream (detected format {container.format.name!r}, "
+                f"streams: {', '.join(kinds)}); send an audio file"
+            )
+        stream = streams[0]
+        ctx = stream.codec_context
+        if ctx is None or stream.codec_context.codec is None:
+            raise BadAudioError(f"{name}: the audio codec is not supported by this FFmpeg build")
+        _check_params(getattr(ctx, "sample_rate", 0) or 0, getattr(ctx, "channels", 0) or 0, name,
+                      strict=False)
+        chunks: list[np.ndarray] = []
+        resampler = None
+        rs_key: tuple | None = None
+
+        def push(frame: Any) -> None:
+            nonlocal resampler, rs_key
+            rate = frame.sample_rate
+            ch = len(frame.layout.channels)
+            _check_params(rate, ch, name, strict=True)
+            budget.add(frame.samples / rate)
+            key = (rate, frame.layout.name, frame.format.name)
+            if resampler is None or key != rs_key:
+                if resampler is not None:
+                    for f in resampler.resample(None):
+                        chunks.append(_frame_to_mono(f))
+                resampler = av.AudioResampler(format="fltp", rate=sample_rate)
+                rs_key = key
+            frame.pts = None
+            for f in resampler.resample(frame):
+                chunks.append(_frame_to_mono(f))
+
+        try:
+            for packet in container.demux(stream):
+                budget.check_time()
+                for frame in packet.decode():
+                    push(frame)
+            if resampler is not None:
+                for f in resampler.resample(None):
+                    chunks.append(_frame_to_mono(f))
+        except av.FFmpegError as e:
+            if not chunks:
+                raise BadAudioError(
+                    f"could not decode {name}: {_ffmsg(e)}; the file is corrupt, truncated or "
+                    f"uses an unsupported codec"
+                ) from None
+            # Corruption after some audio decoded: keep what decoded (as ffmpeg does).
+    if not chunks:
+        raise BadAudioError(f"{name} contains no audio samples (zero-length audio)")
+    return np.concatenate(chunks)
+
+
+def _check_params(rate: int, channels: int, name: str, *, strict: bool) -> None:
+    if strict or rate:
+        if not (MIN_RATE <= rate <= MAX_RATE):
+            raise BadAudioError(
+                f"{name} declares a sample rate of {rate} Hz, outside [{MIN_RATE}, {MAX_RATE}] "
+                f"Hz; the header is corrupt"
+            )
+    if strict or channels:
+        if not (1 <= channels <= MAX_CHANNELS):
+            raise BadAudioError(
+                f"{name} declares {channels} channels, outside [1, {MAX_CHANNELS}]; the header "
+                f"is corrupt"
+            )
+
+
+def _ffmsg(e: BaseException) -> str:
+    msg = getattr(e, "strerror", None) or str(e)
+    return str(msg).strip() or type(e).__name__
+
+
+def _read_source(source: Any, name: str) -> bytes:
+    if isinstance(source, (str, os.PathLike)):
+        p = Path(source)
+        try:
+            return p.read_bytes()
+        except FileNotFoundError:
+            raise BadAudioError(f"audio file {name} does not exist") from None
+        except IsADirectoryError:
+            raise BadAudioError(f"{name} is a directory, not an audio file") from None
+        except OSError as e:
+            raise BadAudioError(f"cannot read audio file {name}: {e.strerror or e}") from None
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    data = source.read()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidRequestError(
+            "the file object must be opened in binary mode (read() returned text)",
+            param="source",
+        )
+    return bytes(data)
+
+
+def load_audio(
+    source: Source,
+    sample_rate: int = 16000,
+    *,
+    max_seconds: float | None = None,
+    raw_format: RawPCMFormat | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> np.ndarray:
+    """Decode ``source`` to a float32 mono numpy array at ``sample_rate`` Hz.
+
+    ``source`` is a path, bytes-like, or a binary file object holding any container FFmpeg can
+    demux (WAV/AIFF PCM, G.711, float; FLAC; MP3; AAC/M4A; OGG Vorbis/Opus; WebM; ...), or headerless
+    PCM described by ``raw_format``. Channels are averaged; the rate is converted.
+
+    Raises :class:`BadAudioError` (undecodable, empty, corrupt, not audio, absurd header, too slow)
+    or :class:`AudioTooLongError` (more than ``max_seconds`` decoded).
+    """
+    if not isinstance(sample_rate, (int, np.integer)) or not MIN_RATE <= sample_rate <= MAX_RATE:
+        raise InvalidRequestError(
+            f"sample_rate must be an integer in [{MIN_RATE}, {MAX_RATE}], not {sample_rate!r}",
+            param="sample_rate",
+        )
+    sample_rate = int(sample_rate)
+    if max_seconds is not None and not max_seconds > 0:
+        raise InvalidRequestError("max_seconds must be > 0", param="max_seconds")
+    name = _describe(source)
+    budget = _Budget(sample_rate, max_seconds, timeout_s)
+
+    if raw_format is not None:
+        data = _read_source(source, name)
+        if not data:
+            raise BadAudioError(f"{name} is empty (0 bytes); send some audio")
+        n_frames = len(data) // raw_format.bytes_per_frame
+        budget.add(n_frames / raw_format.sample_rate)
+        planes = decode_raw_pcm(data, raw_format)
+        mono = planes[0] if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
+        out = resample(mono, raw_format.sample_rate, sample_rate)
+        if out.size == 0:
+            raise BadAudioError(f"{name} contains no audio samples (zero-length audio)")
+        return out
+
+    if isinstance(source, (str, os.PathLike)):
+        p = Path(source)
+        if not p.exists():
+            raise BadAudioError(f"audio file {name} does not exist")
+        if p.is_dir():
+            raise BadAudioError(f"{name} is a directory, not an audio file")
+        if p.stat().st_size == 0:
+            raise BadAudioError(f"audio file {name} is empty (0 bytes)")
+        av_source: Any = os.fspath(p)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        if len(memoryview(source).cast("B")) == 0:
+            raise BadAudioError("the audio data is empty (0 bytes); send some audio")
+        av_source = io.BytesIO(bytes(source))
+    elif hasattr(source, "read"):
+        av_source = source
+        if hasattr(source, "mode") and "b" not in str(getattr(source, "mode", "b")):
+            raise InvalidRequestError(
+                "the file object must be opened in binary mode ('rb')", param="source"
+            )
+        if isinstance(source, io.TextIOBase):
+            raise InvalidRequestError(
+                "the file object must be opened in binary mode ('rb')", param="source"
+            )
+    else:
+        raise InvalidRequestError(
+            f"source must be a path, bytes or a binary file object, not {type(source).__name__}",
+            param="source",
+        )
+
+    try:
+        out = _decode_container(av_source, sample_rate, budget, name)
+    except (BadAudioError, AudioTooLongError, InvalidRequestError):
+        raise
+    except MemoryError:
+        raise BadAudioError(f"{name} needs more memory to decode than is available") from None
+    except Exception as e:  # any other decoder failure is still "bad audio", never a crash
+        raise BadAudioError(
+            f"could not decode {name}: {type(e).__name__}: {e}; the file is corrupt or not audio"
+        ) from None
+    if not np.isfinite(out).all():
+        raise BadAudioError(f"{name} decodes to NaN or infinite samples; the file is corrupt")
+    return out

@@ -40,7 +40,21 @@ _LAZY: dict[str, str] = {
     "errors": "oasr.errors",
 }
 
-__all__ = ["__version__", "hookimpl", *_LAZY]
+__all__ = [
+    "ASREngine",
+    "DecodeFamily",
+    "DecodingOptions",
+    "EngineConfig",
+    "FeatureSpec",
+    "ModelCapabilities",
+    "Segment",
+    "TokenizerSpec",
+    "Transcript",
+    "Word",
+    "__version__",
+    "errors",
+    "hookimpl",
+]
 
 
 def __getattr__(name: str) -> Any:

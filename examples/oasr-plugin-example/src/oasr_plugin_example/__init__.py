@@ -1,0 +1,1 @@
+"""Example OASR plugin. Nothing heavy is imported here or in ``plugin``."""

@@ -1,0 +1,1 @@
+"""The ``oasr`` command line (Typer + rich). Importing this must not import torch."""

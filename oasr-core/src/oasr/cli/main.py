@@ -1,0 +1,183 @@
+"""``oasr``: list plugins and models, transcribe and translate files, convert checkpoints.
+
+Heavy work (torch, models) is imported inside the commands that need it, so ``oasr --help``
+and the listing commands stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from oasr._version import __version__
+from oasr.errors import OASRError
+from oasr.plugins import get_plugin_manager
+from oasr.registry import KNOWN_PLUGINS
+
+app = typer.Typer(
+    name="oasr",
+    help="OASR: open automatic speech recognition. Transcribe audio with any installed model family.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _warn_plugin_failures() -> None:
+    """In the CLI a broken plugin is a warning: the rest keeps working."""
+    for failure in get_plugin_manager().failures:
+        err_console.print(f"[yellow]warning:[/yellow] {failure.message}", highlight=False)
+
+
+def fail(error: OASRError | str, code: int = 1) -> typer.Exit:
+    message = error.message if isinstance(error, OASRError) else error
+    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        console.print(f"oasr {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version_callback, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """OASR command line."""
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+@app.command("plugins")
+def plugins_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List installed plugin distributions, their versions, hooks and what they register."""
+    manager = get_plugin_manager()
+    manager.load()
+    _warn_plugin_failures()
+    rows = [
+        {
+            "distribution": info.distribution,
+            "version": info.version,
+            "module": info.module,
+            "hooks": info.hooks,
+            "registered": info.registered,
+        }
+        for info in sorted(manager.plugins.values(), key=lambda i: i.distribution)
+    ]
+    failed = [{"distribution": f.distribution, "error": f.message} for f in manager.failures]
+    if as_json:
+        print(json.dumps({"plugins": rows, "failed": failed}, indent=2))
+        return
+    table = Table(title="OASR plugins")
+    for col in ("distribution", "version", "hooks", "registers"):
+        table.add_column(col)
+    for row in rows:
+        registers = "\n".join(f"{axis}: {', '.join(keys)}" for axis, keys in row["registered"].items())
+        table.add_row(row["distribution"], row["version"], "\n".join(row["hooks"]), registers)
+    console.print(table)
+
+
+def list_architectures() -> list[dict[str, Any]]:
+    """Every architecture known: installed ones from the registry, first-party ones that are not
+    installed from the catalogue, with the pip line that provides them."""
+    registry = get_plugin_manager().registry("architecture", strict=False)
+    out: dict[str, dict[str, Any]] = {}
+    for spec in registry:
+        meta = dict(spec.metadata)
+        out[spec.key] = {
+            "architecture": spec.key,
+            "decode_family": meta.get("decode_family"),
+            "offline": meta.get("offline", True),
+            "streaming": meta.get("streaming", False),
+            "source_formats": list(meta.get("source_formats", [])),
+            "distribution": spec.distribution,
+            "installed": True,
+            "install": None,
+        }
+    for key, meta in KNOWN_PLUGINS["architecture"].items():
+        if key in out:
+            continue
+        out[key] = {
+            "architecture": key,
+            "decode_family": meta["decode_family"],
+            "offline": meta["offline"],
+            "streaming": meta["streaming"],
+            "source_formats": list(meta["source_formats"]),
+            "distribution": meta["distribution"],
+            "installed": False,
+            "install": f"pip install {meta['distribution']}",
+        }
+    return [out[k] for k in sorted(out)]
+
+
+@app.command("models")
+def models_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List every known architecture: decode family, modes, formats, and how to install it."""
+    rows = list_architectures()
+    _warn_plugin_failures()
+    if as_json:
+        print(json.dumps(_jsonable(rows), indent=2))
+        return
+    table = Table(title="OASR architectures")
+    for col in ("architecture", "decode", "offline", "streaming", "formats", "provided by", "status"):
+        table.add_column(col)
+    for r in rows:
+        status = "[green]installed[/green]" if r["installed"] else f"[dim]{r['install']}[/dim]"
+        table.add_row(
+            r["architecture"],
+            str(r["decode_family"]),
+            "yes" if r["offline"] else "no",
+            "yes" if r["streaming"] else "no",
+            ", ".join(r["source_formats"]),
+            r["distribution"],
+            status,
+        )
+    console.print(table)
+
+
+from oasr.cli import transcribe as _transcribe_commands  # noqa: E402  (registers commands)
+
+_transcribe_commands.register(app)
+
+
+def main(argv: Optional[list[str]] = None) -> None:  # noqa: UP045 - typer reads annotations
+    """Console-script entry point."""
+    manager = get_plugin_manager()
+    try:
+        manager.add_commands(app)
+    except OASRError as exc:
+        raise SystemExit(f"error: {exc.message}") from None
+    try:
+        app(args=argv if argv is not None else sys.argv[1:], standalone_mode=True)
+    except OASRError as exc:  # library errors reach the user as one clear line
+        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
+
+__all__ = ["app", "main", "fail", "list_architectures", "Path"]

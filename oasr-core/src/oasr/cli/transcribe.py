@@ -1,0 +1,200 @@
+"""``oasr transcribe``, ``oasr translate`` and ``oasr convert``. Torch is imported only when a
+command runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from oasr.errors import OASRError
+
+err_console = Console(stderr=True)
+
+
+class Format(str, Enum):
+    text = "text"
+    json = "json"
+    verbose_json = "verbose_json"
+    srt = "srt"
+    vtt = "vtt"
+
+
+class Granularity(str, Enum):
+    word = "word"
+    segment = "segment"
+
+
+def _run(
+    files: list[Path],
+    *,
+    task: str,
+    ckpt_dir: str | None,
+    language: str | None,
+    response_format: Format,
+    granularities: list[Granularity] | None,
+    output: Path | None,
+    beam_size: int,
+    temperature: float,
+    prompt: str | None,
+    device: str,
+    threads: int | None,
+) -> None:
+    from oasr.defaults import default_checkpoint
+    from oasr.engine import ASREngine
+    from oasr.formats import FILE_EXTENSIONS, render
+    from oasr.types import DecodingOptions, EngineConfig
+
+    grains = tuple(g.value for g in (granularities or [Granularity.segment]))
+    fmt = response_format.value
+    try:
+        for f in files:
+            if not f.is_file():
+                raise typer.BadParameter(f"no such file: {f}", param_hint="FILE")
+        options = DecodingOptions(
+            beam_size=beam_size,
+            language=language,
+            task=task,  # type: ignore[arg-type]
+            temperature=temperature if temperature > 0 else (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+            prompt=prompt,
+            word_timestamps="word" in grains,
+        )
+        ckpt = ckpt_dir or str(default_checkpoint())
+        with err_console.status(f"loading model from {ckpt}"):
+            engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads))
+        audios = []
+        for f in files:
+            audios.append(engine.load_audio(f))
+        total = sum(a.shape[-1] for a in audios) / engine.sample_rate
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed:.0f}/{task.total:.0f} s of audio"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
+            disable=not err_console.is_terminal,
+        ) as bar:
+            job = bar.add_task(f"{task} {len(files)} file(s)", total=total)
+            transcripts = engine.transcribe_arrays(
+                audios, options, lambda done, tot: bar.update(job, completed=done)
+            )
+    except OASRError as exc:
+        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        raise typer.Exit(1) from None
+
+    if output is not None and (len(files) > 1 or output.is_dir()):
+        output.mkdir(parents=True, exist_ok=True)
+        for f, t in zip(files, transcripts, strict=True):
+            target = output / f"{f.stem}.{FILE_EXTENSIONS[fmt]}"
+            target.write_text(render(t, fmt, granularities=grains), encoding="utf-8")
+            err_console.print(f"wrote {target}")
+        return
+    if len(files) > 1 and fmt in ("json", "verbose_json"):
+        # JSON lines: one object per input, each naming its file.
+        lines = []
+        for f, t in zip(files, transcripts, strict=True):
+            body = json.loads(render(t, fmt, granularities=grains))
+            lines.append(json.dumps({"file": str(f), **body}, ensure_ascii=False))
+        text = "\n".join(lines) + "\n"
+    else:
+        parts = []
+        for f, t in zip(files, transcripts, strict=True):
+            body = render(t, fmt, granularities=grains)
+            if len(files) > 1:
+                body = f"==> {f} <==\n{body}"
+            parts.append(body if body.endswith("\n") else body + "\n")
+        text = "".join(parts)
+    if output is not None:
+        output.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+
+
+FilesArg = Annotated[list[Path], typer.Argument(help="Audio files (any common container).")]
+CkptOpt = Annotated[
+    Optional[str],  # noqa: UP045 - typer reads annotations at run time
+    typer.Option("--ckpt-dir", help="Checkpoint directory or Hugging Face Hub id. Default: the bundled Whisper tiny.en."),
+]
+LangOpt = Annotated[Optional[str], typer.Option("--language", help="Spoken language code, e.g. en.")]  # noqa: UP045
+FormatOpt = Annotated[Format, typer.Option("--response-format", "-f", help="Output format.")]
+GrainOpt = Annotated[
+    Optional[list[Granularity]],  # noqa: UP045
+    typer.Option("--timestamp-granularity", help="word and/or segment (repeatable)."),
+]
+OutOpt = Annotated[
+    Optional[Path],  # noqa: UP045
+    typer.Option("--output", "-o", help="Output file, or a directory for one output per input."),
+]
+BeamOpt = Annotated[int, typer.Option("--beam-size", min=1, help="1 = greedy.")]
+TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy with fallback.")]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Initial prompt text.")]  # noqa: UP045
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")]  # noqa: UP045
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("transcribe")
+    def transcribe(
+        files: FilesArg,
+        ckpt_dir: CkptOpt = None,
+        language: LangOpt = None,
+        task: Annotated[str, typer.Option("--task", help="transcribe or translate.")] = "transcribe",
+        response_format: FormatOpt = Format.text,
+        timestamp_granularity: GrainOpt = None,
+        output: OutOpt = None,
+        beam_size: BeamOpt = 1,
+        temperature: TempOpt = 0.0,
+        prompt: PromptOpt = None,
+        device: DeviceOpt = "cpu",
+        threads: ThreadsOpt = None,
+    ) -> None:
+        """Transcribe audio files in-process."""
+        if task not in ("transcribe", "translate"):
+            raise typer.BadParameter("must be 'transcribe' or 'translate'", param_hint="--task")
+        _run(files, task=task, ckpt_dir=ckpt_dir, language=language,
+             response_format=response_format, granularities=timestamp_granularity,
+             output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
+             device=device, threads=threads)
+
+    @app.command("translate")
+    def translate(
+        files: FilesArg,
+        ckpt_dir: CkptOpt = None,
+        language: LangOpt = None,
+        response_format: FormatOpt = Format.text,
+        timestamp_granularity: GrainOpt = None,
+        output: OutOpt = None,
+        beam_size: BeamOpt = 1,
+        temperature: TempOpt = 0.0,
+        prompt: PromptOpt = None,
+        device: DeviceOpt = "cpu",
+        threads: ThreadsOpt = None,
+    ) -> None:
+        """Translate speech in audio files into English text."""
+        _run(files, task="translate", ckpt_dir=ckpt_dir, language=language,
+             response_format=response_format, granularities=timestamp_granularity,
+             output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
+             device=device, threads=threads)
+
+    @app.command("convert")
+    def convert(
+        src: Annotated[str, typer.Argument(help="Source checkpoint: directory, file or Hub id.")],
+        dst: Annotated[Path, typer.Argument(help="Directory to write OASR's native format to.")],
+    ) -> None:
+        """Convert a checkpoint to OASR's native format (safetensors + json + tokenizer)."""
+        from oasr.checkpoint import convert_checkpoint
+
+        try:
+            arch = convert_checkpoint(src, dst)
+        except OASRError as exc:
+            err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
+            raise typer.Exit(1) from None
+        err_console.print(f"wrote {arch} checkpoint to {dst}")

@@ -1,0 +1,146 @@
+"""ASR benchmark: OASR beside reference engines on the same machine, weights and audio.
+
+    python -m benchmarks.asrbench                       # English clips, tiny.en, CPU, 2 threads
+    python -m benchmarks.asrbench --profile smoke       # two short clips, for a quick check
+    python -m benchmarks.asrbench --json out.json
+
+Backends:
+  oasr_engine     OASR's in-process ASREngine (the same path `oasr transcribe` takes)
+  faster_whisper  faster-whisper (CTranslate2) on the same CTranslate2 weights
+Each backend transcribes every clip from its file (decode + resample + recognise), greedy,
+temperature 0, no VAD, after one warm-up clip. Reported: wall seconds, RTFx (audio seconds per
+second), corpus WER (Whisper English normalisation) and each backend's time relative to OASR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SPEECH = REPO / "tests" / "data" / "speech"
+
+
+@dataclass
+class Clip:
+    path: Path
+    text: str
+    seconds: float
+
+
+@dataclass
+class Result:
+    backend: str
+    wall_s: float
+    audio_s: float
+    rtfx: float
+    wer: float | None
+    hypotheses: list[str]
+
+
+def english_clips(profile: str) -> list[Clip]:
+    rows = [json.loads(line) for line in (SPEECH / "manifest.jsonl").read_text().splitlines() if line]
+    clips = [Clip(SPEECH / r["audio"], r["text"], float(r["duration_s"])) for r in rows if r["language"] == "en"]
+    if profile == "smoke":
+        clips = sorted(clips, key=lambda c: c.seconds)[:2]
+    return clips
+
+
+def corpus_wer(refs: list[str], hyps: list[str]) -> float:
+    import jiwer
+    from whisper.normalizers import EnglishTextNormalizer
+
+    norm = EnglishTextNormalizer()
+    pairs = [(norm(r), norm(h)) for r, h in zip(refs, hyps, strict=True)]
+    pairs = [(r, h) for r, h in pairs if r.strip()]
+    return 100.0 * jiwer.wer([r for r, _ in pairs], [h for _, h in pairs])
+
+
+def oasr_backend(ckpt: str, device: str, threads: int) -> Callable[[list[Path]], list[str]]:
+    from oasr.engine import ASREngine
+    from oasr.types import DecodingOptions, EngineConfig
+
+    engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads))
+    options = DecodingOptions(beam_size=1, temperature=0.0)
+
+    def run(paths: list[Path]) -> list[str]:
+        return [t.text for t in engine.transcribe_offline(paths, options)]
+
+    return run
+
+
+def faster_whisper_backend(ckpt: str, device: str, threads: int) -> Callable[[list[Path]], list[str]]:
+    from faster_whisper import WhisperModel
+
+    model = WhisperModel(ckpt, device=device, compute_type="float32", cpu_threads=threads)
+
+    def run(paths: list[Path]) -> list[str]:
+        out = []
+        for p in paths:
+            segments, _ = model.transcribe(
+                str(p), beam_size=1, temperature=0.0, vad_filter=False, language="en"
+            )
+            out.append("".join(s.text for s in segments))
+        return out
+
+    return run
+
+
+BACKENDS = {"oasr_engine": oasr_backend, "faster_whisper": faster_whisper_backend}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=["smoke", "english"], default="english")
+    parser.add_argument("--backends", default="oasr_engine,faster_whisper")
+    parser.add_argument("--ckpt-dir", default=None, help="CTranslate2 Whisper dir (default: tiny.en)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from oasr.defaults import default_checkpoint
+
+    ckpt = args.ckpt_dir or str(default_checkpoint())
+    clips = english_clips(args.profile)
+    paths = [c.path for c in clips]
+    audio_s = sum(c.seconds for c in clips)
+    results: list[Result] = []
+    for name in args.backends.split(","):
+        run = BACKENDS[name](ckpt, args.device, args.threads)
+        run(paths[:1])  # warm-up
+        best = float("inf")
+        hyps: list[str] = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            hyps = run(paths)
+            best = min(best, time.perf_counter() - start)
+        results.append(Result(name, best, audio_s, audio_s / best, corpus_wer([c.text for c in clips], hyps), hyps))
+
+    base = results[0].wall_s
+    print(f"{'backend':16} {'wall s':>8} {'RTFx':>8} {'WER %':>7} {'time / ' + results[0].backend:>22}")
+    for r in results:
+        wer = f"{r.wer:7.2f}" if r.wer is not None else "      -"
+        print(f"{r.backend:16} {r.wall_s:8.2f} {r.rtfx:8.1f} {wer} {r.wall_s / base:22.2f}")
+    report = {
+        "profile": args.profile,
+        "device": args.device,
+        "threads": args.threads,
+        "clips": [str(p.name) for p in paths],
+        "results": [asdict(r) for r in results],
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -15,3 +15,13 @@ def register_checkpoint_formats(register: Register) -> None:
 def register_feature_extractors(register: Register) -> None:
     register("whisper_logmel", "oasr.features.whisper:WhisperLogMel", description="Whisper log-mel")
     register("kaldi_fbank", "oasr.features.kaldi:KaldiFbank", description="Kaldi-compatible fbank")
+    register(
+        "funasr_fbank_lfr",
+        "oasr.features.funasr:FunASRFbankLFR",
+        description="FunASR fbank + LFR stacking + CMVN (Paraformer)",
+    )
+    register(
+        "nemo_mel",
+        "oasr.features.nemo:NemoMel",
+        description="NeMo / FastConformer log-mel (per-feature normalised)",
+    )

@@ -1,0 +1,93 @@
+"""``oasr.layers``: the narrow waist every OASR model is written against.
+
+Models build themselves only from these pieces, so quantization, kernels and CUDA graphs apply to
+every architecture at once. Each op has a plain-PyTorch implementation (``forward_native``) that
+runs on CPU and CUDA in fp32/fp16/bf16.
+
+Modules
+    :class:`Linear` (the class quantization replaces), :class:`LayerNorm`, :class:`Conv1d`,
+    :class:`Embedding` (with ``unembed`` for tied output projections), :class:`GELUMLP`,
+    :class:`SinusoidalPositionalEmbedding` / :func:`sinusoids`,
+    :class:`MultiHeadAttention` (self-attention with an incremental :class:`KVCache`,
+    cross-attention over precomputed K/V via ``project_kv`` + ``static_kv``, key padding masks,
+    causal masks with a cache offset, ``need_weights=True`` for alignment weights).
+
+Functional ops
+    :func:`attention` (``scaled_dot_product_attention``), :func:`attention_with_weights`,
+    :func:`gelu`.
+
+Op overrides (for kernel providers)
+    Every op has a name: ``linear``, ``layer_norm``, ``conv1d``, ``embedding``, ``gelu``,
+    ``attention``. ``register_override(op_name, device_type, fn)`` makes every call of that op on
+    tensors of that device type go to ``fn`` instead of the native code:
+
+    * module ops call ``fn(module, *forward_args)`` (e.g. ``fn(linear, x)``; read
+      ``module.weight`` / ``module.bias``);
+    * functional ops call ``fn(*args)`` with the native function's arguments
+      (``attention``: ``q, k, v, mask, is_causal, scale``).
+
+    ``fn`` may return ``NotImplemented`` to fall back to native code for inputs it does not
+    handle. :func:`override` scopes one to a ``with`` block; :func:`unregister_override`
+    removes one; ``OASR_DISABLE_OVERRIDES=1`` or :func:`set_overrides_enabled(False)
+    <set_overrides_enabled>` disables all of them (reference runs). See ``docs/layers.md``.
+
+Importing ``oasr.layers`` imports torch; ``import oasr`` does not import this package.
+"""
+
+from __future__ import annotations
+
+from oasr.layers._dispatch import (
+    KNOWN_OPS,
+    call_op,
+    get_override,
+    list_overrides,
+    override,
+    register_override,
+    set_overrides_enabled,
+    unregister_override,
+)
+from oasr.layers.attention import (
+    KVCache,
+    MultiHeadAttention,
+    attention,
+    attention_with_weights,
+    build_mask,
+    causal_mask,
+)
+from oasr.layers.basic import (
+    Conv1d,
+    Embedding,
+    GELUMLP,
+    LayerNorm,
+    Linear,
+    Op,
+    SinusoidalPositionalEmbedding,
+    gelu,
+    sinusoids,
+)
+
+__all__ = [
+    "KNOWN_OPS",
+    "Conv1d",
+    "Embedding",
+    "GELUMLP",
+    "KVCache",
+    "LayerNorm",
+    "Linear",
+    "MultiHeadAttention",
+    "Op",
+    "SinusoidalPositionalEmbedding",
+    "attention",
+    "attention_with_weights",
+    "build_mask",
+    "call_op",
+    "causal_mask",
+    "gelu",
+    "get_override",
+    "list_overrides",
+    "override",
+    "register_override",
+    "set_overrides_enabled",
+    "sinusoids",
+    "unregister_override",
+]

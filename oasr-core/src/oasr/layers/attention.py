@@ -1,0 +1,248 @@
+"""Multi-head attention with masks, an incremental KV cache and precomputed cross-attention K/V.
+
+Shapes: queries/keys/values inside the op are (B, H, T, D). Masks follow PyTorch conventions:
+
+* ``key_padding_mask``: (B, S) bool, **True marks padding** (a key to ignore).
+* ``attn_mask``: bool (True = may attend) or additive float, broadcastable to (B, H, T, S).
+* ``causal=True``: query ``i`` (absolute position ``past + i``) sees keys ``0 .. past + i``,
+  where ``past`` is the number of positions already in the cache.
+
+The core ``softmax(q k^T * scale) v`` is the overridable op ``"attention"``; its native
+implementation is ``torch.nn.functional.scaled_dot_product_attention``. When attention weights
+are requested (word alignment) the core is computed explicitly instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasr.layers._dispatch import call_op, declare_op
+from oasr.layers.basic import Linear
+
+_ATTENTION = declare_op("attention")
+
+
+def _attention_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` over (B, H, T, D) tensors; ``is_causal`` only for
+    square (T == S) problems. Overridable op ``"attention"``."""
+    return call_op(_ATTENTION, q.device.type, _attention_native, q, k, v, mask, is_causal, scale)
+
+
+def attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit attention returning (output, softmaxed weights (B, H, T, S) in float32)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    weights = scores.softmax(dim=-1)
+    out = torch.matmul(weights.to(v.dtype), v)
+    return out, weights
+
+
+def causal_mask(t: int, past: int, device: torch.device) -> torch.Tensor:
+    """(t, past + t) bool mask, True where query ``i`` may see key ``j`` (``j <= past + i``)."""
+    return torch.ones(t, past + t, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
+def build_mask(
+    t: int,
+    s: int,
+    *,
+    past: int = 0,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, bool]:
+    """Combine the mask kinds into one SDPA mask. Returns (mask, use_is_causal)."""
+    if causal and past == 0 and key_padding_mask is None and attn_mask is None and t == s:
+        return None, t > 1
+    mask: torch.Tensor | None = None
+    if causal and t > 1:
+        mask = causal_mask(t, past, device)[None, None]
+    if key_padding_mask is not None:
+        keep = (~key_padding_mask.to(device=device, dtype=torch.bool))[:, None, None, :]
+        mask = keep if mask is None else (mask & keep)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask if mask is None else (mask & attn_mask)
+        else:
+            add = attn_mask.to(dtype)
+            if mask is not None:
+                add = add.masked_fill(~mask, float("-inf"))
+            mask = add
+    return mask, False
+
+
+class KVCache:
+    """Self-attention keys/values of one layer, (B, H, T, D), grown in place.
+
+    Storage is over-allocated (capacity doubles) so appending one token per step does not copy
+    the whole history each time. :meth:`reorder` selects/duplicates batch rows (beam search).
+    """
+
+    def __init__(self, initial_capacity: int = 64) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self._len = 0
+        self._initial = initial_capacity
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, H, T, D) keys/values; return views of all cached positions."""
+        t = k.shape[2]
+        needed = self._len + t
+        if self.k is None or needed > self.k.shape[2] or self.k.shape[0] != k.shape[0]:
+            cap = max(self._initial, needed)
+            if self.k is not None:
+                cap = max(cap, 2 * self.k.shape[2])
+            b, h, _, d = k.shape
+            new_k = k.new_empty(b, h, cap, d)
+            new_v = v.new_empty(b, h, cap, v.shape[-1])
+            if self.k is not None and self._len:
+                new_k[:, :, : self._len] = self.k[:, :, : self._len]
+                new_v[:, :, : self._len] = self.v[:, :, : self._len]
+            self.k, self.v = new_k, new_v
+        assert self.v is not None
+        self.k[:, :, self._len : needed] = k
+        self.v[:, :, self._len : needed] = v
+        self._len = needed
+        return self.k[:, :, :needed], self.v[:, :, :needed]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        if self.k is None:
+            return
+        assert self.v is not None
+        index = index.to(self.k.device)
+        self.k = self.k[:, :, : self._len].index_select(0, index)
+        self.v = self.v[:, :, : self._len].index_select(0, index)
+
+    def clear(self) -> None:
+        self.k = self.v = None
+        self._len = 0
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with separate q/k/v/out :class:`Linear` projections.
+
+    * self-attention: ``attn(x, causal=True, cache=kv_cache)`` appends this step's K/V;
+    * cross-attention: ``k, v = attn.project_kv(memory)`` once per input, then
+      ``attn(x, static_kv=(k, v), key_padding_mask=...)`` at every step;
+    * ``need_weights=True`` also returns the softmaxed weights (B, H, T, S) in float32.
+
+    ``key_bias=False`` drops the key projection bias (Whisper); a constant key bias cannot change
+    a softmax over keys, so dropping it is exact.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kv_dim: int | None = None,
+        bias: bool = True,
+        key_bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        kv_dim = embed_dim if kv_dim is None else kv_dim
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        kw = {"device": device, "dtype": dtype}
+        self.q_proj = Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self.k_proj = Linear(kv_dim, embed_dim, bias=bias and key_bias, **kw)
+        self.v_proj = Linear(kv_dim, embed_dim, bias=bias, **kw)
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, **kw)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S, kv_dim) -> keys, values (B, H, S, D), for cross-attention reuse."""
+        return self._split(self.k_proj(memory)), self._split(self.v_proj(memory))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        *,
+        static_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x`` (B, T, C). Keys/values come from ``static_kv`` if given, else from ``memory``
+        (cross-attention) or ``x`` (self-attention, appended to ``cache`` when given)."""
+        b, t, _ = x.shape
+        q = self._split(self.q_proj(x))
+        past = 0
+        if static_kv is not None:
+            k, v = static_kv
+        else:
+            k, v = self.project_kv(x if memory is None else memory)
+            if cache is not None:
+                past = cache.length
+                k, v = cache.append(k, v)
+        s = k.shape[2]
+        mask, is_causal = build_mask(
+            t,
+            s,
+            past=past,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            device=x.device,
+            dtype=q.dtype,
+        )
+        weights = None
+        if need_weights:
+            if is_causal:
+                mask = causal_mask(t, past, x.device)
+            out, weights = attention_with_weights(q, k, v, mask)
+        else:
+            out = attention(q, k, v, mask, is_causal)
+        out = self.out_proj(out.transpose(1, 2).reshape(b, t, self.embed_dim))
+        if need_weights:
+            assert weights is not None
+            return out, weights
+        return out

@@ -45,7 +45,14 @@ def _run(
     prompt: str | None,
     device: str,
     threads: int | None,
+    server: str | None = None,
+    api_key: str | None = None,
 ) -> None:
+    if server:
+        _run_remote(files, task=task, server=server, api_key=api_key, language=language,
+                    response_format=response_format, granularities=granularities,
+                    output=output, temperature=temperature, prompt=prompt)
+        return
     from oasr.defaults import default_checkpoint
     from oasr.engine import ASREngine
     from oasr.formats import FILE_EXTENSIONS, render
@@ -118,6 +125,48 @@ def _run(
         sys.stdout.write(text)
 
 
+def _run_remote(
+    files: list[Path],
+    *,
+    task: str,
+    server: str,
+    api_key: str | None,
+    language: str | None,
+    response_format: Format,
+    granularities: list[Granularity] | None,
+    output: Path | None,
+    temperature: float,
+    prompt: str | None,
+) -> None:
+    """Send each file to an OASR (or OpenAI-compatible) server instead of running in-process."""
+    from oasr.client import OASRClient
+
+    client = OASRClient(server, api_key=api_key)
+    fmt = response_format.value
+    grains = [g.value for g in granularities] if granularities else None
+    outputs: list[str] = []
+    try:
+        for f in files:
+            if task == "translate":
+                body = client.translate(f, prompt=prompt, response_format=fmt, temperature=temperature)
+            else:
+                body = client.transcribe(
+                    f, language=language, prompt=prompt, response_format=fmt,
+                    temperature=temperature, timestamp_granularities=grains,
+                )
+            if isinstance(body, dict):
+                body = json.dumps({"file": str(f), **body} if len(files) > 1 else body, ensure_ascii=False)
+            outputs.append(body if body.endswith("\n") else body + "\n")
+    except OASRError as exc:
+        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        raise typer.Exit(1) from None
+    text = "".join(outputs)
+    if output is not None:
+        output.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+
+
 FilesArg = Annotated[list[Path], typer.Argument(help="Audio files (any common container).")]
 CkptOpt = Annotated[
     Optional[str],  # noqa: UP045 - typer reads annotations at run time
@@ -137,6 +186,14 @@ BeamOpt = Annotated[int, typer.Option("--beam-size", min=1, help="1 = greedy.")]
 TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy with fallback.")]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Initial prompt text.")]  # noqa: UP045
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+ServerOpt = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option("--server", help="Send the audio to this OASR server URL instead of running in-process."),
+]
+ApiKeyOpt = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option("--api-key", envvar="OASR_API_KEY", help="Bearer token for --server."),
+]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")]  # noqa: UP045
 
 
@@ -155,14 +212,16 @@ def register(app: typer.Typer) -> None:
         prompt: PromptOpt = None,
         device: DeviceOpt = "cpu",
         threads: ThreadsOpt = None,
+        server: ServerOpt = None,
+        api_key: ApiKeyOpt = None,
     ) -> None:
-        """Transcribe audio files in-process."""
+        """Transcribe audio files (in-process, or on a server with --server)."""
         if task not in ("transcribe", "translate"):
             raise typer.BadParameter("must be 'transcribe' or 'translate'", param_hint="--task")
         _run(files, task=task, ckpt_dir=ckpt_dir, language=language,
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
-             device=device, threads=threads)
+             device=device, threads=threads, server=server, api_key=api_key)
 
     @app.command("translate")
     def translate(
@@ -177,12 +236,14 @@ def register(app: typer.Typer) -> None:
         prompt: PromptOpt = None,
         device: DeviceOpt = "cpu",
         threads: ThreadsOpt = None,
+        server: ServerOpt = None,
+        api_key: ApiKeyOpt = None,
     ) -> None:
         """Translate speech in audio files into English text."""
         _run(files, task="translate", ckpt_dir=ckpt_dir, language=language,
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
-             device=device, threads=threads)
+             device=device, threads=threads, server=server, api_key=api_key)
 
     @app.command("convert")
     def convert(

@@ -278,6 +278,11 @@ def load_hf(path: str | Path) -> LoadedWhisper:
         n_text_head=int(cfg["decoder_attention_heads"]),
         n_text_layer=int(cfg["decoder_layers"]),
     )
+    for key in ("encoder_ffn_dim", "decoder_ffn_dim"):
+        if key in cfg and int(cfg[key]) != 4 * dims.n_audio_state:
+            raise CheckpointError(
+                f"{path}: {key}={cfg[key]} but Whisper's MLP is 4 x d_model ({4 * dims.n_audio_state})"
+            )
     state: dict[str, torch.Tensor] = {}
     for name, tensor in _hf_load_tensors(path).items():
         new = _hf_name(name)

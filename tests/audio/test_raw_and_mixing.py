@@ -1,0 +1,104 @@
+"""Raw PCM input, G.711 tables against FFmpeg's decoders, channel averaging."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soundfile as sf
+from _encode import encode
+
+from oasr.audio import RawPCMFormat, decode_raw_pcm, load_audio, resample
+from oasr.errors import BadAudioError, InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def speech(sources):
+    x, sr = sources["mono16k"]
+    return x[0], sr
+
+
+@pytest.mark.parametrize("codec,enc", [("pcm_mulaw", "mulaw"), ("pcm_alaw", "alaw")])
+def test_g711_matches_ffmpeg(tmp_path, codec, enc):
+    # Every one of the 256 code words, through FFmpeg's decoder and through ours.
+    codes = np.arange(256, dtype=np.uint8).repeat(8)
+    raw = codes.tobytes()
+    ours = load_audio(raw, 8000, raw_format=RawPCMFormat(8000, enc))
+    # The same bytes through FFmpeg's raw G.711 demuxer and decoder.
+    import io
+
+    import av
+
+    fmt = RawPCMFormat(8000, enc)
+    c = av.open(io.BytesIO(raw), format=enc, options={"sample_rate": "8000"})
+    ff = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+    ff = ff.astype(np.float32) / 32768.0
+    np.testing.assert_array_equal(decode_raw_pcm(raw, fmt)[0], ff)
+    np.testing.assert_array_equal(ours, ff)
+
+
+@pytest.mark.parametrize("encoding", ["pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_f32le"])
+@pytest.mark.parametrize("channels", [1, 2])
+def test_raw_pcm_roundtrip(tmp_path, speech, encoding, channels):
+    x, sr = speech
+    x = x[:16000]
+    chans = np.stack([x, 0.5 * x])[:channels]
+    subtype = {"pcm_s16le": "PCM_16", "pcm_s24le": "PCM_24", "pcm_s32le": "PCM_32",
+               "pcm_f32le": "FLOAT"}[encoding]
+    sf.write(tmp_path / "a.raw", chans.T, sr, subtype=subtype, format="RAW", endian="LITTLE")
+    raw = (tmp_path / "a.raw").read_bytes()
+    y = load_audio(raw, sr, raw_format=RawPCMFormat(sr, encoding, channels))
+    want = chans.mean(axis=0)
+    tol = {"pcm_s16le": 1 / 32768, "pcm_s24le": 1e-6, "pcm_s32le": 1e-7, "pcm_f32le": 1e-7}
+    np.testing.assert_allclose(y, want, atol=tol[encoding] * 1.01)
+    # and through the file-object / path sources
+    np.testing.assert_array_equal(
+        load_audio(tmp_path / "a.raw", sr, raw_format=RawPCMFormat(sr, encoding, channels)), y
+    )
+
+
+def test_raw_pcm_resampled(speech):
+    x, sr = speech
+    pcm = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+    y = load_audio(pcm, 8000, raw_format=RawPCMFormat(16000))
+    assert abs(len(y) - len(x) // 2) <= 1
+
+
+def test_raw_pcm_errors():
+    with pytest.raises(BadAudioError, match="multiple of 4"):
+        load_audio(b"\x00" * 7, raw_format=RawPCMFormat(16000, "pcm_s16le", 2))
+    with pytest.raises(BadAudioError, match="empty"):
+        load_audio(b"", raw_format=RawPCMFormat(16000))
+    with pytest.raises(BadAudioError, match="NaN"):
+        load_audio(np.array([0.0, np.nan], "<f4").tobytes(), raw_format=RawPCMFormat(16000, "pcm_f32le"))
+    with pytest.raises(InvalidRequestError):
+        RawPCMFormat(16000, "pcm_u8")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError):
+        RawPCMFormat(0)
+    with pytest.raises(InvalidRequestError):
+        RawPCMFormat(16000, channels=0)
+
+
+def test_stereo_is_averaged(tmp_path, speech):
+    x, sr = speech
+    x = x[:16000]
+    p = encode(np.stack([x, np.zeros_like(x)]), sr, tmp_path / "lr.wav", container="wav",
+               codec="pcm_f32le")
+    np.testing.assert_allclose(load_audio(p), 0.5 * x, atol=1e-7)
+    p = encode(np.stack([x, -x]), sr, tmp_path / "anti.flac", container="flac", codec="flac")
+    assert np.abs(load_audio(p)).max() < 1e-4
+
+
+def test_resample_streaming_equals_whole(speech):
+    from oasr.audio import Resampler
+
+    x, sr = speech
+    whole = resample(x, sr, 8000)
+    rs = Resampler(sr, 8000)
+    rng = np.random.default_rng(0)
+    parts, i = [], 0
+    while i < len(x):
+        n = int(rng.integers(1, 3000))
+        parts.append(rs.process(x[i : i + n]))
+        i += n
+    parts.append(rs.flush())
+    np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-6)

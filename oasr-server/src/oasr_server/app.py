@@ -1,0 +1,386 @@
+"""The ASGI application: ``create_app`` wires the engine worker, the routes, auth and metrics.
+
+The event loop only parses requests and writes responses. Audio decoding runs in a small thread
+pool (bounded by ``decode_threads``); the model runs only in the engine worker thread
+(:mod:`oasr_server.worker`). Every failure is answered in OpenAI's error shape from the typed
+errors in :mod:`oasr.errors` / :mod:`oasr_server.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from oasr.errors import EngineOverloadedError, InvalidRequestError, OASRError
+from oasr_server import __version__
+from oasr_server.config import ServerConfig
+from oasr_server.errors import (
+    AuthenticationError,
+    MethodNotAllowedError,
+    NotFoundError,
+    NotReadyError,
+    RequestTimeoutError,
+    UploadTooLargeError,
+    error_body,
+)
+from oasr_server.metrics import ServerMetrics
+from oasr_server.worker import EngineWorker, Job
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from oasr.engine import ASREngine
+    from oasr.types import DecodingOptions, EngineConfig, Transcript
+
+log = logging.getLogger("oasr_server")
+
+#: Routes that answer without the API key (probes).
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+class ServerState:
+    """Everything one app instance owns: config, engine, worker, readiness, metrics."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        engine: ASREngine | None = None,
+        engine_config: EngineConfig | None = None,
+        engine_factory: Callable[[], ASREngine] | None = None,
+        on_load_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.engine_config = engine_config
+        self.engine_factory = engine_factory
+        self.on_load_failure = on_load_failure
+        self.worker: EngineWorker | None = None
+        self.metrics = ServerMetrics()
+        self.ready = False
+        self.load_error: str | None = None
+        self.started_at = int(time.time())
+        self.decode_limiter = anyio.CapacityLimiter(config.decode_threads)
+        self._loader: threading.Thread | None = None
+
+    # -- model loading -----------------------------------------------------------------------
+    def start_loading(self) -> None:
+        self._loader = threading.Thread(target=self._load, name="oasr-model-loader", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            engine = self.engine
+            if engine is None:
+                if self.engine_factory is not None:
+                    engine = self.engine_factory()
+                else:
+                    from oasr.engine import ASREngine
+                    from oasr.types import EngineConfig
+
+                    engine = ASREngine(self.engine_config or EngineConfig())
+            self.engine = engine
+            if self.config.warmup:
+                import numpy as np
+
+                from oasr.types import DecodingOptions
+
+                t0 = time.monotonic()
+                engine.transcribe_arrays(
+                    [np.zeros(engine.sample_rate, dtype=np.float32)], DecodingOptions()
+                )
+                log.info("warm-up done in %.2f s", time.monotonic() - t0)
+            worker = EngineWorker(
+                engine,
+                max_queue=self.config.max_queue,
+                max_batch_size=self.config.max_batch_size,
+                on_batch=self.metrics.on_batch,
+            )
+            worker.start()
+            self.worker = worker
+            self.metrics.bind_worker(lambda: worker.depth, lambda: worker.in_flight)
+            self.ready = True
+            self.metrics.ready.set(1)
+            log.info("model %s ready", engine.model.name)
+        except BaseException as exc:  # noqa: BLE001 - reported by /readyz and the CLI
+            message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
+            self.load_error = message
+            log.error("model failed to load: %s", message)
+            if self.on_load_failure is not None:
+                self.on_load_failure(exc)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        if self._loader is not None:
+            self._loader.join(timeout)
+        return self.ready
+
+    def shutdown(self) -> None:
+        worker, self.worker = self.worker, None
+        self.ready = False
+        self.metrics.ready.set(0)
+        if worker is not None:
+            worker.stop()
+
+    # -- request helpers ---------------------------------------------------------------------
+    def require_ready(self) -> tuple[ASREngine, EngineWorker]:
+        worker = self.worker
+        if not self.ready or worker is None or self.engine is None:
+            if self.load_error:
+                raise NotReadyError(f"the model failed to load: {self.load_error}")
+            raise NotReadyError("the model is still loading; retry when /readyz answers 200")
+        return self.engine, worker
+
+    def metrics_error(self, error: OASRError) -> None:
+        self.metrics.errors.labels(error.code).inc()
+
+    def check_model(self, requested: str | None) -> None:
+        if not requested:
+            return
+        names = (self.config.served_model_name, *self.config.model_aliases)
+        if requested not in names:
+            from oasr.errors import UnknownModelError
+
+            raise UnknownModelError(
+                f"model {requested!r} is not served here; this server serves "
+                f"{self.config.served_model_name!r} (see GET /v1/models)",
+                param="model",
+            )
+
+    async def decode(self, data: bytes, sample_rate: int, route: str, raw_format: Any = None) -> np.ndarray:
+        from oasr.audio import load_audio
+
+        audio = await anyio.to_thread.run_sync(
+            partial(
+                load_audio,
+                data,
+                sample_rate,
+                max_seconds=self.config.max_audio_seconds,
+                raw_format=raw_format,
+                timeout_s=self.config.request_timeout,
+            ),
+            limiter=self.decode_limiter,
+        )
+        seconds = audio.shape[-1] / sample_rate
+        self.metrics.audio_seconds.labels(route).inc(seconds)
+        self.metrics.audio_duration.observe(seconds)
+        return audio
+
+    async def transcribe(
+        self, worker: EngineWorker, audio: np.ndarray, options: DecodingOptions, deadline: float
+    ) -> Transcript:
+        """Queue one request and wait for its result, at most until ``deadline``."""
+        job: Job = worker.submit(audio, options)
+        try:
+            remaining = max(0.0, deadline - time.monotonic())
+            result = await asyncio.wait_for(asyncio.shield(job.future), remaining)
+        except TimeoutError:
+            job.abandoned = True
+            raise RequestTimeoutError(
+                f"the request was not answered within {self.config.request_timeout:g} s "
+                "(--request-timeout); the server is overloaded or the audio is very long"
+            ) from None
+        finally:
+            if not job.future.done():
+                job.abandoned = True  # timed out or the client went away: skip the work
+        self.metrics.queue_wait.observe(time.monotonic() - job.enqueued_at)
+        return result
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) as soon as more than ``limit`` bytes arrive."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise InvalidRequestError("Content-Length is not a number") from None
+        if size > limit:
+            raise UploadTooLargeError(
+                f"the request body is {size} bytes; this server accepts at most {limit} bytes "
+                "(--max-upload-bytes)",
+                param="file",
+            )
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise UploadTooLargeError(
+                f"the request body is larger than {limit} bytes (--max-upload-bytes)", param="file"
+            )
+    return bytes(buf)
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.oasr
+
+
+# -- middleware --------------------------------------------------------------------------------
+
+
+class ObservabilityMiddleware:
+    """Bearer-token check (all routes but the probes) and per-route request metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, routes: Callable[[], list[Any]]) -> None:
+        self.app = app
+        self.state = state
+        self.routes = routes
+
+    def _route_label(self, scope: Scope) -> str:
+        for route in self.routes():
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "path", "other")
+        for route in self.routes():
+            match, _ = route.matches(scope)
+            if match == Match.PARTIAL:
+                return getattr(route, "path", "other")
+        return "unmatched"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = self._route_label(scope)
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            key = self.state.config.api_key
+            if key is not None and scope["path"] not in PUBLIC_PATHS:
+                if not _authorized(scope, key):
+                    err = AuthenticationError(
+                        "missing or incorrect API key; send it as 'Authorization: Bearer <key>'"
+                    )
+                    self.state.metrics_error(err)
+                    response = JSONResponse(
+                        error_body(err), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                    )
+                    await response(scope, receive, send_wrapper)
+                    return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            m = self.state.metrics
+            m.requests.labels(route, scope.get("method", ""), str(status["code"])).inc()
+            m.latency.labels(route).observe(time.perf_counter() - started)
+
+
+def _authorized(scope: Scope, key: str) -> bool:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            text = value.decode("latin-1")
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode(), key.encode()
+            ):
+                return True
+    return False
+
+
+# -- app ---------------------------------------------------------------------------------------
+
+
+def error_response(error: OASRError, state: ServerState | None = None) -> JSONResponse:
+    headers = {}
+    if isinstance(error, EngineOverloadedError):
+        retry = state.config.retry_after_s if state is not None else 1
+        headers["Retry-After"] = str(retry)
+    if state is not None:
+        state.metrics_error(error)
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
+
+
+def create_app(
+    config: ServerConfig | None = None,
+    *,
+    engine: ASREngine | None = None,
+    engine_config: EngineConfig | None = None,
+    engine_factory: Callable[[], ASREngine] | None = None,
+    on_load_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """Build the server. The model loads in a background thread when the app starts (lifespan);
+    ``/readyz`` answers 200 once it is loaded and warmed up.
+
+    Give ``engine`` (already built), ``engine_factory`` (called in the loader thread) or
+    ``engine_config`` (an :class:`~oasr.engine.ASREngine` is built from it)."""
+    config = config or ServerConfig()
+    state = ServerState(
+        config,
+        engine=engine,
+        engine_config=engine_config,
+        engine_factory=engine_factory,
+        on_load_failure=on_load_failure,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(state.shutdown)
+
+    app = FastAPI(
+        title="OASR server",
+        version=__version__,
+        description="OpenAI-compatible speech recognition over one in-process OASR engine.",
+        lifespan=lifespan,
+    )
+    app.state.oasr = state
+
+    @app.exception_handler(OASRError)
+    async def _oasr_error(request: Request, exc: OASRError) -> JSONResponse:
+        return error_response(exc, state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err: OASRError = NotFoundError(f"no route {request.method} {request.url.path}")
+        elif exc.status_code == 405:
+            err = MethodNotAllowedError(f"{request.method} is not allowed on {request.url.path}")
+        else:
+            err = InvalidRequestError(str(exc.detail))
+            err.http_status = exc.status_code
+        return error_response(err, state)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query")]
+        err = InvalidRequestError(
+            f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid value')}",
+            param=loc[-1] if loc else None,
+        )
+        return error_response(err, state)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = OASRError("internal server error; the failure is in the server log")
+        return error_response(err, state)
+
+    from oasr_server import routes
+
+    routes.add_routes(app, state)
+    app.add_middleware(ObservabilityMiddleware, state=state, routes=lambda: app.router.routes)
+    return app

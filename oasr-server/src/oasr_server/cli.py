@@ -1,0 +1,120 @@
+"""``oasr-server`` and ``oasr serve``: load one model and serve it over HTTP.
+
+This module imports only typer at module level (the ``oasr`` CLI imports it through the plugin
+hook, and ``oasr --help`` must stay fast); uvicorn, FastAPI and the engine load when the command
+runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from oasr.errors import OASRError
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8000`` for IPv6, ``:8000`` for all interfaces)."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise typer.BadParameter(f"expected HOST:PORT, not {bind!r}", param_hint="--http-bind")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def serve_command(
+    ckpt_dir: Annotated[
+        Optional[str],  # noqa: UP045 - typer reads annotations at run time
+        typer.Option("--ckpt-dir", help="Checkpoint directory or Hugging Face Hub id. Default: the bundled Whisper tiny.en."),
+    ] = None,
+    http_bind: Annotated[str, typer.Option("--http-bind", help="HOST:PORT to listen on.")] = "127.0.0.1:8000",
+    max_upload_bytes: Annotated[int, typer.Option("--max-upload-bytes", min=1, help="Largest request body (413 above).")] = 25 * 1024 * 1024,
+    max_audio_seconds: Annotated[float, typer.Option("--max-audio-seconds", min=0.001, help="Longest audio (413 above).")] = 3600.0,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait for the engine (429 above).")] = 64,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.001, help="Seconds before a request is answered 504.")] = 600.0,
+    api_key: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--api-key", envvar="OASR_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /healthz and /readyz."),
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Most requests in one engine call.")] = 16,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")] = None,  # noqa: UP045
+    served_model_name: Annotated[str, typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field.")] = "oasr",
+    no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Report ready without a warm-up run.")] = False,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
+) -> None:
+    """Serve one model over HTTP: OpenAI-compatible /v1/audio/transcriptions and translations,
+    /v1/models, /v1/speech:recognize, /healthz, /readyz and /metrics."""
+    import uvicorn
+
+    from oasr.types import EngineConfig
+    from oasr_server.app import create_app
+    from oasr_server.config import ServerConfig
+
+    host, port = parse_bind(http_bind)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if ckpt_dir is None:
+            from oasr.defaults import default_checkpoint
+
+            ckpt_dir = str(default_checkpoint())
+        engine_config = EngineConfig(
+            ckpt_dir=ckpt_dir,
+            device=device,
+            max_batch_size=max_batch_size,
+            max_audio_seconds=max_audio_seconds,
+            num_threads=threads,
+        )
+        config = ServerConfig(
+            max_upload_bytes=max_upload_bytes,
+            max_audio_seconds=max_audio_seconds,
+            max_queue=max_queue,
+            request_timeout=request_timeout,
+            api_key=api_key,
+            served_model_name=served_model_name,
+            max_batch_size=max_batch_size,
+            warmup=not no_warmup,
+        )
+    except OASRError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+
+    server: uvicorn.Server | None = None
+    failed: list[BaseException] = []
+
+    def on_load_failure(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, engine_config=engine_config, on_load_failure=on_load_failure)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=host, port=port, log_level=log_level.lower(), lifespan="on",
+            timeout_graceful_shutdown=max(5, int(request_timeout)),
+        )
+    )
+    server.run()
+    if failed:
+        exc = failed[0]
+        message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
+        typer.echo(f"error: the model failed to load: {message}", err=True)
+        raise typer.Exit(1)
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command(name="oasr-server")(serve_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point ``oasr-server``."""
+    app(args=argv if argv is not None else sys.argv[1:], prog_name="oasr-server")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

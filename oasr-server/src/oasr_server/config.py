@@ -1,0 +1,52 @@
+"""Server settings (plain dataclass; no heavy imports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from oasr.errors import InvalidRequestError
+
+
+@dataclass
+class ServerConfig:
+    """Everything the HTTP layer is configured with. Engine settings travel separately in an
+    :class:`oasr.types.EngineConfig`."""
+
+    #: Largest accepted request body in bytes (checked while the body is read).
+    max_upload_bytes: int = 25 * 1024 * 1024
+    #: Longest accepted audio in seconds (checked while decoding).
+    max_audio_seconds: float = 3600.0
+    #: Requests allowed to wait for the engine; one more is answered 429.
+    max_queue: int = 64
+    #: Seconds from acceptance to answer before a request is answered 504.
+    request_timeout: float = 600.0
+    #: Bearer token required on every route but /healthz and /readyz (None: no check).
+    api_key: str | None = None
+    #: Model id shown by /v1/models and accepted in the ``model`` field.
+    served_model_name: str = "oasr"
+    #: Other ``model`` values accepted as the served model (OpenAI clients send "whisper-1").
+    model_aliases: tuple[str, ...] = ("whisper-1",)
+    #: Most requests merged into one ``engine.transcribe_arrays`` call (None: the engine's
+    #: ``max_batch_size``).
+    max_batch_size: int | None = None
+    #: Concurrent audio decodes (they run in threads, never on the event loop).
+    decode_threads: int = 4
+    #: Run one short transcription before reporting ready.
+    warmup: bool = True
+    #: Seconds a 429 answer asks the client to wait (Retry-After).
+    retry_after_s: int = 1
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_upload_bytes < 1:
+            raise InvalidRequestError("max_upload_bytes must be >= 1", param="max_upload_bytes")
+        if not self.max_audio_seconds > 0:
+            raise InvalidRequestError("max_audio_seconds must be > 0", param="max_audio_seconds")
+        if self.max_queue < 1:
+            raise InvalidRequestError("max_queue must be >= 1", param="max_queue")
+        if not self.request_timeout > 0:
+            raise InvalidRequestError("request_timeout must be > 0", param="request_timeout")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        if self.decode_threads < 1:
+            raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

@@ -1,0 +1,70 @@
+"""Server-side typed errors and the OpenAI error body every failure is answered with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from oasr.errors import EngineOverloadedError, InvalidRequestError, OASRError
+
+__all__ = [
+    "AuthenticationError",
+    "EngineOverloadedError",
+    "NotFoundError",
+    "NotReadyError",
+    "RequestTimeoutError",
+    "UploadTooLargeError",
+    "error_body",
+]
+
+
+class UploadTooLargeError(InvalidRequestError):
+    """The request body is larger than ``--max-upload-bytes``."""
+
+    http_status = 413
+    code = "upload_too_large"
+
+
+class AuthenticationError(OASRError):
+    """Missing or wrong bearer token."""
+
+    http_status = 401
+    code = "invalid_api_key"
+    error_type = "invalid_request_error"
+
+
+class NotFoundError(InvalidRequestError):
+    http_status = 404
+    code = "not_found"
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    http_status = 405
+    code = "method_not_allowed"
+
+
+class NotReadyError(OASRError):
+    """The model is still loading (or failed to load)."""
+
+    http_status = 503
+    code = "model_not_ready"
+    error_type = "server_error"
+
+
+class RequestTimeoutError(OASRError):
+    """The request was not answered within ``--request-timeout``."""
+
+    http_status = 504
+    code = "timeout"
+    error_type = "server_error"
+
+
+def error_body(error: OASRError) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.error_type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }

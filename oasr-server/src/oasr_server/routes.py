@@ -1,0 +1,331 @@
+"""HTTP routes: OpenAI's audio API, models, probes, metrics and ``/v1/speech:recognize``."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import FormData, UploadFile
+
+from oasr.errors import InvalidRequestError
+from oasr.formats import CONTENT_TYPES, RESPONSE_FORMATS, render
+from oasr_server.app import ServerState, read_body
+from oasr_server.errors import NotReadyError, error_body
+
+if TYPE_CHECKING:
+    from oasr.types import DecodingOptions, Transcript
+
+GRANULARITIES = ("word", "segment")
+STREAM_FORMATS = ("json", "text")
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off", ""}
+
+
+def _bool(value: str | None, param: str) -> bool:
+    if value is None:
+        return False
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise InvalidRequestError(f"{param} must be true or false, not {value!r}", param=param)
+
+
+def _float(value: str | None, param: str, lo: float, hi: float, default: float) -> float:
+    if value is None or value.strip() == "":
+        return default
+    try:
+        x = float(value)
+    except ValueError:
+        raise InvalidRequestError(f"{param} must be a number, not {value!r}", param=param) from None
+    if not lo <= x <= hi:
+        raise InvalidRequestError(f"{param} must be between {lo:g} and {hi:g}, not {x:g}", param=param)
+    return x
+
+
+def _int(value: str | None, param: str, lo: int, hi: int, default: int | None) -> int | None:
+    if value is None or value.strip() == "":
+        return default
+    try:
+        x = int(value)
+    except ValueError:
+        raise InvalidRequestError(f"{param} must be an integer, not {value!r}", param=param) from None
+    if not lo <= x <= hi:
+        raise InvalidRequestError(f"{param} must be between {lo} and {hi}, not {x}", param=param)
+    return x
+
+
+def _text(form: FormData, name: str) -> str | None:
+    value = form.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name} must be a text field, not a file", param=name)
+    value = value.strip()
+    return value or None
+
+
+def _options(
+    *, task: str, language: str | None, prompt: str | None, temperature: float, words: bool,
+    beam_size: int | None = None,
+) -> DecodingOptions:
+    from oasr.types import DecodingOptions
+
+    # temperature 0 means "greedy, raising the temperature when the output looks like a failure",
+    # which is what OpenAI's whisper-1 and the oasr CLI do.
+    temps: float | tuple[float, ...] = (
+        temperature if temperature > 0 else (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    )
+    return DecodingOptions(
+        beam_size=beam_size or 1,
+        language=language,
+        task=task,  # type: ignore[arg-type]
+        temperature=temps,
+        prompt=prompt,
+        word_timestamps=words,
+    )
+
+
+async def _parse_form(request: Request, state: ServerState) -> FormData:
+    ctype = request.headers.get("content-type", "")
+    if not ctype.lower().startswith("multipart/form-data"):
+        raise InvalidRequestError(
+            "send the request as multipart/form-data with the audio in a 'file' field "
+            f"(got Content-Type {ctype or 'none'!r})",
+            param="file",
+        )
+    body = await read_body(request, state.config.max_upload_bytes)
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        return await Request(request.scope, replay).form(max_files=4, max_fields=64)
+    except Exception as exc:  # malformed multipart
+        raise InvalidRequestError(f"could not parse the multipart body: {exc}", param="file") from None
+
+
+def _deltas(text: str) -> list[str]:
+    """Split ``text`` into word deltas whose concatenation is exactly ``text``."""
+    parts = re.findall(r"\s*\S+", text)
+    tail = text[len("".join(parts)):]
+    if tail:
+        if parts:
+            parts[-1] += tail
+        else:
+            parts = [tail]
+    return parts
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+async def _stream_events(transcript: Transcript) -> AsyncIterator[bytes]:
+    for delta in _deltas(transcript.text):
+        yield _sse({"type": "transcript.text.delta", "delta": delta})
+    yield _sse(
+        {
+            "type": "transcript.text.done",
+            "text": transcript.text,
+            "usage": {"type": "duration", "seconds": round(transcript.duration, 3)},
+        }
+    )
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    async def openai_audio(request: Request, task: str, route: str) -> Response:
+        deadline = time.monotonic() + state.config.request_timeout
+        engine, worker = state.require_ready()
+        form = await _parse_form(request, state)
+        upload = form.get("file")
+        if upload is None:
+            raise InvalidRequestError("the 'file' field with the audio is required", param="file")
+        if not isinstance(upload, UploadFile):
+            raise InvalidRequestError("'file' must be an uploaded file, not a text field", param="file")
+        state.check_model(_text(form, "model"))
+        response_format = _text(form, "response_format") or "json"
+        if response_format not in RESPONSE_FORMATS:
+            raise InvalidRequestError(
+                f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, "
+                f"not {response_format!r}",
+                param="response_format",
+            )
+        raw_grains = [
+            g for key in ("timestamp_granularities[]", "timestamp_granularities")
+            for g in form.getlist(key)
+        ]
+        grains: list[str] = []
+        for g in raw_grains:
+            if not isinstance(g, str) or g.strip() not in GRANULARITIES:
+                raise InvalidRequestError(
+                    f"timestamp_granularities[] values must be 'word' or 'segment', not {g!r}",
+                    param="timestamp_granularities",
+                )
+            if g.strip() not in grains:
+                grains.append(g.strip())
+        if grains and response_format != "verbose_json":
+            raise InvalidRequestError(
+                "timestamp_granularities[] needs response_format=verbose_json",
+                param="timestamp_granularities",
+            )
+        stream = _bool(_text(form, "stream"), "stream")
+        if stream and response_format not in STREAM_FORMATS:
+            raise InvalidRequestError(
+                f"stream=true works with response_format json or text, not {response_format!r}",
+                param="stream",
+            )
+        options = _options(
+            task=task,
+            language=_text(form, "language"),
+            prompt=_text(form, "prompt"),
+            temperature=_float(_text(form, "temperature"), "temperature", 0.0, 1.0, 0.0),
+            words="word" in grains,
+        )
+        # refuse what this family cannot do before any decoding work
+        options.check_supported(engine.model.capabilities, engine.model.name)
+        data = await upload.read()
+        await upload.close()
+        audio = await state.decode(data, engine.sample_rate, route)
+        transcript = await state.transcribe(worker, audio, options, deadline)
+        if stream:
+            return StreamingResponse(
+                _stream_events(transcript),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        body = render(transcript, response_format, granularities=tuple(grains) or ("segment",))
+        return Response(body, media_type=CONTENT_TYPES[response_format])
+
+    @app.post("/v1/audio/transcriptions", tags=["openai"])
+    async def transcriptions(request: Request) -> Response:
+        """OpenAI's create-transcription: multipart ``file``, ``model``, ``language``, ``prompt``,
+        ``response_format``, ``temperature``, ``timestamp_granularities[]``, ``stream``."""
+        return await openai_audio(request, "transcribe", "/v1/audio/transcriptions")
+
+    @app.post("/v1/audio/translations", tags=["openai"])
+    async def translations(request: Request) -> Response:
+        """OpenAI's create-translation (speech in any language to English text)."""
+        return await openai_audio(request, "translate", "/v1/audio/translations")
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models() -> JSONResponse:
+        """OpenAI's list-models shape; one entry: the served model."""
+        entry: dict[str, Any] = {
+            "id": state.config.served_model_name,
+            "object": "model",
+            "created": state.started_at,
+            "owned_by": "oasr",
+            "ready": state.ready,
+        }
+        if state.engine is not None:
+            model = state.engine.model
+            caps = model.capabilities
+            entry["oasr"] = {
+                "name": model.name,
+                "decode_family": getattr(caps.decode_family, "value", str(caps.decode_family)),
+                "word_timestamps": caps.word_timestamps,
+                "translation": caps.translation,
+                "language_detection": caps.language_detection,
+                "multilingual": caps.multilingual,
+                "sample_rate": model.feature_spec.sample_rate,
+                "aliases": list(state.config.model_aliases),
+            }
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    @app.get("/healthz", tags=["probes"])
+    async def healthz() -> JSONResponse:
+        """Liveness: 200 while the process serves HTTP."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz", tags=["probes"])
+    async def readyz() -> JSONResponse:
+        """Readiness: 200 once the model is loaded and a warm-up ran, 503 before (or if it
+        failed to load)."""
+        if state.ready:
+            return JSONResponse({"status": "ready", "model": state.config.served_model_name})
+        if state.load_error:
+            err = NotReadyError(f"the model failed to load: {state.load_error}")
+        else:
+            err = NotReadyError("the model is still loading")
+        return JSONResponse(error_body(err), status_code=503)
+
+    @app.get("/metrics", tags=["probes"])
+    async def metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.post("/v1/speech:recognize", tags=["oasr"])
+    async def recognize(request: Request) -> JSONResponse:
+        """Raw audio in the body (any container; or headerless PCM with ``encoding`` and
+        ``sample_rate``); options in the query string; JSON result."""
+        deadline = time.monotonic() + state.config.request_timeout
+        engine, worker = state.require_ready()
+        q = request.query_params
+        state.check_model(q.get("model"))
+        task = q.get("task") or "transcribe"
+        if task not in ("transcribe", "translate"):
+            raise InvalidRequestError(f"task must be transcribe or translate, not {task!r}", param="task")
+        words = _bool(q.get("word_timestamps"), "word_timestamps")
+        options = _options(
+            task=task,
+            language=q.get("language") or None,
+            prompt=q.get("prompt") or None,
+            temperature=_float(q.get("temperature"), "temperature", 0.0, 1.0, 0.0),
+            words=words,
+            beam_size=_int(q.get("beam_size"), "beam_size", 1, 64, 1),
+        )
+        options.check_supported(engine.model.capabilities, engine.model.name)
+        raw_format = None
+        encoding = q.get("encoding")
+        if encoding:
+            from oasr.audio import RawPCMFormat
+
+            rate = _int(q.get("sample_rate"), "sample_rate", 1, 10**7, None)
+            if rate is None:
+                raise InvalidRequestError("raw PCM (encoding=...) needs sample_rate", param="sample_rate")
+            raw_format = RawPCMFormat(
+                sample_rate=rate,
+                encoding=encoding,  # type: ignore[arg-type]
+                channels=_int(q.get("channels"), "channels", 1, 64, 1) or 1,
+            )
+        data = await read_body(request, state.config.max_upload_bytes)
+        route = "/v1/speech:recognize"
+        audio = await state.decode(data, engine.sample_rate, route, raw_format)
+        t = await state.transcribe(worker, audio, options, deadline)
+        return JSONResponse(
+            {
+                "model": state.config.served_model_name,
+                "text": t.text,
+                "language": t.language,
+                "duration": round(t.duration, 3),
+                "task": t.task,
+                "segments": [
+                    {
+                        "id": s.id,
+                        "start": round(s.start, 3),
+                        "end": round(s.end, 3),
+                        "text": s.text,
+                        "confidence": s.confidence,
+                        "no_speech_prob": s.no_speech_prob,
+                    }
+                    for s in t.segments
+                ],
+                "words": [
+                    {"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3),
+                     "confidence": w.confidence}
+                    for w in t.words
+                ],
+            }
+        )

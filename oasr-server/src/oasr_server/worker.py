@@ -1,0 +1,200 @@
+"""The engine worker: one dedicated thread owns the engine; the event loop never runs model code.
+
+Requests enter a bounded queue (``submit`` never blocks: a full queue raises
+:class:`~oasr.errors.EngineOverloadedError`, answered 429). The worker takes the oldest waiting
+request, drains whatever else is waiting (up to ``max_batch_size``), groups the requests whose
+decoding options are equal and runs each group as one ``engine.transcribe_arrays`` call. Results
+go back to the waiting coroutines through ``loop.call_soon_threadsafe``.
+
+Guarantees: every accepted request is answered exactly once (a result, its own error, or, when
+the caller gave up first, nothing is computed for it); a failing batch is retried one request at
+a time so one bad input cannot fail its neighbours; ``stop`` finishes everything accepted before
+it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from oasr.errors import EngineOverloadedError, OASRError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from oasr.engine import ASREngine
+    from oasr.types import DecodingOptions, Transcript
+
+log = logging.getLogger("oasr_server")
+
+_STOP = object()
+
+
+def options_key(options: DecodingOptions) -> str:
+    """Requests whose keys are equal may share one engine call."""
+    return json.dumps(asdict(options), sort_keys=True, default=repr)
+
+
+@dataclass(eq=False)
+class Job:
+    audio: np.ndarray
+    options: DecodingOptions
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Transcript]
+    key: str = ""
+    enqueued_at: float = field(default_factory=time.monotonic)
+    #: set by the caller when it stopped waiting (timeout, disconnect): the work is skipped
+    abandoned: bool = False
+
+
+BatchCallback = Callable[[int, float], None]
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine: ASREngine,
+        *,
+        max_queue: int,
+        max_batch_size: int | None = None,
+        on_batch: BatchCallback | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_batch_size = max_batch_size or engine.config.max_batch_size
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._on_batch = on_batch
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._submit_lock = threading.Lock()
+        #: requests taken off the queue and not answered yet
+        self.in_flight = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="oasr-engine-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop accepting, finish every accepted request, end the thread (blocking)."""
+        with self._submit_lock:
+            self._accepting = False
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)  # blocks only while the worker is still draining a full queue
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting in the queue (not yet taken by the worker)."""
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- submission (event-loop side; never blocks) ------------------------------------------
+    def submit(self, audio: np.ndarray, options: DecodingOptions) -> Job:
+        loop = asyncio.get_running_loop()
+        job = Job(audio, options, loop, loop.create_future(), options_key(options))
+        with self._submit_lock:
+            if not self._accepting:
+                from oasr_server.errors import NotReadyError
+
+                raise NotReadyError("the server is shutting down; retry on another instance")
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                raise EngineOverloadedError(
+                    f"the server is busy ({self._queue.maxsize} requests are already waiting); "
+                    "retry after the time given in Retry-After"
+                ) from None
+        return job
+
+    # -- worker thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            item = self._queue.get()
+            if item is _STOP:
+                break
+            batch: list[Job] = [item]
+            while len(batch) < self.max_batch_size:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    stopping = True
+                    break
+                batch.append(nxt)
+            self.in_flight = len(batch)
+            try:
+                self._process(batch)
+            except BaseException:  # noqa: BLE001 - never let the worker die
+                log.exception("engine worker: unexpected failure")
+                for job in batch:
+                    _deliver(job, error=RuntimeError("internal error in the engine worker"))
+            finally:
+                self.in_flight = 0
+
+    def _process(self, batch: list[Job]) -> None:
+        groups: dict[str, list[Job]] = {}
+        for job in batch:
+            if job.abandoned:
+                continue
+            groups.setdefault(job.key, []).append(job)
+        for jobs in groups.values():
+            jobs = [j for j in jobs if not j.abandoned]
+            if jobs:
+                self._run_group(jobs)
+
+    def _run_group(self, jobs: list[Job]) -> None:
+        started = time.monotonic()
+        try:
+            results = self.engine.transcribe_arrays([j.audio for j in jobs], jobs[0].options)
+        except BaseException as exc:  # noqa: BLE001
+            if len(jobs) > 1 and not isinstance(exc, OASRError):
+                # isolate the request that breaks the batch; the others still get answers
+                for job in jobs:
+                    if not job.abandoned:
+                        self._run_group([job])
+                return
+            if not isinstance(exc, OASRError):
+                log.exception("engine failed on a request")
+            for job in jobs:
+                _deliver(job, error=exc)
+            return
+        finally:
+            if self._on_batch is not None:
+                try:
+                    self._on_batch(len(jobs), time.monotonic() - started)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    log.exception("batch metrics callback failed")
+        for job, result in zip(jobs, results, strict=True):
+            _deliver(job, result=result)
+
+
+def _deliver(job: Job, *, result: Any = None, error: BaseException | None = None) -> None:
+    def settle() -> None:
+        if job.future.done():
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    try:
+        job.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass

@@ -1,0 +1,227 @@
+"""``WhisperASR``: the :class:`oasr.model.ASRModel` for Whisper checkpoints.
+
+Built from a :class:`~oasr_models_whisper.checkpoints.LoadedWhisper` (any source layout) or from
+OASR's native format; owns the network, the tokenizer and the decoding defaults that travel with
+the checkpoint (suppressed tokens, language tokens, alignment heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
+from oasr.model import ProgressCallback
+from oasr.types import (
+    DecodeFamily,
+    DecodingOptions,
+    EngineConfig,
+    FeatureSpec,
+    ModelCapabilities,
+    Transcript,
+)
+from oasr_models_whisper.decoding import resolve_suppress_tokens
+from oasr_models_whisper.network import WhisperNetwork
+from oasr_models_whisper.tokenizer import LANGUAGES, WhisperTokenizer, normalize_language
+from oasr_models_whisper.transcribe import transcribe as _transcribe
+
+if TYPE_CHECKING:
+    from oasr_models_whisper.checkpoints import LoadedWhisper
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+    "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}  # fmt: skip
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name in (None, "auto"):
+        return None
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise InvalidRequestError(
+            f"dtype {name!r} is not supported; use auto, float32, float16 or bfloat16",
+            param="dtype",
+        ) from None
+
+
+class WhisperASR:
+    """A loaded Whisper model: encoder-decoder network + tokenizer + decoding defaults."""
+
+    def __init__(
+        self,
+        network: WhisperNetwork,
+        tokenizer: WhisperTokenizer,
+        *,
+        multilingual: bool,
+        name: str = "whisper",
+        non_speech_tokens: Sequence[int] | None = None,
+        max_batch_size: int = 16,
+        loaded: LoadedWhisper | None = None,
+    ) -> None:
+        self.network = network
+        self.tokenizer = tokenizer
+        self.multilingual = bool(multilingual)
+        self.name = name
+        self.non_speech_tokens = tuple(non_speech_tokens) if non_speech_tokens is not None else None
+        self.max_batch_size = max_batch_size
+        self.loaded = loaded
+        self.capabilities = ModelCapabilities(
+            decode_family=DecodeFamily.AED,
+            offline=True,
+            streaming=False,
+            word_timestamps=True,
+            translation=self.multilingual,
+            language_detection=self.multilingual,
+            multilingual=self.multilingual,
+        )
+        self.feature_spec = FeatureSpec(
+            kind="whisper_logmel", num_bins=network.dims.n_mels, options={"chunk_seconds": 30}
+        )
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_loaded(cls, loaded: LoadedWhisper, config: EngineConfig | None = None) -> WhisperASR:
+        from oasr_models_whisper.nn import build_network
+
+        config = config or EngineConfig()
+        network = build_network(loaded, config.device, _dtype(config.dtype))
+        files = {k: str(v) for k, v in (loaded.tokenizer_files or {}).items()}
+        if not files:
+            raise CheckpointError(
+                "this Whisper checkpoint carries no tokenizer (tokenizer.json or vocab.json + "
+                "merges.txt); put the matching Hugging Face tokenizer files next to it"
+            )
+        num_languages = loaded.num_languages if loaded.is_multilingual else None
+        tokenizer = WhisperTokenizer.from_files(files, num_languages=num_languages or None)
+        if tokenizer.timestamp_end >= loaded.dims.n_vocab:
+            raise CheckpointError(
+                f"tokenizer does not fit the model: timestamps end at id {tokenizer.timestamp_end} "
+                f"but the model has {loaded.dims.n_vocab} output tokens"
+            )
+        return cls(
+            network,
+            tokenizer,
+            multilingual=loaded.is_multilingual,
+            name=f"whisper {loaded.size_name}",
+            non_speech_tokens=loaded.suppress_tokens,
+            max_batch_size=config.max_batch_size,
+            loaded=loaded,
+        )
+
+    @classmethod
+    def from_native(
+        cls, path: str | Path, body: dict[str, Any] | None = None, config: EngineConfig | None = None
+    ) -> WhisperASR:
+        from oasr_models_whisper.checkpoints import load_native
+
+        return cls.from_loaded(load_native(Path(path), body), config)
+
+    def save_native(self, dst: str | Path) -> str:
+        """Write OASR's native format (safetensors + json + tokenizer assets); returns "whisper"."""
+        from oasr_models_whisper.checkpoints import save_native
+
+        if self.loaded is None:
+            raise CheckpointError(f"{self.name} was not built from a checkpoint; cannot save it")
+        return save_native(Path(dst), self.loaded)
+
+    # ---------------------------------------------------------------- options
+    def _check(self, options: DecodingOptions) -> str | None:
+        """Validate ``options`` for this model; return the language code to force (or None)."""
+        if not self.multilingual:
+            if options.task == "translate":
+                raise UnsupportedOptionError(
+                    f"{self.name} is an English-only model and cannot translate; use a "
+                    f"multilingual Whisper checkpoint (one without '.en') for task 'translate'",
+                    param="task",
+                )
+            if options.language is not None and normalize_language(options.language) != "en":
+                raise UnsupportedOptionError(
+                    f"{self.name} is an English-only model; language {options.language!r} is not "
+                    f"supported (omit the language or pass 'en', or use a multilingual checkpoint)",
+                    param="language",
+                )
+        options.check_supported(self.capabilities, self.name)
+        language = normalize_language(options.language)
+        if self.multilingual and language is not None and language not in self.tokenizer.languages:
+            raise UnsupportedOptionError(
+                f"{self.name} does not know language {language!r} ({LANGUAGES.get(language, '')}); "
+                f"it supports {len(self.tokenizer.languages)} languages",
+                param="language",
+            )
+        if options.length_penalty is not None and not 0 <= options.length_penalty <= 1:
+            raise InvalidRequestError(
+                "length_penalty must be between 0 and 1 (or unset for plain length normalisation)",
+                param="length_penalty",
+            )
+        limit = self.network.dims.n_text_ctx // 2
+        if options.max_new_tokens is not None and not 1 <= options.max_new_tokens <= limit:
+            raise InvalidRequestError(
+                f"max_new_tokens must be between 1 and {limit} for Whisper", param="max_new_tokens"
+            )
+        if options.suppress_tokens:
+            bad = [t for t in options.suppress_tokens if t < -1 or t >= self.network.dims.n_vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"suppress_tokens {bad} are not token ids of this model (use -1 for the "
+                    f"default non-speech symbols)",
+                    param="suppress_tokens",
+                )
+        if options.prompt is not None and not isinstance(options.prompt, str):
+            raise InvalidRequestError("prompt must be a string", param="prompt")
+        return "en" if not self.multilingual else language
+
+    # ---------------------------------------------------------------- ASRModel
+    def transcribe(
+        self,
+        audios: Sequence[np.ndarray],
+        options: DecodingOptions,
+        progress: ProgressCallback | None = None,
+    ) -> list[Transcript]:
+        """Recognise mono float32 16 kHz waveforms of any length (long ones in 30 s windows)."""
+        language = self._check(options)
+        waves = []
+        for k, audio in enumerate(audios):
+            a = np.asarray(audio.detach().cpu() if isinstance(audio, torch.Tensor) else audio)
+            if a.ndim != 1:
+                raise BadAudioError(f"audio #{k} must be a mono 1-D waveform, got shape {a.shape}")
+            a = a.astype(np.float32, copy=False)
+            if not np.isfinite(a).all():
+                raise BadAudioError(f"audio #{k} contains NaN or infinite samples")
+            waves.append(a)
+        if not waves:
+            return []
+        suppress = resolve_suppress_tokens(
+            self.tokenizer, options.suppress_tokens, self.non_speech_tokens
+        )
+        return _transcribe(
+            self.network,
+            self.tokenizer,
+            waves,
+            options,
+            multilingual=self.multilingual,
+            language=language,
+            suppress=suppress,
+            max_batch_size=self.max_batch_size,
+            progress=progress,
+        )
+
+    def detect_language(self, audios: Sequence[np.ndarray]) -> list[dict[str, float]]:
+        """Language probabilities from the first 30 s of each waveform (multilingual models)."""
+        if not self.multilingual:
+            raise UnsupportedOptionError(f"{self.name} is English-only; it cannot detect languages")
+        from oasr.features.whisper import N_FRAMES, N_SAMPLES, log_mel_spectrogram
+        from oasr_models_whisper.decoding import detect_language
+
+        mels = [
+            log_mel_spectrogram(torch.as_tensor(np.asarray(a, np.float32)), self.network.dims.n_mels,
+                                padding=N_SAMPLES)[:, :N_FRAMES]
+            for a in audios
+        ]  # fmt: skip
+        feats = self.network.encode(torch.stack(mels).to(self.network.device, self.network.dtype))
+        return detect_language(self.network, self.tokenizer, feats)[1]

@@ -184,7 +184,7 @@ class WhisperNet(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.encoder.conv1.weight.dtype
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
         """(B, n_mels, 3000) log-mel -> (B, n_audio_ctx, n_audio_state) in the network dtype."""
         if mel.dim() == 2:
@@ -193,13 +193,13 @@ class WhisperNet(nn.Module):
             raise ValueError(f"this model takes {self.dims.n_mels} mel bins, got {mel.shape[1]}")
         return self.encoder(mel.to(self.device))
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def new_cache(self, audio_features: torch.Tensor) -> WhisperDecoderCache:
         feats = audio_features.to(device=self.device, dtype=self.dtype)
         cross = [block.cross_attn.project_kv(feats) for block in self.decoder.layers]
         return WhisperDecoderCache(cross)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: WhisperDecoderCache) -> torch.Tensor:
         """Logits (B, T, n_vocab) float32 for ``tokens`` (B, T) following the cached positions."""
         tokens = tokens.to(self.device)
@@ -219,7 +219,7 @@ class WhisperNet(nn.Module):
         x = dec.final_norm(x)
         return dec.embed_tokens.unembed(x).float()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def cross_attention(self, tokens: torch.Tensor, audio_features: torch.Tensor) -> torch.Tensor:
         """Alignment-head cross-attention weights (B, n_heads, T, n_audio_ctx), float32."""
         tokens = tokens.to(self.device)

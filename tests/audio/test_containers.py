@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import CASES, SPEECH, align_snr, reference
+from _audio_helpers import CASES, SPEECH, align_snr, reference
 
 from oasr.audio import load_audio
 

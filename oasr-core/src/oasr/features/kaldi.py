@@ -153,6 +153,8 @@ class KaldiFbank:
         o = self.opts
         win, mel = self._consts(frames.device)
         x = frames.to(torch.float32)
+        if x.shape[-2] == 0:  # no frames (some FFT backends reject empty batches)
+            return x.new_zeros(*x.shape[:-1], o.dim)
         if o.dither > 0:
             x = x + o.dither * torch.randn_like(x)
         if o.remove_dc_offset:

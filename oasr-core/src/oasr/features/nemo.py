@@ -107,6 +107,8 @@ class NemoMel:
     def log_mel_frames(self, frames: torch.Tensor) -> torch.Tensor:
         """(..., F, n_fft) pre-emphasised, padded sample frames -> (..., F, num_bins) log-mel."""
         win, fb = self._consts(frames.device)
+        if frames.shape[-2] == 0:
+            return frames.new_zeros(*frames.shape[:-1], self.num_bins)
         spec = torch.fft.rfft(frames * win, n=self.n_fft)
         mag = (spec.real.pow(2) + spec.imag.pow(2)).sqrt()
         if self.mag_power != 1.0:

@@ -55,9 +55,9 @@ from oasr.layers.attention import (
     causal_mask,
 )
 from oasr.layers.basic import (
+    GELUMLP,
     Conv1d,
     Embedding,
-    GELUMLP,
     LayerNorm,
     Linear,
     Op,

@@ -7,8 +7,8 @@ gate order input, forget, cell, output), so PyTorch and TorchScript checkpoints 
 Two overridable ops:
 
 * ``lstm_cell``: ``fn(module, x, h, c) -> (h, c)`` for one step, ``x`` ``(B, I)``;
-* ``lstm_sequence``: ``fn(module, x, h, c) -> (y, h, c)`` over ``x`` ``(B, T, I)``, ``y`` the
-  hidden states ``(B, T, H)``.
+* ``lstm_sequence``: ``fn(module, x, h, c, mask) -> (y, h, c)`` over ``x`` ``(B, T, I)``, ``y``
+  the hidden states ``(B, T, H)``; ``mask`` ``(B, T)`` bool or ``None`` (False: carry the state).
 
 The native sequence path computes the input projection of every step in one matmul and runs only
 the hidden-to-hidden product step by step.
@@ -70,13 +70,18 @@ class LSTMCell(nn.Module):
 
     # -- a sequence -------------------------------------------------------------------------
     def forward_sequence(
-        self, x: torch.Tensor, h: torch.Tensor | None = None, c: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor | None = None,
+        c: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run over ``x`` ``(B, T, I)``; returns every hidden state ``(B, T, H)`` and the last
-        ``h``, ``c``."""
+        ``h``, ``c``. ``mask`` ``(B, T)`` (bool): where False the step is skipped for that row
+        (state carried unchanged), so rows of different lengths batch together."""
         if h is None or c is None:
             h, c = self.zero_state(x.shape[0], x)
-        return call_op(_SEQ_OP, x.device.type, _sequence_native, self, x, h, c)
+        return call_op(_SEQ_OP, x.device.type, _sequence_native, self, x, h, c, mask)
 
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}, bias={self.bias_ih is not None}"
@@ -99,7 +104,11 @@ def _cell_native(
 
 
 def _sequence_native(
-    m: LSTMCell, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+    m: LSTMCell,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    c: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     steps = x.shape[1]
     if steps == 0:
@@ -111,7 +120,12 @@ def _sequence_native(
     outs = []
     for t in range(steps):
         gates = xg[:, t] + F.linear(h, m.weight_hh)
-        h, c = _gates_to_state(gates, c)
+        h_new, c_new = _gates_to_state(gates, c)
+        if mask is not None:
+            keep = mask[:, t, None]
+            h_new = torch.where(keep, h_new, h)
+            c_new = torch.where(keep, c_new, c)
+        h, c = h_new, c_new
         outs.append(h)
     return torch.stack(outs, dim=1), h, c
 

@@ -100,3 +100,35 @@ class WhisperLogMel:
 
     def __call__(self, audio: torch.Tensor | np.ndarray, padding: int = 0) -> torch.Tensor:
         return log_mel_spectrogram(audio, self.n_mels, padding=padding)
+
+    @property
+    def dim(self) -> int:
+        return self.n_mels
+
+    def num_frames(self, num_samples: int) -> int:
+        """Frames for ``num_samples`` samples (the STFT's last frame is dropped)."""
+        return num_samples // HOP_LENGTH
+
+    def extract(
+        self, audio: torch.Tensor | np.ndarray, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) waveforms -> ((B, n_mels, frames) log-mel, (B,) frame counts ``len // 160``).
+
+        Frame counts are informational: Whisper consumes fixed 30 s windows, so the features are
+        not masked (padding is silence, exactly as openai-whisper pads).
+        """
+        from oasr.features._common import as_batch
+
+        x, lens, _ = as_batch(audio, lengths)
+        mel = log_mel_spectrogram(x, self.n_mels)
+        return mel, torch.div(lens, HOP_LENGTH, rounding_mode="floor")
+
+    def stream(self, device: torch.device | str | None = None) -> None:
+        """Whisper's log-mel is clamped to (max - 8) over the whole window: not streamable."""
+        from oasr.errors import UnsupportedOptionError
+
+        raise UnsupportedOptionError(
+            "whisper_logmel cannot stream: its dynamic-range clamp uses the maximum over the whole "
+            "30 s window; buffer audio and call the extractor on complete windows",
+            param="streaming",
+        )

@@ -3,7 +3,6 @@ the whole-signal computation (same count; values equal to 1e-5)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

@@ -12,7 +12,13 @@ import torch
 import whisper
 from transformers import WhisperFeatureExtractor
 
-from oasr.features.whisper import N_FRAMES, N_SAMPLES, WhisperLogMel, log_mel_spectrogram, pad_or_trim
+from oasr.features.whisper import (
+    N_FRAMES,
+    N_SAMPLES,
+    WhisperLogMel,
+    log_mel_spectrogram,
+    pad_or_trim,
+)
 from oasr.types import FeatureSpec
 
 

@@ -8,6 +8,7 @@ from oasr.errors import EngineOverloadedError, InvalidRequestError, OASRError
 
 __all__ = [
     "AuthenticationError",
+    "EngineFailureError",
     "EngineOverloadedError",
     "NotFoundError",
     "NotReadyError",
@@ -55,6 +56,14 @@ class RequestTimeoutError(OASRError):
 
     http_status = 504
     code = "timeout"
+    error_type = "server_error"
+
+
+class EngineFailureError(OASRError):
+    """The model raised something unexpected on this request (a bug, not the caller's fault)."""
+
+    http_status = 500
+    code = "engine_error"
     error_type = "server_error"
 
 

@@ -143,8 +143,10 @@ class EngineWorker:
                 self._process(batch)
             except BaseException:  # noqa: BLE001 - never let the worker die
                 log.exception("engine worker: unexpected failure")
+                from oasr_server.errors import EngineFailureError
+
                 for job in batch:
-                    _deliver(job, error=RuntimeError("internal error in the engine worker"))
+                    _deliver(job, error=EngineFailureError("internal error in the engine worker"))
             finally:
                 self.in_flight = 0
 
@@ -172,6 +174,12 @@ class EngineWorker:
                 return
             if not isinstance(exc, OASRError):
                 log.exception("engine failed on a request")
+                from oasr_server.errors import EngineFailureError
+
+                exc = EngineFailureError(
+                    f"the model failed on this request ({type(exc).__name__}); "
+                    "the details are in the server log"
+                )
             for job in jobs:
                 _deliver(job, error=exc)
             return

@@ -318,3 +318,23 @@ def _write_model_bin(path: Path, raw, replace: dict[str, tuple[np.ndarray, int]]
     for a, t in raw.aliases.items():
         out.append(s(a) + s(t))
     path.write_bytes(b"".join(out))
+
+
+def test_checkpoint_detect_load_convert_through_core(tmp_path, ct2_tiny_en_dir):
+    """Core's detection picks CT2WhisperFormat, builds WhisperASR; `convert` writes the native
+    format, which core detects and loads back with identical weights."""
+    pytest.importorskip("oasr_models_whisper.model")
+    from oasr.checkpoint import convert_checkpoint, detect_format, load_model
+    from oasr.types import EngineConfig
+
+    assert detect_format(ct2_tiny_en_dir) == "whisper-ctranslate2"
+    model = load_model(EngineConfig(ckpt_dir=str(ct2_tiny_en_dir)))
+    assert "tiny.en" in model.name
+    dst = tmp_path / "native"
+    assert convert_checkpoint(ct2_tiny_en_dir, dst) == "whisper"
+    assert detect_format(dst) == "oasr"
+    back = load_model(EngineConfig(ckpt_dir=str(dst)))
+    a = dict(model.network.named_parameters())
+    b = dict(back.network.named_parameters())
+    assert a and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,134 @@
+"""The real ``oasr-server`` process on a free port, over real HTTP, with the example plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).parent / "oasr-server"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from oasr_server.cli import main; main()"]
+
+
+def _env(paths: list[Path]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OASR_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _speech_wav(kit) -> bytes:
+    import io
+    import wave
+
+    t = np.arange(16000) / 16000
+    audio = np.concatenate([np.zeros(8000), 0.5 * np.sin(2 * np.pi * 440 * t), np.zeros(8000)])
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((audio * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [*_command(), "--ckpt-dir", str(example_ckpt), "--http-bind", f"127.0.0.1:{port}",
+         "--api-key", "k3y", "--max-queue", "8", "--request-timeout", "30",
+         "--max-upload-bytes", "1000000", "--max-audio-seconds", "60", "--device", "cpu",
+         "--served-model-name", "energy"],
+        env=_env([kit.EXAMPLE / "src", example_installed]),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    auth = {"Authorization": "Bearer k3y"}
+    try:
+        with httpx.Client(base_url=base, timeout=10) as c:
+            deadline = time.monotonic() + 40
+            while True:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                try:
+                    if c.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "server never became ready"
+                time.sleep(0.1)
+            assert c.get("/healthz").json() == {"status": "ok"}
+            wav = _speech_wav(kit)
+            files = {"file": ("speech.wav", wav, "audio/wav")}
+            r = c.post("/v1/audio/transcriptions", files=files, data={"model": "energy"}, headers=auth)
+            assert r.status_code == 200, r.text
+            assert r.json() == {"text": "[speech]"}
+            denied = c.post("/v1/audio/transcriptions", files=files)
+            assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+            # SSE over a real socket
+            with c.stream("POST", "/v1/audio/transcriptions", files=files,
+                          data={"stream": "true"}, headers=auth) as s:
+                assert s.status_code == 200
+                assert s.headers["content-type"].startswith("text/event-stream")
+                events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == {"type": "transcript.text.done", "text": "[speech]",
+                                  "usage": {"type": "duration", "seconds": 2.0}}
+            rec = c.post("/v1/speech:recognize", content=wav, headers=auth)
+            assert rec.status_code == 200 and rec.json()["segments"][0]["text"] == "[speech]"
+            models = c.get("/v1/models", headers=auth).json()
+            assert models["data"][0]["id"] == "energy"
+            assert models["data"][0]["oasr"]["name"] == "example_energy"
+            metrics = c.get("/metrics", headers=auth).text
+            assert 'oasr_requests_total{method="POST",route="/v1/audio/transcriptions",status="200"} 2.0' in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    # uvicorn shuts down gracefully, then re-raises the signal (exit status 130 for SIGINT)
+    assert proc.returncode in (0, 130, -signal.SIGINT), out
+    assert "Application shutdown complete" in out
+
+
+def test_real_server_exits_when_the_model_cannot_load(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*_command(), "--ckpt-dir", str(tmp_path / "missing"), "--http-bind", f"127.0.0.1:{_free_port()}"],
+        env=_env([]), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "the model failed to load" in proc.stderr and "missing" in proc.stderr
+
+
+def test_oasr_serve_is_registered() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from oasr.cli.main import main; main(['serve', '--help'])"],
+        env={**_env([]), "COLUMNS": "200"}, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--ckpt-dir", "--http-bind", "--max-upload-bytes", "--max-audio-seconds",
+                   "--max-queue", "--request-timeout", "--api-key", "--device"):
+        assert option in proc.stdout
+    plugins = subprocess.run(
+        [sys.executable, "-c", "from oasr.cli.main import main; main(['plugins', '--json'])"],
+        env=_env([]), capture_output=True, text=True, timeout=60,
+    )
+    server = next(p for p in json.loads(plugins.stdout)["plugins"] if p["distribution"] == "oasr-server")
+    assert server["hooks"] == ["register_commands"]

@@ -72,7 +72,8 @@ def log_mel_spectrogram(
         x = torch.nn.functional.pad(x, (0, padding))
     window = torch.hann_window(N_FFT, device=x.device)
     stft = torch.stft(x, N_FFT, HOP_LENGTH, window=window, return_complex=True)
-    magnitudes = stft[..., :-1].abs() ** 2
+    # contiguous: the strided view sends the matmul down a slow CPU path
+    magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
     filters = torch.from_numpy(mel_filters(n_mels)).to(x.device)
     mel = filters @ magnitudes
     log_spec = torch.clamp(mel, min=1e-10).log10()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -110,7 +111,9 @@ def load_state(path: str | os.PathLike[str] | None = None) -> dict[int, dict[str
 
         return from_safetensors_state(load_file(str(p)))
     try:
-        module = torch.jit.load(str(p), map_location="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.load in torch >= 2.10
+            module = torch.jit.load(str(p), map_location="cpu")
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read {p} as a TorchScript Silero VAD model: {exc}") from exc
     return from_torchscript_state(dict(module.state_dict()))

@@ -35,11 +35,15 @@ from oasr_models_whisper.tokenizer import WhisperTokenizer
 
 INPUT_STRIDE = 2  # mel frames per audio-encoder position
 TIME_PRECISION = INPUT_STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.02 s
+#: windows quieter than this RMS (-70 dBFS) are silence: skipped without decoding, because
+#: Whisper tends to hallucinate ("you") on digital silence
+SILENCE_RMS = 10 ** (-70 / 20)
 
 
 @dataclass
 class _Job:
     index: int
+    wave: torch.Tensor  # (samples,)
     mel: torch.Tensor  # (n_mels, frames + N_FRAMES of padding)
     content_frames: int
     duration: float
@@ -178,7 +182,7 @@ def transcribe(
         wave = torch.as_tensor(np.asarray(audio, dtype=np.float32)).flatten()
         mel = log_mel_spectrogram(wave, n_mels, padding=N_SAMPLES)
         content = mel.shape[-1] - N_FRAMES
-        jobs.append(_Job(i, mel, content, wave.shape[0] / SAMPLE_RATE))
+        jobs.append(_Job(i, wave, mel, content, wave.shape[0] / SAMPLE_RATE))
 
     # language: given, English-only model, or detected from the first 30 s of each input
     to_detect = [j for j in jobs if language is None and multilingual and j.content_frames > 0]
@@ -206,7 +210,14 @@ def transcribe(
 
     while True:
         active = [j for j in jobs if not j.done]
+        if options.no_speech_threshold is not None:
+            for j in active:
+                size = min(N_FRAMES, j.content_frames - j.seek)
+                if _is_silent(j.wave[j.seek * HOP_LENGTH : (j.seek + size) * HOP_LENGTH]):
+                    j.seek += size
+            active = [j for j in active if not j.done]
         if not active:
+            report()
             break
         sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in active]
         mels = [_window_mel(j.mel, j.seek, s) for j, s in zip(active, sizes)]
@@ -236,6 +247,12 @@ def transcribe(
     return out
 
 
+def _is_silent(samples: torch.Tensor) -> bool:
+    if samples.numel() == 0:
+        return True
+    return float(samples.double().square().mean().sqrt()) < SILENCE_RMS
+
+
 def _advance(job: _Job, size: int, r: WindowResult, feats: torch.Tensor, network, tokenizer,
              options: DecodingOptions) -> None:  # fmt: skip
     """Turn one decoded window into segments and move ``job.seek`` forward."""
@@ -246,6 +263,13 @@ def _advance(job: _Job, size: int, r: WindowResult, feats: torch.Tensor, network
             skip = False
         if skip:
             job.seek += size  # silence: jump over the whole window
+            return
+
+        # a window of nothing but punctuation at a high no-speech probability is noise
+        if r.no_speech_prob > options.no_speech_threshold and not any(
+            ch.isalnum() for ch in tokenizer.decode(r.tokens)
+        ):
+            job.seek += size
             return
 
     tb = tokenizer.timestamp_begin

@@ -51,7 +51,7 @@ def test_offline_batch_matches_jit(vad, ref_probs):
     refs = [items[0][2], items[1][2], None]
     out = vad.speech_probs_batch(xs, 16000)
     assert [len(o) for o in out] == [-(-len(x) // 512) for x in xs]
-    for o, r in zip(out[:2], refs[:2]):
+    for o, r in zip(out[:2], refs[:2], strict=False):
         assert np.abs(o - r).max() < TOL
     alone = vad.speech_probs(xs[2], 16000)
     assert np.abs(out[2] - alone).max() < 1e-5
@@ -65,7 +65,7 @@ def test_step_batch_many_streams_mixed_rates(vad, ref_probs):
     rng = np.random.default_rng(0)
     pos = [0] * len(data)
     outs: list[list[np.ndarray]] = [[] for _ in data]
-    while any(p < len(d[0]) for p, d in zip(pos, data)):
+    while any(p < len(d[0]) for p, d in zip(pos, data, strict=False)):
         chunks = []
         for i, (x, _, _) in enumerate(data):
             n = int(rng.integers(0, 4000))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -71,18 +72,25 @@ class CT2Model:
 
 
 class _Reader:
-    def __init__(self, data: memoryview, path: Path) -> None:
-        self.data = data
-        self.pos = 0
+    """Sequential little-endian reads from a binary file, with truncation errors."""
+
+    def __init__(self, fh: BinaryIO, path: Path) -> None:
+        self.fh = fh
         self.path = path
 
-    def take(self, n: int) -> memoryview:
-        end = self.pos + n
-        if end > len(self.data):
-            raise CheckpointError(f"{self.path} is truncated (wanted {n} bytes at offset {self.pos})")
-        out = self.data[self.pos : end]
-        self.pos = end
+    def take(self, n: int) -> bytes:
+        out = self.fh.read(n)
+        if len(out) != n:
+            raise CheckpointError(
+                f"{self.path} is truncated (wanted {n} bytes at offset {self.fh.tell() - len(out)})"
+            )
         return out
+
+    def into(self, arr: np.ndarray) -> None:
+        view = memoryview(arr.reshape(-1)).cast("B")
+        got = self.fh.readinto(view)
+        if got != view.nbytes:
+            raise CheckpointError(f"{self.path} is truncated (wanted {view.nbytes} bytes of data)")
 
     def u8(self) -> int:
         return self.take(1)[0]
@@ -94,33 +102,39 @@ class _Reader:
         return struct.unpack("<I", self.take(4))[0]
 
     def string(self) -> str:
-        n = self.u16()
-        raw = bytes(self.take(n))
-        return raw.rstrip(b"\0").decode("utf-8")
+        return self.take(self.u16()).rstrip(b"\0").decode("utf-8")
+
+    def at_end(self) -> bool:
+        pos = self.fh.tell()
+        more = self.fh.read(1)
+        self.fh.seek(pos)
+        return not more
 
 
 def read_header(path: str | Path) -> tuple[int, str, int]:
     """(binary_version, spec name, spec revision) from the first bytes of ``model.bin``; cheap."""
     path = Path(path)
     with path.open("rb") as fh:
-        head = fh.read(4 + 2 + 256 + 4)
-    r = _Reader(memoryview(head), path)
-    version = r.u32()
-    if version < 2:
-        return version, "", 1
-    name = r.string()
-    revision = r.u32()
-    return version, name, revision
+        r = _Reader(fh, path)
+        version = r.u32()
+        if version < 2:
+            return version, "", 1
+        return version, r.string(), r.u32()
 
 
 def read_model_bin(path: str | Path) -> CT2Model:
-    """Parse ``path`` (a ``model.bin``) completely. Arrays are copies (writable, aligned)."""
+    """Parse ``path`` (a ``model.bin``) completely. Arrays are read straight from the file into
+    their own (aligned, writable) buffers, so peak memory is about one copy of the weights."""
     path = Path(path)
     try:
-        data = memoryview(path.read_bytes())
+        fh = path.open("rb")
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    r = _Reader(data, path)
+    with fh:
+        return _read(_Reader(fh, path), path)
+
+
+def _read(r: _Reader, path: Path) -> CT2Model:
     version = r.u32()
     if version not in _SUPPORTED_VERSIONS:
         raise CheckpointError(
@@ -141,18 +155,18 @@ def read_model_bin(path: str | Path) -> CT2Model:
             raise CheckpointError(f"{path}: variable {name!r} has unknown dtype id {type_id}")
         nbytes = r.u32()
         dt = _DTYPES[type_id]
-        raw = r.take(nbytes)
         count = int(np.prod(shape)) if shape else 1
         if count * dt.itemsize != nbytes:
             raise CheckpointError(
                 f"{path}: variable {name!r} of shape {shape} ({DTYPE_NAMES[type_id]}) "
                 f"has {nbytes} bytes"
             )
-        arr = np.frombuffer(raw, dtype=dt, count=count).reshape(shape).copy()
+        arr = np.empty(shape, dtype=dt)
+        r.into(arr)
         variables[name] = arr
         dtypes[name] = DTYPE_NAMES[type_id]
     aliases: dict[str, str] = {}
-    if r.pos < len(data):
+    if not r.at_end():
         for _ in range(r.u32()):
             alias = r.string()
             target = r.string()

@@ -16,7 +16,10 @@ from oasr.types import FeatureSpec
 
 @pytest.mark.parametrize("bins", [80, 128])
 def test_parity_with_parakeet(speech, bins):
-    hf = ParakeetFeatureExtractor(feature_size=bins)
+    try:
+        hf = ParakeetFeatureExtractor(feature_size=bins)
+    except ImportError as e:  # transformers gates it on librosa in some installs
+        pytest.skip(f"ParakeetFeatureExtractor unavailable: {e}")
     ref = hf(speech, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
     fe = NemoMel(FeatureSpec(kind="nemo_mel", num_bins=bins, n_fft=512))
     feats, flens = fe.extract(speech)

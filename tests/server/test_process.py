@@ -50,13 +50,13 @@ def _speech_wav(kit) -> bytes:
 
 
 def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -> None:
-    port = _free_port()
+    port, grpc_port = _free_port(), _free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [*_command(), "--ckpt-dir", str(example_ckpt), "--http-bind", f"127.0.0.1:{port}",
          "--api-key", "k3y", "--max-queue", "8", "--request-timeout", "30",
          "--max-upload-bytes", "1000000", "--max-audio-seconds", "60", "--device", "cpu",
-         "--served-model-name", "energy"],
+         "--served-model-name", "energy", "--grpc-bind", f"127.0.0.1:{grpc_port}"],
         env=_env([kit.EXAMPLE / "src", example_installed]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -94,6 +94,17 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
             models = c.get("/v1/models", headers=auth).json()
             assert models["data"][0]["id"] == "energy"
             assert models["data"][0]["oasr"]["name"] == "example_energy"
+            # gRPC on the same process and engine
+            import grpc
+
+            from oasr_server.grpc_api import speech_pb2, speech_pb2_grpc
+
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                reply = speech_pb2_grpc.SpeechStub(channel).Recognize(
+                    speech_pb2.RecognizeRequest(audio=wav), metadata=(("authorization", "Bearer k3y"),),
+                    timeout=10,
+                )
+            assert reply.text == "[speech]" and reply.model == "energy"
             metrics = c.get("/metrics", headers=auth).text
             assert 'oasr_requests_total{method="POST",route="/v1/audio/transcriptions",status="200"} 2.0' in metrics
     finally:

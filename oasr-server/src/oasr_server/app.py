@@ -77,6 +77,8 @@ class ServerState:
         self.started_at = int(time.time())
         self.decode_limiter = anyio.CapacityLimiter(config.decode_threads)
         self._loader: threading.Thread | None = None
+        self._ready_lock = threading.Lock()
+        self._ready_listeners: list[Callable[[], None]] = []
 
     # -- model loading -----------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -114,8 +116,12 @@ class ServerState:
             worker.start()
             self.worker = worker
             self.metrics.bind_worker(lambda: worker.depth, lambda: worker.in_flight)
-            self.ready = True
+            with self._ready_lock:
+                self.ready = True
+                listeners = list(self._ready_listeners)
             self.metrics.ready.set(1)
+            for listener in listeners:
+                listener()
             log.info("model %s ready", engine.model.name)
         except BaseException as exc:  # noqa: BLE001 - reported by /readyz and the CLI
             message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
@@ -123,6 +129,14 @@ class ServerState:
             log.error("model failed to load: %s", message)
             if self.on_load_failure is not None:
                 self.on_load_failure(exc)
+
+    def add_ready_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the loader thread) once the model is ready; at once if it is."""
+        with self._ready_lock:
+            if not self.ready:
+                self._ready_listeners.append(callback)
+                return
+        callback()
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         if self._loader is not None:
@@ -333,10 +347,19 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        grpc_server = None
+        if config.grpc_bind:
+            from oasr_server.grpc_api.service import start_grpc_server
+
+            grpc_server = await start_grpc_server(state, config.grpc_bind)
+        app.state.grpc_server = grpc_server
         state.start_loading()
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.oasr_health.enter_graceful_shutdown()
+                await grpc_server.stop(grace=min(10.0, config.request_timeout))
             await anyio.to_thread.run_sync(state.shutdown)
 
     app = FastAPI(

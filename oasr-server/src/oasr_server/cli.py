@@ -42,6 +42,10 @@ def serve_command(
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Most requests in one engine call.")] = 16,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")] = None,  # noqa: UP045
+    grpc_bind: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--grpc-bind", help="HOST:PORT for the gRPC API (oasr.speech.v1.Speech, health, reflection). Off by default."),
+    ] = None,
     served_model_name: Annotated[str, typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field.")] = "oasr",
     no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Report ready without a warm-up run.")] = False,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
@@ -79,6 +83,7 @@ def serve_command(
             served_model_name=served_model_name,
             max_batch_size=max_batch_size,
             warmup=not no_warmup,
+            grpc_bind=grpc_bind,
         )
     except OASRError as exc:
         typer.echo(f"error: {exc.message}", err=True)

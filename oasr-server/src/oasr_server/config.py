@@ -35,6 +35,9 @@ class ServerConfig:
     warmup: bool = True
     #: Seconds a 429 answer asks the client to wait (Retry-After).
     retry_after_s: int = 1
+    #: ``HOST:PORT`` for the gRPC API (``oasr.speech.v1.Speech``, health, reflection); None: off.
+    #: Port 0 picks a free port (see ``app.state.grpc_server.oasr_port``).
+    grpc_bind: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -102,3 +102,21 @@ def test_resample_streaming_equals_whole(speech):
         i += n
     parts.append(rs.flush())
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-6)
+
+
+@pytest.mark.parametrize("channels", [3, 6, 8, 9, 16, 64])
+def test_many_channels_are_averaged(tmp_path, channels):
+    # 8+ channel frames once crashed PyAV's planar to_ndarray; decoding uses packed samples now.
+    rng = np.random.default_rng(channels)
+    x = (rng.standard_normal((8000, channels)) * 0.1).astype(np.float32)
+    sf.write(tmp_path / "multi.wav", x, 16000, subtype="FLOAT")
+    y = load_audio(tmp_path / "multi.wav")
+    np.testing.assert_allclose(y, x.mean(axis=1), atol=1e-6)
+    assert len(load_audio(tmp_path / "multi.wav", 8000)) == 4000
+
+
+def test_too_many_channels_rejected(tmp_path):
+    x = np.zeros((1600, 65), np.float32)
+    sf.write(tmp_path / "c65.wav", x, 16000, subtype="PCM_16")
+    with pytest.raises(BadAudioError, match="65 channels"):
+        load_audio(tmp_path / "c65.wav")

@@ -245,13 +245,16 @@ class _Budget:
 
 
 def _frame_to_mono(frame: Any) -> np.ndarray:
-    """A resampled 'fltp' frame of any channel count -> mono float32 by channel averaging."""
-    arr = frame.to_ndarray()  # (channels, samples) for planar float
-    if arr.ndim == 1:
-        arr = arr[None, :]
-    if arr.shape[0] == 1:
-        return arr[0].astype(np.float32, copy=False)
-    return arr.mean(axis=0, dtype=np.float32)
+    """A resampled packed-'flt' frame of any channel count -> mono float32 by channel averaging.
+
+    Packed (interleaved) output keeps one data plane whatever the channel count: PyAV's planar
+    ``to_ndarray`` crashes for frames with 8 or more planes, so planar output is never used.
+    """
+    channels = len(frame.layout.channels)
+    arr = frame.to_ndarray().reshape(-1)
+    if channels <= 1:
+        return arr.astype(np.float32, copy=False)
+    return arr.reshape(-1, channels).mean(axis=1, dtype=np.float32)
 
 
 def _decode_container(
@@ -295,7 +298,7 @@ def _decode_container(
                 if resampler is not None:
                     for f in resampler.resample(None):
                         chunks.append(_frame_to_mono(f))
-                resampler = av.AudioResampler(format="fltp", rate=sample_rate)
+                resampler = av.AudioResampler(format="flt", rate=sample_rate)
                 rs_key = key
             frame.pts = None
             for f in resampler.resample(frame):

@@ -16,7 +16,7 @@ transformers' ``ParakeetFeatureExtractor`` also does:
 Spec: ``FeatureSpec(kind="nemo_mel", num_bins=80|128, n_fft=512, win_length=400, hop_length=160)``
 (the spec's ``n_fft`` is used as given: set 512 for NeMo models). Options: ``preemph`` (0.97 or
 None), ``normalize`` ("per_feature" | "all_features" | None), ``log_zero_guard_value`` (2**-24),
-``mag_power`` (2.0), ``lowfreq`` (0), ``highfreq`` (None), ``pad_to`` (0), ``pad_value`` (0.0),
+``log_zero_guard_type`` ("add" or "clamp"), ``mag_power`` (2.0), ``lowfreq`` (0), ``highfreq`` (None), ``pad_to`` (0), ``pad_value`` (0.0),
 ``dither`` (0.0; NeMo dithers only in training), ``log`` (True).
 Output is time-major (B, frames, num_bins).
 """
@@ -63,6 +63,12 @@ class NemoMel:
                 param="normalize",
             )
         self.guard = float(o.get("log_zero_guard_value", 2.0**-24))
+        self.guard_type = str(o.get("log_zero_guard_type", "add"))
+        if self.guard_type not in ("add", "clamp"):
+            raise UnsupportedOptionError(
+                f"log_zero_guard_type must be 'add' or 'clamp', not {self.guard_type!r}",
+                param="log_zero_guard_type",
+            )
         self.mag_power = float(o.get("mag_power", 2.0))
         self.log = bool(o.get("log", True))
         self.pad_to = int(o.get("pad_to", 0) or 0)
@@ -115,7 +121,7 @@ class NemoMel:
             mag = mag.pow(self.mag_power)
         mel = mag @ fb.T
         if self.log:
-            mel = torch.log(mel + self.guard)
+            mel = torch.log(mel + self.guard if self.guard_type == "add" else mel.clamp_min(self.guard))
         return mel
 
     def _normalize(self, x: torch.Tensor, flens: torch.Tensor) -> torch.Tensor:

@@ -386,3 +386,28 @@ def test_example_plugin_through_the_server(kit, example_installed, example_ckpt)
     body = r.json()
     assert body["text"] == "[speech]"
     assert body["segments"][0]["start"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_shutdown_finishes_accepted_requests(kit, app_factory) -> None:
+    app, model, gate = _gated(kit, app_factory)
+    state = app.state.oasr
+
+    async def go():
+        async with kit.serving(app) as c:
+            _arm(model, gate)
+            first = asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(0.5)))
+            await _started(model)
+            queued = [asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(s))) for s in (0.25, 0.75)]
+            await _wait_for(lambda: state.worker.depth == 2)
+            stopping = asyncio.create_task(asyncio.to_thread(state.shutdown))
+            await _wait_for(lambda: not state.ready)
+            refused = await kit.post_audio(c)  # no new work once shutting down
+            gate.set()
+            answers = await asyncio.gather(first, *queued)
+            await stopping
+            return refused, answers
+
+    refused, answers = kit.run(go())
+    assert refused.status_code == 503
+    assert [a.json()["text"] for a in answers] == ["hello world 0.50", "hello world 0.25", "hello world 0.75"]
+    assert model.batches == [1, 2]

@@ -79,6 +79,7 @@ class ServerState:
         self._loader: threading.Thread | None = None
         self._ready_lock = threading.Lock()
         self._ready_listeners: list[Callable[[], None]] = []
+        self._closed = False
 
     # -- model loading -----------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -113,12 +114,14 @@ class ServerState:
                 max_batch_size=self.config.max_batch_size,
                 on_batch=self.metrics.on_batch,
             )
-            worker.start()
-            self.worker = worker
-            self.metrics.bind_worker(lambda: worker.depth, lambda: worker.in_flight)
             with self._ready_lock:
+                if self._closed:  # the app shut down while the model was loading
+                    return
+                worker.start()
+                self.worker = worker
                 self.ready = True
                 listeners = list(self._ready_listeners)
+            self.metrics.bind_worker(lambda: worker.depth, lambda: worker.in_flight)
             self.metrics.ready.set(1)
             for listener in listeners:
                 listener()
@@ -144,8 +147,10 @@ class ServerState:
         return self.ready
 
     def shutdown(self) -> None:
-        worker, self.worker = self.worker, None
-        self.ready = False
+        with self._ready_lock:
+            self._closed = True
+            worker, self.worker = self.worker, None
+            self.ready = False
         self.metrics.ready.set(0)
         if worker is not None:
             worker.stop()
@@ -202,7 +207,7 @@ class ServerState:
         try:
             remaining = max(0.0, deadline - time.monotonic())
             result = await asyncio.wait_for(asyncio.shield(job.future), remaining)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # builtin TimeoutError on 3.11+, distinct on 3.10
             job.abandoned = True
             raise RequestTimeoutError(
                 f"the request was not answered within {self.config.request_timeout:g} s "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from oasr.errors import InvalidRequestError
 
@@ -38,7 +38,6 @@ class ServerConfig:
     #: ``HOST:PORT`` for the gRPC API (``oasr.speech.v1.Speech``, health, reflection); None: off.
     #: Port 0 picks a free port (see ``app.state.grpc_server.oasr_port``).
     grpc_bind: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes < 1:

@@ -14,7 +14,6 @@ the samples of the incomplete window and counters; it lives on the detector's de
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +76,6 @@ class SileroVAD:
             net.load_state_dict(sd)
             self.nets[rate] = net.to(self.device, dtype).eval()
         self.sample_rates: tuple[int, ...] = tuple(sorted(self.nets))
-        self._lock = threading.Lock()
 
     # -- helpers ----------------------------------------------------------------------------
     def _cfg(self, sample_rate: int) -> RateConfig:

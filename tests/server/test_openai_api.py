@@ -259,3 +259,21 @@ def test_too_long_audio_413(kit, app_factory) -> None:
     long, ok = kit.run(go())
     _error(long, 413, "audio_too_long")
     assert ok.status_code == 200
+
+
+def test_multipart_edge_cases(kit, app_factory) -> None:
+    app, _ = app_factory()
+
+    async def go():
+        async with kit.serving(app) as c:
+            big = await kit.post_audio(c, audio=kit.wav_bytes(12.0))  # > 256 kB: parsed in a thread
+            no_boundary = await c.post("/v1/audio/transcriptions", content=b"x",
+                                       headers={"Content-Type": "multipart/form-data"})
+            garbage = await c.post("/v1/audio/transcriptions", content=b"--b\r\nnonsense",
+                                   headers={"Content-Type": "multipart/form-data; boundary=b"})
+            return big, no_boundary, garbage
+
+    big, no_boundary, garbage = kit.run(go())
+    assert big.status_code == 200 and big.json() == {"text": "hello world 12.00"}
+    _error(no_boundary, 400, "invalid_request", "file")
+    _error(garbage, 400, "invalid_request", "file")

@@ -8,14 +8,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import FormData, UploadFile
 
 from oasr.errors import InvalidRequestError
 from oasr.formats import CONTENT_TYPES, RESPONSE_FORMATS, render
 from oasr_server.app import ServerState, read_body
 from oasr_server.errors import NotReadyError, error_body
+from oasr_server.multipart import Form, UploadedFile, boundary_of, parse_multipart
 
 if TYPE_CHECKING:
     from oasr.types import DecodingOptions, Transcript
@@ -61,7 +62,7 @@ def _int(value: str | None, param: str, lo: int, hi: int, default: int | None) -
     return x
 
 
-def _text(form: FormData, name: str) -> str | None:
+def _text(form: Form, name: str) -> str | None:
     value = form.get(name)
     if value is None:
         return None
@@ -92,28 +93,14 @@ def _options(
     )
 
 
-async def _parse_form(request: Request, state: ServerState) -> FormData:
+async def _parse_form(request: Request, state: ServerState) -> Form:
     ctype = request.headers.get("content-type", "")
-    if not ctype.lower().startswith("multipart/form-data"):
-        raise InvalidRequestError(
-            "send the request as multipart/form-data with the audio in a 'file' field "
-            f"(got Content-Type {ctype or 'none'!r})",
-            param="file",
-        )
+    boundary_of(ctype)  # refuse a non-multipart body before reading it
     body = await read_body(request, state.config.max_upload_bytes)
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    try:
-        return await Request(request.scope, replay).form(max_files=4, max_fields=64)
-    except Exception as exc:  # malformed multipart
-        raise InvalidRequestError(f"could not parse the multipart body: {exc}", param="file") from None
+    if len(body) < 256 * 1024:
+        return parse_multipart(body, ctype)
+    # a large body is parsed in a thread: the event loop stays free
+    return await anyio.to_thread.run_sync(parse_multipart, body, ctype)
 
 
 def _deltas(text: str) -> list[str]:
@@ -152,7 +139,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         upload = form.get("file")
         if upload is None:
             raise InvalidRequestError("the 'file' field with the audio is required", param="file")
-        if not isinstance(upload, UploadFile):
+        if not isinstance(upload, UploadedFile):
             raise InvalidRequestError("'file' must be an uploaded file, not a text field", param="file")
         state.check_model(_text(form, "model"))
         response_format = _text(form, "response_format") or "json"
@@ -195,9 +182,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         )
         # refuse what this family cannot do before any decoding work
         options.check_supported(engine.model.capabilities, engine.model.name)
-        data = await upload.read()
-        await upload.close()
-        audio = await state.decode(data, engine.sample_rate, route)
+        audio = await state.decode(upload.data, engine.sample_rate, route)
         transcript = await state.transcribe(worker, audio, options, deadline)
         if stream:
             return StreamingResponse(

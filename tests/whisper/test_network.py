@@ -85,9 +85,11 @@ def test_network_beam_reorder(hf_net, random_mel):
     ref = hf_net.decode(TOKENS[index, :6], fresh)[:, 4:6]
     assert _max_err(step, ref) < 1e-5
     # identity reorder is a no-op
-    before = [kv.k.clone() for kv in cache.self_kv]
+    before = [kv.k for kv in cache.self_kv]
+    cross_before = cache.cross_kv
     cache.reorder(torch.arange(3))
-    assert all(torch.equal(a, kv.k) for a, kv in zip(before, cache.self_kv, strict=True))
+    assert all(a is kv.k for a, kv in zip(before, cache.self_kv, strict=True))
+    assert cache.cross_kv is cross_before
 
 
 def test_network_decode_past_context_raises(hf_net, random_mel):

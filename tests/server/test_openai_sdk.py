@@ -1,0 +1,77 @@
+"""The official ``openai`` Python SDK against the server (skipped when the SDK is absent)."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_openai_sdk_transcriptions_translations_stream_errors(kit, app_factory) -> None:
+    app, model = app_factory(api_key="sk-test")
+
+    async def go():
+        async with kit.serving(app):
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://oasr.test")
+            client = openai.AsyncOpenAI(api_key="sk-test", base_url="http://oasr.test/v1",
+                                        http_client=http, max_retries=0)
+            audio = ("speech.wav", io.BytesIO(kit.wav_bytes(1.0)), "audio/wav")
+            out = {}
+            out["json"] = await client.audio.transcriptions.create(model="whisper-1", file=audio)
+            audio[1].seek(0)
+            out["verbose"] = await client.audio.transcriptions.create(
+                model="whisper-1", file=audio, response_format="verbose_json",
+                timestamp_granularities=["word", "segment"], language="en", temperature=0.2,
+            )
+            audio[1].seek(0)
+            out["text"] = await client.audio.transcriptions.create(
+                model="whisper-1", file=audio, response_format="text"
+            )
+            audio[1].seek(0)
+            out["srt"] = await client.audio.transcriptions.create(
+                model="whisper-1", file=audio, response_format="srt"
+            )
+            audio[1].seek(0)
+            out["translation"] = await client.audio.translations.create(model="whisper-1", file=audio)
+            audio[1].seek(0)
+            stream = await client.audio.transcriptions.create(model="whisper-1", file=audio, stream=True)
+            out["events"] = [event async for event in stream]
+            out["models"] = await client.models.list()
+            bad = openai.AsyncOpenAI(api_key="wrong", base_url="http://oasr.test/v1",
+                                     http_client=http, max_retries=0)
+            audio[1].seek(0)
+            with pytest.raises(openai.AuthenticationError) as auth:
+                await bad.audio.transcriptions.create(model="whisper-1", file=audio)
+            out["auth"] = auth.value
+            with pytest.raises(openai.BadRequestError) as bad_audio:
+                await client.audio.transcriptions.create(
+                    model="whisper-1", file=("x.wav", b"not audio" * 20, "audio/wav")
+                )
+            out["bad_audio"] = bad_audio.value
+            with pytest.raises(openai.NotFoundError) as unknown:
+                await client.audio.transcriptions.create(model="gpt-9", file=audio)
+            out["unknown"] = unknown.value
+            await http.aclose()
+            return out
+
+    out = kit.run(go())
+    assert out["json"].text == "hello world 1.00"
+    v = out["verbose"]
+    assert v.text == "hello world 1.00" and v.language == "en" and v.duration == pytest.approx(1.0)
+    assert [w.word for w in v.words] == [" hello", " world"] and len(v.segments) == 2
+    assert model.options[2].temperatures == (0.2,)  # [0] is the warm-up
+    assert out["text"].strip() == "hello world 1.00"
+    assert out["srt"].startswith("1\n00:00:00,000 --> ")
+    assert out["translation"].text == "translated words 1.00"
+    *deltas, done = out["events"]
+    assert {e.type for e in deltas} == {"transcript.text.delta"}
+    assert done.type == "transcript.text.done" and done.text == "hello world 1.00"
+    assert "".join(e.delta for e in deltas) == done.text
+    assert [m.id for m in out["models"].data] == ["fake"]
+    assert out["auth"].status_code == 401 and out["auth"].code == "invalid_api_key"
+    assert out["bad_audio"].code == "bad_audio" and out["bad_audio"].param is None
+    assert out["unknown"].code == "model_not_found" and out["unknown"].param == "model"

@@ -338,3 +338,33 @@ def test_checkpoint_detect_load_convert_through_core(tmp_path, ct2_tiny_en_dir):
     b = dict(back.network.named_parameters())
     assert a and a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_hf_bin_and_sharded_layouts(tmp_path, hf_tiny_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ref = load_hf(hf_tiny_dir).state_dict
+    tensors = load_file(str(hf_tiny_dir / "model.safetensors"))
+    names = sorted(tensors)
+    # pytorch_model.bin
+    a = tmp_path / "bin"
+    shutil.copytree(hf_tiny_dir, a)
+    (a / "model.safetensors").unlink()
+    torch.save(tensors, a / "pytorch_model.bin")
+    # two safetensors shards + index
+    b = tmp_path / "sharded"
+    shutil.copytree(hf_tiny_dir, b)
+    (b / "model.safetensors").unlink()
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, str(b / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    (b / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for d in (a, b):
+        assert HFWhisperFormat.detect(d)
+        got = load_hf(d).state_dict
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)

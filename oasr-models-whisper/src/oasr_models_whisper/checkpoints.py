@@ -254,6 +254,12 @@ def _hf_load_tensors(path: Path) -> dict[str, torch.Tensor]:
         return out
     if (path / "pytorch_model.bin").is_file():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    bin_index = path / "pytorch_model.bin.index.json"
+    if bin_index.is_file():
+        out = {}
+        for shard in sorted(set(_read_json(bin_index)["weight_map"].values())):
+            out.update(torch.load(path / shard, map_location="cpu", weights_only=True))
+        return out
     raise CheckpointError(
         f"{path} has a Whisper config.json but no model.safetensors or pytorch_model.bin"
     )

@@ -56,7 +56,12 @@ class HFWhisperFormat:
             return False
         return any(
             (path / name).is_file()
-            for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+            for name in (
+                "model.safetensors",
+                "model.safetensors.index.json",
+                "pytorch_model.bin",
+                "pytorch_model.bin.index.json",
+            )
         )
 
     @staticmethod

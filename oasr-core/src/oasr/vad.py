@@ -32,6 +32,7 @@ __all__ = [
     "StreamingSegmenter",
     "VADEvent",
     "VoiceActivityDetector",
+    "default_detector",
     "get_detector",
     "get_speech_segments",
     "segments_from_probs",
@@ -64,6 +65,17 @@ class VoiceActivityDetector(Protocol):
     def new_state(self, sample_rate: int = 16000) -> Any: ...
 
     def step(self, state: Any, chunk: Any, *, final: bool = False) -> np.ndarray: ...
+
+
+_DEFAULT: dict[str, VoiceActivityDetector] = {}
+
+
+def default_detector() -> VoiceActivityDetector:
+    """``get_detector()`` built once per process (what ``detector=None`` arguments use)."""
+    det = _DEFAULT.get("silero")
+    if det is None:
+        det = _DEFAULT.setdefault("silero", get_detector())
+    return det
 
 
 def get_detector(key: str = "silero", **kwargs: Any) -> VoiceActivityDetector:
@@ -364,7 +376,7 @@ def get_speech_segments(
     Rates the detector does not run at are brought to one it does: multiples of 16 kHz by
     decimation (as ``silero-vad`` does, boundaries multiplied back), others by resampling.
     """
-    det = detector if detector is not None else get_detector()
+    det = detector if detector is not None else default_detector()
     x = np.asarray(audio, dtype=np.float32).reshape(-1)
     rate, step = _native_rate(det, sample_rate)
     if step is None:
@@ -445,7 +457,7 @@ class Endpointer:
         options: SegmentationOptions | None = None,
         end_silence_ms: float = 500,
     ) -> None:
-        self.detector = detector if detector is not None else get_detector()
+        self.detector = detector if detector is not None else default_detector()
         if sample_rate not in tuple(self.detector.sample_rates):
             from oasr.errors import InvalidRequestError
 

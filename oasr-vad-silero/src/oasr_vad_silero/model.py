@@ -44,9 +44,9 @@ def _as_mono_f32(audio: Any) -> np.ndarray:
         audio = audio.detach().cpu().numpy()
     x = np.asarray(audio, dtype=np.float32)
     if x.ndim != 1:
-        x = x.reshape(-1) if x.ndim > 1 and max(x.shape) == x.size else x
+        x = np.squeeze(x)  # (1, T) or (T, 1)
     if x.ndim != 1:
-        raise ValueError(f"expected mono audio (1-D), got shape {x.shape}")
+        raise ValueError(f"expected mono audio (1-D), got shape {np.shape(audio)}")
     return x
 
 

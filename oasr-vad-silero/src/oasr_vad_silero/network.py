@@ -30,6 +30,8 @@ from oasr.layers import Conv1d
 from oasr.layers.recurrent import LSTMCell
 
 HIDDEN = 128
+#: windows encoded per call in ``forward`` (memory bound for long inputs)
+ENCODE_BLOCK = 16384
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,11 @@ class SileroVADNet(nn.Module):
                 h, c = self.lstm.zero_state(b, frames)
             return frames.new_zeros(b, 0), h, c
         with _full_precision(frames):
-            feats = self.encode(frames.reshape(b * n, length)).reshape(b, n, HIDDEN)
+            flat = frames.reshape(b * n, length)
+            # the encoder's activations are ~4 kB per window: bound them for long inputs
+            feats = torch.cat(
+                [self.encode(flat[i : i + ENCODE_BLOCK]) for i in range(0, b * n, ENCODE_BLOCK)]
+            ).reshape(b, n, HIDDEN)
             hidden, h, c = self.lstm.forward_sequence(feats, h, c, mask)
             return self.decode(hidden), h, c
 

@@ -184,3 +184,31 @@ def test_network_cuda_matches_cpu(hf_tiny_dir, random_mel, dtype):
     assert err < tol
     w = gpu.cross_attention(TOKENS.cuda(), enc)
     assert torch.allclose(w.sum(-1).cpu(), torch.ones(w.shape[:3]), atol=1e-3)
+
+
+RELEASED = {
+    # name: (n_mels, d, heads, enc layers, dec layers, n_vocab)
+    "tiny.en": (80, 384, 6, 4, 4, 51864),
+    "base": (80, 512, 8, 6, 6, 51865),
+    "small.en": (80, 768, 12, 12, 12, 51864),
+    "medium": (80, 1024, 16, 24, 24, 51865),
+    "large": (80, 1280, 20, 32, 32, 51865),
+    "large-v3": (128, 1280, 20, 32, 32, 51866),
+    "turbo": (128, 1280, 20, 32, 4, 51866),
+    "distil-large-v3": (128, 1280, 20, 32, 2, 51866),
+    "distil-medium.en": (80, 1024, 16, 24, 2, 51864),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_network_released_sizes_state_dict_layout(name):
+    from oasr_models_whisper.checkpoints import expected_shapes, guess_size_name
+    from oasr_models_whisper.network import WhisperDims
+
+    m, d, h, le, ld, v = RELEASED[name]
+    dims = WhisperDims(m, 1500, d, h, le, v, 448, d, h, ld)
+    net = WhisperNet(dims, device="meta")  # shapes only, nothing allocated
+    shapes = {k: tuple(t.shape) for k, t in net.state_dict().items()}
+    assert shapes == expected_shapes(dims)
+    assert net.alignment_heads.shape == (h * (ld - ld // 2), 2)
+    assert guess_size_name(dims) == name

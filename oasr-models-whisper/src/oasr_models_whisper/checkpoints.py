@@ -96,12 +96,16 @@ def multilingual_from_vocab(n_vocab: int) -> tuple[bool, int]:
 def guess_size_name(dims: WhisperDims) -> str:
     names = {384: "tiny", 512: "base", 768: "small", 1024: "medium", 1280: "large"}
     name = names.get(dims.n_audio_state, f"d{dims.n_audio_state}")
+    distilled = dims.n_text_layer < dims.n_audio_layer
     if name == "large":
+        v3 = dims.n_mels == 128
         if dims.n_text_layer == 4:
-            return "turbo"
-        if dims.n_mels == 128:
-            return "large-v3"
-    elif dims.n_text_layer < dims.n_audio_layer:
+            name = "turbo"
+        elif distilled:
+            name = "distil-large-v3" if v3 else "distil-large-v2"
+        elif v3:
+            name = "large-v3"
+    elif distilled:
         name = f"distil-{name}"
     if not multilingual_from_vocab(dims.n_vocab)[0]:
         name += ".en"

@@ -223,7 +223,11 @@ def multilingual_tokenizer(tmp_path: Path, num_languages: int = 99):
 
 # --------------------------------------------------------------------------- audio
 def manifest() -> list[dict]:
-    return [json.loads(line) for line in (SPEECH / "manifest.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for line in (SPEECH / "manifest.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def load_speech(name: str) -> np.ndarray:

@@ -126,7 +126,7 @@ def test_language_detection_matches_reference(rand_multi, multi_tok, clips):
     codes, probs = detect_language(net, multi_tok, net.encode(mels))
     ref_tokens, ref_probs = model.detect_language(mels, whisper.tokenizer.get_tokenizer(True))
     assert codes == [max(p, key=p.get) for p in ref_probs]
-    for ours_p, ref_p in zip(probs, ref_probs):
+    for ours_p, ref_p in zip(probs, ref_probs, strict=False):
         assert set(ours_p) == set(ref_p)
         for k in ref_p:
             assert ours_p[k] == pytest.approx(ref_p[k], abs=1e-6)
@@ -167,10 +167,10 @@ def test_random_batch_equals_single(rand_multi, multi_tok, clips):
 # --------------------------------------------------------------------------- real tiny.en
 @pytest.fixture(scope="module")
 def tiny():
+    from fixtures_decoding import TINY_EN, openai_model_from_loaded
+
     from oasr_models_whisper.checkpoints import load_ct2
     from oasr_models_whisper.nn import build_network
-
-    from fixtures_decoding import TINY_EN, openai_model_from_loaded
 
     loaded = load_ct2(TINY_EN)
     return openai_model_from_loaded(loaded), build_network(loaded, "cpu", torch.float32)

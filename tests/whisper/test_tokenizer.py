@@ -102,7 +102,7 @@ def test_non_speech_tokens_match_reference_and_checkpoint(multi):
 @pytest.mark.parametrize(
     "text,language",
     [
-        (" Hello, world! It's 3.5 \"quoted\" (aside) end.", "en"),
+        (' Hello, world! It\'s 3.5 "quoted" (aside) end.', "en"),
         (" 我们今天去公园。你好！", "zh"),
         ("日本語のテキスト、です。", "ja"),
         (" สวัสดีครับ", "th"),
@@ -116,7 +116,9 @@ def test_split_to_word_tokens_matches_reference(text, language, multi):
     if language == "en":
         en_ref = wt.get_tokenizer(False)
         en_ids = en_ref.encode(text) + [en_ref.eot]
-        assert english_tokenizer().split_to_word_tokens(en_ids, "en") == en_ref.split_to_word_tokens(en_ids)
+        assert english_tokenizer().split_to_word_tokens(
+            en_ids, "en"
+        ) == en_ref.split_to_word_tokens(en_ids)
 
 
 def test_vocab_merges_loading_equals_tokenizer_json(tmp_path):

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures_decoding import (  # noqa: E402
     TINY_EN,
-    OpenAIWhisperNetwork,
     load_speech,
     multilingual_tokenizer,
     openai_model_from_loaded,
@@ -57,7 +55,7 @@ def assert_matches_reference(ours, ref, word_tol=0.0):
     assert ours.text == ref["text"].strip()
     ref_segs = [s for s in ref["segments"] if s["text"].strip()]
     assert [s.text for s in ours.segments] == [s["text"] for s in ref_segs]
-    for s, r in zip(ours.segments, ref_segs):
+    for s, r in zip(ours.segments, ref_segs, strict=False):
         assert s.start == pytest.approx(r["start"], abs=1e-6)
         assert s.end == pytest.approx(r["end"], abs=1e-6)
         assert s.tokens == r["tokens"]
@@ -66,7 +64,7 @@ def assert_matches_reference(ours, ref, word_tol=0.0):
         assert s.temperature == r["temperature"]
         ref_words = r.get("words", [])
         assert [w.word for w in s.words] == [w["word"] for w in ref_words]
-        for w, rw in zip(s.words, ref_words):
+        for w, rw in zip(s.words, ref_words, strict=False):
             assert abs(w.start - rw["start"]) <= word_tol + 1e-6
             assert abs(w.end - rw["end"]) <= word_tol + 1e-6
             assert w.confidence == pytest.approx(rw["probability"], abs=2e-3)
@@ -124,7 +122,7 @@ def test_silence_and_noise_yield_no_text(tiny):
         np.zeros(0, np.float32),
     ]
     out = tiny.transcribe(inputs, DecodingOptions(word_timestamps=True))
-    for t, a in zip(out, inputs):
+    for t, a in zip(out, inputs, strict=False):
         assert t.text == "" and t.segments == [] and t.words == []
         assert t.duration == pytest.approx(len(a) / 16000)
         assert t.language == "en"
@@ -167,7 +165,9 @@ def test_long_form_and_words_match_openai_transcribe(batch_out, tiny_ref, audio,
 
 @pytest.mark.slow
 def test_prompt_and_no_conditioning_match_openai(tiny, tiny_ref, audio):
-    opts = DecodingOptions(prompt="Sentences from a hearing test.", condition_on_previous_text=False)
+    opts = DecodingOptions(
+        prompt="Sentences from a hearing test.", condition_on_previous_text=False
+    )
     ours = tiny.transcribe([audio["long"]], opts)[0]
     ref = tiny_ref.transcribe(audio["long"], fp16=False, temperature=0.0,
                               initial_prompt=opts.prompt, condition_on_previous_text=False)  # fmt: skip
@@ -235,7 +235,10 @@ def test_native_round_trip(tiny, tmp_path, audio):
 
     again = WhisperASR.from_native(tmp_path / "native", read_native_config(tmp_path / "native"))
     opts = DecodingOptions(without_timestamps=True)
-    assert again.transcribe([audio["jfk"]], opts)[0].text == tiny.transcribe([audio["jfk"]], opts)[0].text
+    assert (
+        again.transcribe([audio["jfk"]], opts)[0].text
+        == tiny.transcribe([audio["jfk"]], opts)[0].text
+    )
     assert again.name == tiny.name
 
 
@@ -249,5 +252,3 @@ def test_word_timestamps_are_monotonic_and_inside_audio(batch_out):
             assert w.start >= prev_end - 1e-6
             assert 0.0 <= w.confidence <= 1.0
             prev_end = w.end
-
-

@@ -59,9 +59,11 @@ def fw_transcribe(model, audio, word_timestamps=False):
 
 def test_corpus_wer_matches_faster_whisper(corpus, ours_model, fw_model):
     norm = normalizers.EnglishTextNormalizer()
-    ours = ours_model.transcribe([a for _, _, a in corpus], DecodingOptions(beam_size=1, temperature=0.0))
+    ours = ours_model.transcribe(
+        [a for _, _, a in corpus], DecodingOptions(beam_size=1, temperature=0.0)
+    )
     refs, hyp_ours, hyp_fw = [], [], []
-    for (name, ref, audio), t in zip(corpus, ours):
+    for (name, ref, audio), t in zip(corpus, ours, strict=False):
         fw_text = "".join(s.text for s in fw_transcribe(fw_model, audio))
         refs.append(norm(ref))
         hyp_ours.append(norm(t.text))
@@ -70,11 +72,17 @@ def test_corpus_wer_matches_faster_whisper(corpus, ours_model, fw_model):
             print(f"{name}\n  ours: {hyp_ours[-1]}\n  fw:   {hyp_fw[-1]}")
     wer_ours = jiwer.wer(refs, hyp_ours) * 100
     wer_fw = jiwer.wer(refs, hyp_fw) * 100
-    print(f"\ncorpus WER on {len(refs)} English clips: OASR {wer_ours:.2f}%  faster-whisper {wer_fw:.2f}%")
+    print(
+        f"\ncorpus WER on {len(refs)} English clips: OASR {wer_ours:.2f}%  faster-whisper {wer_fw:.2f}%"
+    )
     assert abs(wer_ours - wer_fw) <= 0.5
     assert wer_ours < 15.0
     # the 35.5 s clip is transcribed to its end
-    long = [t for (name, _, _), t in zip(corpus, ours) if name == "en_osr_us_000_0034_8k.wav"][0]
+    long = [
+        t
+        for (name, _, _), t in zip(corpus, ours, strict=False)
+        if name == "en_osr_us_000_0034_8k.wav"
+    ][0]
     assert "quickly" in long.text.lower() and long.segments[-1].end > 33.0
 
 
@@ -95,7 +103,7 @@ def test_word_timestamps_match_faster_whisper(corpus, ours_model, fw_model):
     ours = ours_model.transcribe([a for _, a in chosen], DecodingOptions(word_timestamps=True))
     worst = 0.0
     n_pairs = n_words = 0
-    for (name, audio), t in zip(chosen, ours):
+    for (name, audio), t in zip(chosen, ours, strict=False):
         duration = len(audio) / 16000
         words = t.words
         assert words, name
@@ -114,5 +122,3 @@ def test_word_timestamps_match_faster_whisper(corpus, ours_model, fw_model):
     print(f"max word-timestamp deviation vs faster-whisper: {worst:.3f} s over {n_pairs} words")
     assert n_pairs >= 0.9 * n_words
     assert worst <= 0.3
-
-

@@ -225,7 +225,7 @@ def add_word_timestamps(
     merge_punctuations(alignment, prepend_punctuations, append_punctuations)
 
     index = 0
-    for segment, toks in zip(segments, per_segment):
+    for segment, toks in zip(segments, per_segment, strict=False):
         used = 0
         words: list[Word] = []
         while index < len(alignment) and used < len(toks):

@@ -115,7 +115,7 @@ def detect_language(
     probs = logits[:, lang_ids].softmax(dim=-1).cpu()
     codes = tokenizer.languages
     best = probs.argmax(dim=-1).tolist()
-    out_probs = [dict(zip(codes, row.tolist())) for row in probs]
+    out_probs = [dict(zip(codes, row.tolist(), strict=False)) for row in probs]
     return [codes[i] for i in best], out_probs
 
 
@@ -246,7 +246,7 @@ class _Beam:
             origin: dict[tuple[int, ...], int] = {}
             for j in range(self.beam_size):
                 row = i * self.beam_size + j
-                for score, tok in zip(cand[row], top_ix[row]):
+                for score, tok in zip(cand[row], top_ix[row], strict=False):
                     seq = (*prefixes[row], tok)
                     scores[seq] = score
                     origin[seq] = row
@@ -268,7 +268,7 @@ class _Beam:
             cache.reorder(index)
         sum_logprobs.copy_(torch.tensor(new_sums, dtype=sum_logprobs.dtype))
         tokens = torch.tensor(next_rows, dtype=tokens.dtype, device=tokens.device)
-        for done, new in zip(self.finished, new_finished):
+        for done, new in zip(self.finished, new_finished, strict=False):
             for seq in sorted(new, key=new.__getitem__, reverse=True):
                 if len(done) >= self.max_candidates:
                     break
@@ -295,7 +295,7 @@ class _Beam:
 
 def _rank(lengths: list[int], sums: list[float], length_penalty: float | None) -> int:
     best, best_score = 0, -math.inf
-    for k, (n, lp) in enumerate(zip(lengths, sums)):
+    for k, (n, lp) in enumerate(zip(lengths, sums, strict=False)):
         penalty = n if length_penalty is None else ((5 + n) / 6) ** length_penalty
         score = lp / penalty if penalty else lp
         if score > best_score:

@@ -116,7 +116,10 @@ class WhisperASR:
 
     @classmethod
     def from_native(
-        cls, path: str | Path, body: dict[str, Any] | None = None, config: EngineConfig | None = None
+        cls,
+        path: str | Path,
+        body: dict[str, Any] | None = None,
+        config: EngineConfig | None = None,
     ) -> WhisperASR:
         from oasr_models_whisper.checkpoints import load_native
 

@@ -172,7 +172,9 @@ class WhisperTokenizer:
             return cls.from_file(by_name["tokenizer.json"], **kwargs)
         if "vocab.json" in by_name and "merges.txt" in by_name:
             return cls.from_vocab_merges(
-                by_name["vocab.json"], by_name["merges.txt"], by_name.get("added_tokens.json"),
+                by_name["vocab.json"],
+                by_name["merges.txt"],
+                by_name.get("added_tokens.json"),
                 **kwargs,
             )
         raise CheckpointError(f"no Whisper tokenizer among {paths!r}")
@@ -193,8 +195,9 @@ class WhisperTokenizer:
     def language_token(self, language: str) -> int:
         code = normalize_language(language)
         if code not in self.language_tokens:
-            raise InvalidRequestError(f"language {language!r} is not in this model's vocabulary",
-                                      param="language")
+            raise InvalidRequestError(
+                f"language {language!r} is not in this model's vocabulary", param="language"
+            )
         return self.language_tokens[code]
 
     def language_of_token(self, token: int) -> str:
@@ -291,7 +294,7 @@ class WhisperTokenizer:
         sub_words, sub_groups = self._split_on_unicode(tokens)
         words: list[str] = []
         groups: list[list[int]] = []
-        for sub, group in zip(sub_words, sub_groups):
+        for sub, group in zip(sub_words, sub_groups, strict=False):
             starts_word = (
                 group[0] >= self.eot
                 or sub.startswith(" ")

@@ -63,7 +63,10 @@ class _Job:
 
 def _needs_fallback(r: WindowResult, o: DecodingOptions) -> bool:
     bad = False
-    if o.compression_ratio_threshold is not None and r.compression_ratio > o.compression_ratio_threshold:
+    if (
+        o.compression_ratio_threshold is not None
+        and r.compression_ratio > o.compression_ratio_threshold
+    ):
         bad = True  # too repetitive
     if o.logprob_threshold is not None and r.avg_logprob < o.logprob_threshold:
         bad = True  # too unsure
@@ -77,7 +80,9 @@ def _needs_fallback(r: WindowResult, o: DecodingOptions) -> bool:
     return bad
 
 
-def _window_options(o: DecodingOptions, temperature: float, suppress: tuple[int, ...]) -> WindowOptions:
+def _window_options(
+    o: DecodingOptions, temperature: float, suppress: tuple[int, ...]
+) -> WindowOptions:
     return WindowOptions(
         temperature=temperature,
         beam_size=o.beam_size if temperature == 0 else 1,
@@ -114,9 +119,13 @@ def decode_with_fallback(
                 chunk = rows[k : k + max_batch_size]
                 idx = torch.tensor(chunk, device=features.device)
                 out = decode_windows(
-                    network, tokenizer, features.index_select(0, idx), [inits[i] for i in chunk], wopts
+                    network,
+                    tokenizer,
+                    features.index_select(0, idx),
+                    [inits[i] for i in chunk],
+                    wopts,
                 )
-                for i, r in zip(chunk, out):
+                for i, r in zip(chunk, out, strict=False):
                     results[i] = r
         pending = [i for i in pending if _needs_fallback(results[i], options)]
         if not pending:
@@ -191,7 +200,7 @@ def transcribe(
     if to_detect:
         feats = _encode(network, [j.mel[:, :N_FRAMES] for j in to_detect], max_batch_size)
         codes, _ = detect_language(network, tokenizer, feats)
-        for j, code in zip(to_detect, codes):
+        for j, code in zip(to_detect, codes, strict=False):
             j.language = code
     for j in jobs:
         j.sot_sequence = tokenizer.sot_sequence(j.language, task, multilingual=multilingual)
@@ -220,7 +229,7 @@ def transcribe(
             report()
             break
         sizes = [min(N_FRAMES, j.content_frames - j.seek) for j in active]
-        mels = [_window_mel(j.mel, j.seek, s) for j, s in zip(active, sizes)]
+        mels = [_window_mel(j.mel, j.seek, s) for j, s in zip(active, sizes, strict=False)]
         feats = _encode(network, mels, max_batch_size)
         inits = [
             initial_tokens(
@@ -232,7 +241,7 @@ def transcribe(
         results = decode_with_fallback(
             network, tokenizer, feats, inits, options, suppress, max_batch_size
         )
-        for row, (job, size, result) in enumerate(zip(active, sizes, results)):
+        for row, (job, size, result) in enumerate(zip(active, sizes, results, strict=False)):
             _advance(job, size, result, feats[row : row + 1], network, tokenizer, options)
         report()
 

@@ -411,3 +411,45 @@ def test_shutdown_finishes_accepted_requests(kit, app_factory) -> None:
     assert refused.status_code == 503
     assert [a.json()["text"] for a in answers] == ["hello world 0.50", "hello world 0.25", "hello world 0.75"]
     assert model.batches == [1, 2]
+
+
+def test_client_that_went_away_is_dropped(kit, app_factory) -> None:
+    import httpx
+
+    app, model, gate = _gated(kit, app_factory)
+    built = httpx.Request("POST", "http://oasr.test/v1/audio/transcriptions",
+                          files={"file": ("a.wav", kit.wav_bytes(2.0), "audio/wav")})
+    body = built.read()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/audio/transcriptions", "raw_path": b"/v1/audio/transcriptions",
+        "query_string": b"", "root_path": "", "server": ("oasr.test", 80), "client": ("1.2.3.4", 5),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in built.headers.items()],
+    }
+    sent: list[dict] = []
+
+    async def go():
+        async with kit.serving(app) as c:
+            _arm(model, gate)
+            first = asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(1.0)))
+            await _started(model)
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive():
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            async def send(message):
+                sent.append(message)
+
+            await asyncio.wait_for(app(scope, receive, send), 5)  # gives up once it sees the disconnect
+            gate.set()
+            first = await first
+            after = await kit.post_audio(c, audio=kit.wav_bytes(3.0))
+            metrics = (await c.get("/metrics")).text
+            return first, after, metrics
+
+    first, after, metrics = kit.run(go())
+    assert first.status_code == after.status_code == 200
+    assert sent[0]["status"] == 499
+    assert model.batches == [1, 1]  # the 2 s request of the client that left never ran
+    assert 'oasr_errors_total{code="client_closed_request"} 1.0' in metrics

@@ -13,7 +13,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ from oasr_server import __version__
 from oasr_server.config import ServerConfig
 from oasr_server.errors import (
     AuthenticationError,
+    ClientDisconnectedError,
     MethodNotAllowedError,
     NotFoundError,
     NotReadyError,
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
     from oasr.types import DecodingOptions, EngineConfig, Transcript
 
 log = logging.getLogger("oasr_server")
+
+#: How often a waiting request checks whether its client is still connected (seconds).
+DISCONNECT_POLL_S = 0.5
 
 #: Routes that answer without the API key (probes).
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
@@ -129,7 +133,10 @@ class ServerState:
         except BaseException as exc:  # noqa: BLE001 - reported by /readyz and the CLI
             message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
             self.load_error = message
-            log.error("model failed to load: %s", message)
+            if isinstance(exc, OASRError):
+                log.error("model failed to load: %s", message)
+            else:
+                log.exception("model failed to load: %s", message)
             if self.on_load_failure is not None:
                 self.on_load_failure(exc)
 
@@ -200,19 +207,31 @@ class ServerState:
         return audio
 
     async def transcribe(
-        self, worker: EngineWorker, audio: np.ndarray, options: DecodingOptions, deadline: float
+        self,
+        worker: EngineWorker,
+        audio: np.ndarray,
+        options: DecodingOptions,
+        deadline: float,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
     ) -> Transcript:
-        """Queue one request and wait for its result, at most until ``deadline``."""
+        """Queue one request and wait for its result, at most until ``deadline``. With
+        ``is_disconnected``, a client that went away is noticed (every ``DISCONNECT_POLL_S``)
+        and its work is dropped if the engine has not started it."""
         job: Job = worker.submit(audio, options)
         try:
-            remaining = max(0.0, deadline - time.monotonic())
-            result = await asyncio.wait_for(asyncio.shield(job.future), remaining)
-        except asyncio.TimeoutError:  # builtin TimeoutError on 3.11+, distinct on 3.10
-            job.abandoned = True
-            raise RequestTimeoutError(
-                f"the request was not answered within {self.config.request_timeout:g} s "
-                "(--request-timeout); the server is overloaded or the audio is very long"
-            ) from None
+            while not job.future.done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    job.abandoned = True
+                    raise RequestTimeoutError(
+                        f"the request was not answered within {self.config.request_timeout:g} s "
+                        "(--request-timeout); the server is overloaded or the audio is very long"
+                    )
+                await asyncio.wait({job.future}, timeout=min(remaining, DISCONNECT_POLL_S))
+                if not job.future.done() and is_disconnected is not None and await is_disconnected():
+                    job.abandoned = True
+                    raise ClientDisconnectedError("the client closed the connection")
+            result = job.future.result()
         finally:
             if not job.future.done():
                 job.abandoned = True  # timed out or the client went away: skip the work

@@ -8,6 +8,7 @@ from oasr.errors import EngineOverloadedError, InvalidRequestError, OASRError
 
 __all__ = [
     "AuthenticationError",
+    "ClientDisconnectedError",
     "EngineFailureError",
     "EngineOverloadedError",
     "NotFoundError",
@@ -57,6 +58,14 @@ class RequestTimeoutError(OASRError):
     http_status = 504
     code = "timeout"
     error_type = "server_error"
+
+
+class ClientDisconnectedError(OASRError):
+    """The client went away before its answer was ready (nginx's 499; nobody reads it)."""
+
+    http_status = 499
+    code = "client_closed_request"
+    error_type = "invalid_request_error"
 
 
 class EngineFailureError(OASRError):

@@ -72,6 +72,16 @@ def _text(form: Form, name: str) -> str | None:
     return value or None
 
 
+def _raw_text(form: Form, name: str) -> str | None:
+    """A text field as sent (a prompt's leading space matters to the model)."""
+    value = form.get(name)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name} must be a text field, not a file", param=name)
+    return value
+
+
 def _options(
     *, task: str, language: str | None, prompt: str | None, temperature: float, words: bool,
     beam_size: int | None = None,
@@ -176,14 +186,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         options = _options(
             task=task,
             language=_text(form, "language"),
-            prompt=_text(form, "prompt"),
+            prompt=_raw_text(form, "prompt"),
             temperature=_float(_text(form, "temperature"), "temperature", 0.0, 1.0, 0.0),
             words="word" in grains,
         )
         # refuse what this family cannot do before any decoding work
         options.check_supported(engine.model.capabilities, engine.model.name)
         audio = await state.decode(upload.data, engine.sample_rate, route)
-        transcript = await state.transcribe(worker, audio, options, deadline)
+        transcript = await state.transcribe(
+            worker, audio, options, deadline, request.is_disconnected
+        )
         if stream:
             return StreamingResponse(
                 _stream_events(transcript),
@@ -288,7 +300,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         data = await read_body(request, state.config.max_upload_bytes)
         route = "/v1/speech:recognize"
         audio = await state.decode(data, engine.sample_rate, route, raw_format)
-        t = await state.transcribe(worker, audio, options, deadline)
+        t = await state.transcribe(worker, audio, options, deadline, request.is_disconnected)
         return JSONResponse(
             {
                 "model": state.config.served_model_name,

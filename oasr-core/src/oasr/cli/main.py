@@ -159,8 +159,10 @@ def models_command(
 
 
 from oasr.cli import transcribe as _transcribe_commands  # noqa: E402  (registers commands)
+from oasr.cli import vad as _vad_commands  # noqa: E402
 
 _transcribe_commands.register(app)
+_vad_commands.register(app)
 
 
 def main(argv: Optional[list[str]] = None) -> None:  # noqa: UP045 - typer reads annotations

@@ -35,6 +35,11 @@ def ct2_loaded(ct2_tiny_en_dir):
 
 
 @pytest.fixture(scope="module")
+def ct2_raw(ct2_tiny_en_dir):
+    return ct2_reader.read_model_bin(ct2_tiny_en_dir / "model.bin")
+
+
+@pytest.fixture(scope="module")
 def ct2_net(ct2_loaded):
     return build_network(ct2_loaded)
 
@@ -44,8 +49,8 @@ def ct2_features(ct2_net, jfk_mel):
     return ct2_net.encode(jfk_mel[None])
 
 
-def test_checkpoint_ct2_every_variable_has_the_right_shape(ct2_tiny_en_dir, ct2_loaded):
-    raw = ct2_reader.read_model_bin(ct2_tiny_en_dir / "model.bin")
+def test_checkpoint_ct2_every_variable_has_the_right_shape(ct2_raw, ct2_loaded):
+    raw = ct2_raw
     assert raw.spec_name == "WhisperSpec" and raw.binary_version >= 5
     assert raw.aliases == {"decoder/projection/weight": "decoder/embeddings/weight"}
     d = ct2_loaded.dims
@@ -57,7 +62,7 @@ def test_checkpoint_ct2_every_variable_has_the_right_shape(ct2_tiny_en_dir, ct2_
         t = ct2_loaded.state_dict[name]
         assert tuple(t.shape) == shape, name
         assert t.dtype == torch.float16, name  # stored dtype preserved
-        assert torch.isfinite(t.float()).all(), name
+    assert all(bool(torch.isfinite(t).all()) for t in ct2_loaded.state_dict.values())
     # every weight variable of model.bin was used (scalars/config flags aside)
     weights = {k for k, v in raw.variables.items() if v.ndim > 0 and k not in raw.aliases}
     assert len(weights) == 11 + 12 * d.n_audio_layer + 20 * d.n_text_layer
@@ -258,9 +263,9 @@ def test_checkpoint_detect_does_not_import_torch(hf_tiny_dir, ct2_tiny_en_dir):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_checkpoint_ct2_dequantizes_int8(tmp_path, ct2_tiny_en_dir):
+def test_checkpoint_ct2_dequantizes_int8(tmp_path, ct2_tiny_en_dir, ct2_raw):
     """Rewrite one weight as int8 + per-row scale, as ct2's int8 quantization does."""
-    raw = ct2_reader.read_model_bin(ct2_tiny_en_dir / "model.bin")
+    raw = ct2_raw
     name = "decoder/layer_0/ffn/linear_0/weight"
     w = raw.variables[name].astype(np.float32)
     scale = (127.0 / np.abs(w).max(axis=1)).astype(np.float32)

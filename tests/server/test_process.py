@@ -79,6 +79,9 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
             r = c.post("/v1/audio/transcriptions", files=files, data={"model": "energy"}, headers=auth)
             assert r.status_code == 200, r.text
             assert r.json() == {"text": "[speech]"}
+            by_ckpt = c.post("/v1/audio/transcriptions", files=files,
+                             data={"model": str(example_ckpt)}, headers=auth)
+            assert by_ckpt.status_code == 200, by_ckpt.text
             denied = c.post("/v1/audio/transcriptions", files=files)
             assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
             # SSE over a real socket

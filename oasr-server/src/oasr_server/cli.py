@@ -81,6 +81,8 @@ def serve_command(
             request_timeout=request_timeout,
             api_key=api_key,
             served_model_name=served_model_name,
+            # OpenAI clients send "whisper-1"; others name the checkpoint they asked for
+            model_aliases=("whisper-1", ckpt_dir),
             max_batch_size=max_batch_size,
             warmup=not no_warmup,
             grpc_bind=grpc_bind,

@@ -109,7 +109,7 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
                 )
             assert reply.text == "[speech]" and reply.model == "energy"
             metrics = c.get("/metrics", headers=auth).text
-            assert 'oasr_requests_total{method="POST",route="/v1/audio/transcriptions",status="200"} 2.0' in metrics
+            assert 'oasr_requests_total{method="POST",route="/v1/audio/transcriptions",status="200"} 3.0' in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -90,8 +90,13 @@ class FakeModel:
                 Segment(1, half, dur, f" {dur:.2f}", tokens=[3], avg_logprob=-0.2),
             ]
             out.append(
-                Transcript(text=text, language=options.language or "en", duration=dur,
-                           segments=segments, task=options.task)
+                Transcript(
+                    text=text,
+                    language=options.language or "en",
+                    duration=dur,
+                    segments=segments,
+                    task=options.task,
+                )
             )
         return out
 
@@ -118,7 +123,9 @@ async def serving(app: Any, *, wait_ready: bool = True) -> AsyncIterator[httpx.A
     """Run ``app``'s lifespan and give an httpx client talking to it over ASGI."""
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://oasr.test", timeout=30) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://oasr.test", timeout=30
+        ) as client:
             if wait_ready:
                 ok = await anyio.to_thread.run_sync(app.state.oasr.wait_loaded, 10)
                 assert ok, app.state.oasr.load_error
@@ -215,6 +222,12 @@ def kit() -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        FakeModel=FakeModel, wav_bytes=wav_bytes, run=run, serving=serving,
-        post_audio=post_audio, make_engine=make_engine, RATE=RATE, EXAMPLE=EXAMPLE,
+        FakeModel=FakeModel,
+        wav_bytes=wav_bytes,
+        run=run,
+        serving=serving,
+        post_audio=post_audio,
+        make_engine=make_engine,
+        RATE=RATE,
+        EXAMPLE=EXAMPLE,
     )

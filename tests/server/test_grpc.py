@@ -38,24 +38,47 @@ def test_recognize_health_reflection(kit, app_factory) -> None:
         async with kit.serving(app) as c:
             async with _channel(app) as channel:
                 speech = speech_pb2_grpc.SpeechStub(channel)
-                ok = await speech.Recognize(speech_pb2.RecognizeRequest(
-                    config=speech_pb2.RecognitionConfig(language="fr", word_timestamps=True),
-                    audio=kit.wav_bytes(1.0),
-                ))
-                raw = await speech.Recognize(speech_pb2.RecognizeRequest(
-                    config=speech_pb2.RecognitionConfig(
-                        encoding=speech_pb2.PCM_S16LE, sample_rate_hertz=rate, task=speech_pb2.TRANSLATE,
-                    ),
-                    audio=pcm,
-                ))
-                bad = await _code(speech.Recognize(speech_pb2.RecognizeRequest(audio=b"not audio" * 20)))
-                no_rate = await _code(speech.Recognize(speech_pb2.RecognizeRequest(
-                    config=speech_pb2.RecognitionConfig(encoding=speech_pb2.PCM_S16LE), audio=pcm)))
-                model_404 = await _code(speech.Recognize(speech_pb2.RecognizeRequest(
-                    config=speech_pb2.RecognitionConfig(model="nope"), audio=pcm)))
-                too_big = await _code(speech.Recognize(speech_pb2.RecognizeRequest(audio=b"\0" * 300_000)))
+                ok = await speech.Recognize(
+                    speech_pb2.RecognizeRequest(
+                        config=speech_pb2.RecognitionConfig(language="fr", word_timestamps=True),
+                        audio=kit.wav_bytes(1.0),
+                    )
+                )
+                raw = await speech.Recognize(
+                    speech_pb2.RecognizeRequest(
+                        config=speech_pb2.RecognitionConfig(
+                            encoding=speech_pb2.PCM_S16LE,
+                            sample_rate_hertz=rate,
+                            task=speech_pb2.TRANSLATE,
+                        ),
+                        audio=pcm,
+                    )
+                )
+                bad = await _code(
+                    speech.Recognize(speech_pb2.RecognizeRequest(audio=b"not audio" * 20))
+                )
+                no_rate = await _code(
+                    speech.Recognize(
+                        speech_pb2.RecognizeRequest(
+                            config=speech_pb2.RecognitionConfig(encoding=speech_pb2.PCM_S16LE),
+                            audio=pcm,
+                        )
+                    )
+                )
+                model_404 = await _code(
+                    speech.Recognize(
+                        speech_pb2.RecognizeRequest(
+                            config=speech_pb2.RecognitionConfig(model="nope"), audio=pcm
+                        )
+                    )
+                )
+                too_big = await _code(
+                    speech.Recognize(speech_pb2.RecognizeRequest(audio=b"\0" * 300_000))
+                )
                 health = health_pb2_grpc.HealthStub(channel)
-                served = await health.Check(health_pb2.HealthCheckRequest(service="oasr.speech.v1.Speech"))
+                served = await health.Check(
+                    health_pb2.HealthCheckRequest(service="oasr.speech.v1.Speech")
+                )
                 overall = await health.Check(health_pb2.HealthCheckRequest(service=""))
                 refl = reflection_pb2_grpc.ServerReflectionStub(channel)
                 names = []
@@ -112,10 +135,18 @@ def test_grpc_errors_auth_unsupported_overload_not_ready(kit, app_factory) -> No
                 await asyncio.sleep(0.1)
                 after = await health.Check(health_pb2.HealthCheckRequest(service=""))
                 unauth = await _code(speech.Recognize(req))
-                wrong = await _code(speech.Recognize(req, metadata=(("authorization", "Bearer x"),)))
-                unsupported = await _code(speech.Recognize(speech_pb2.RecognizeRequest(
-                    config=speech_pb2.RecognitionConfig(task=speech_pb2.TRANSLATE),
-                    audio=kit.wav_bytes(0.5)), metadata=meta))
+                wrong = await _code(
+                    speech.Recognize(req, metadata=(("authorization", "Bearer x"),))
+                )
+                unsupported = await _code(
+                    speech.Recognize(
+                        speech_pb2.RecognizeRequest(
+                            config=speech_pb2.RecognitionConfig(task=speech_pb2.TRANSLATE),
+                            audio=kit.wav_bytes(0.5),
+                        ),
+                        metadata=meta,
+                    )
+                )
                 # hold the engine, fill the one-slot queue, then one more is refused
                 model.gate = gate
                 model.calls_started = threading.Semaphore(0)
@@ -131,10 +162,17 @@ def test_grpc_errors_auth_unsupported_overload_not_ready(kit, app_factory) -> No
 
     before, loading, after, unauth, wrong, unsupported, full, answers = kit.run(go())
     assert before.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert loading[0] == grpc.StatusCode.UNAVAILABLE and loading[2]["oasr-error-code"] == "model_not_ready"
+    assert (
+        loading[0] == grpc.StatusCode.UNAVAILABLE
+        and loading[2]["oasr-error-code"] == "model_not_ready"
+    )
     assert after.status == health_pb2.HealthCheckResponse.SERVING
     assert unauth[0] == wrong[0] == grpc.StatusCode.UNAUTHENTICATED
     assert unsupported[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert unsupported[2]["oasr-error-code"] == "unsupported_option" and "translate" in unsupported[1]
-    assert full[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and full[2]["oasr-error-code"] == "overloaded"
+    assert (
+        unsupported[2]["oasr-error-code"] == "unsupported_option" and "translate" in unsupported[1]
+    )
+    assert (
+        full[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and full[2]["oasr-error-code"] == "overloaded"
+    )
     assert [a.text for a in answers] == ["hello world 0.50"] * 2

@@ -79,7 +79,8 @@ def test_verbose_json_word_and_segment_granularities(kit, app_factory) -> None:
     async def go():
         async with kit.serving(app) as c:
             words_only = await kit.post_audio(
-                c, fields=[("response_format", "verbose_json"), ("timestamp_granularities[]", "word")]
+                c,
+                fields=[("response_format", "verbose_json"), ("timestamp_granularities[]", "word")],
             )
             both = await kit.post_audio(
                 c,
@@ -123,7 +124,9 @@ def test_translations(kit, app_factory) -> None:
 
     async def go():
         async with kit.serving(app) as c:
-            r = await kit.post_audio(c, "/v1/audio/translations", fields={"response_format": "verbose_json"})
+            r = await kit.post_audio(
+                c, "/v1/audio/translations", fields={"response_format": "verbose_json"}
+            )
             assert r.status_code == 200, r.text
             return r.json()
 
@@ -145,7 +148,7 @@ def test_sse_stream(kit, app_factory) -> None:
 
     raw = kit.run(go())
     assert raw.endswith("\n\n")
-    events = [json.loads(block[len("data: "):]) for block in raw.strip().split("\n\n")]
+    events = [json.loads(block[len("data: ") :]) for block in raw.strip().split("\n\n")]
     assert all(set(e) >= {"type"} for e in events)
     *deltas, done = events
     assert done["type"] == "transcript.text.done"
@@ -171,7 +174,8 @@ def test_family_that_cannot_gets_400(kit, app_factory) -> None:
     async def go():
         async with kit.serving(app) as c:
             words = await kit.post_audio(
-                c, fields=[("response_format", "verbose_json"), ("timestamp_granularities[]", "word")]
+                c,
+                fields=[("response_format", "verbose_json"), ("timestamp_granularities[]", "word")],
             )
             translate = await kit.post_audio(c, "/v1/audio/translations")
             return words, translate
@@ -190,18 +194,23 @@ def test_request_validation_errors(kit, app_factory) -> None:
     async def go():
         async with kit.serving(app) as c:
             out = {}
-            out["no_file"] = await c.post("/v1/audio/transcriptions", data={"model": "fake"},
-                                          files={"other": ("x", b"1")})
-            out["file_as_text"] = await c.post("/v1/audio/transcriptions", files={"model": (None, "fake")},
-                                               data={"file": "abc"})
+            out["no_file"] = await c.post(
+                "/v1/audio/transcriptions", data={"model": "fake"}, files={"other": ("x", b"1")}
+            )
+            out["file_as_text"] = await c.post(
+                "/v1/audio/transcriptions", files={"model": (None, "fake")}, data={"file": "abc"}
+            )
             out["not_multipart"] = await c.post("/v1/audio/transcriptions", json={"file": "x"})
             out["format"] = await kit.post_audio(c, fields={"response_format": "mp3"})
             out["temperature"] = await kit.post_audio(c, fields={"temperature": "7"})
             out["temperature_nan"] = await kit.post_audio(c, fields={"temperature": "hot"})
             out["grain"] = await kit.post_audio(
-                c, fields=[("response_format", "verbose_json"), ("timestamp_granularities[]", "char")]
+                c,
+                fields=[("response_format", "verbose_json"), ("timestamp_granularities[]", "char")],
             )
-            out["grain_json"] = await kit.post_audio(c, fields=[("timestamp_granularities[]", "word")])
+            out["grain_json"] = await kit.post_audio(
+                c, fields=[("timestamp_granularities[]", "word")]
+            )
             out["stream"] = await kit.post_audio(c, fields={"stream": "maybe"})
             out["model"] = await kit.post_audio(c, fields={"model": "gpt-4o-transcribe"})
             out["bad_audio"] = await kit.post_audio(c, audio=b"this is not audio at all" * 10)
@@ -267,10 +276,16 @@ def test_multipart_edge_cases(kit, app_factory) -> None:
     async def go():
         async with kit.serving(app) as c:
             big = await kit.post_audio(c, audio=kit.wav_bytes(12.0))  # > 256 kB: parsed in a thread
-            no_boundary = await c.post("/v1/audio/transcriptions", content=b"x",
-                                       headers={"Content-Type": "multipart/form-data"})
-            garbage = await c.post("/v1/audio/transcriptions", content=b"--b\r\nnonsense",
-                                   headers={"Content-Type": "multipart/form-data; boundary=b"})
+            no_boundary = await c.post(
+                "/v1/audio/transcriptions",
+                content=b"x",
+                headers={"Content-Type": "multipart/form-data"},
+            )
+            garbage = await c.post(
+                "/v1/audio/transcriptions",
+                content=b"--b\r\nnonsense",
+                headers={"Content-Type": "multipart/form-data; boundary=b"},
+            )
             return big, no_boundary, garbage
 
     big, no_boundary, garbage = kit.run(go())

@@ -16,16 +16,23 @@ def test_openai_sdk_transcriptions_translations_stream_errors(kit, app_factory) 
 
     async def go():
         async with kit.serving(app):
-            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://oasr.test")
-            client = openai.AsyncOpenAI(api_key="sk-test", base_url="http://oasr.test/v1",
-                                        http_client=http, max_retries=0)
+            http = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://oasr.test"
+            )
+            client = openai.AsyncOpenAI(
+                api_key="sk-test", base_url="http://oasr.test/v1", http_client=http, max_retries=0
+            )
             audio = ("speech.wav", io.BytesIO(kit.wav_bytes(1.0)), "audio/wav")
             out = {}
             out["json"] = await client.audio.transcriptions.create(model="whisper-1", file=audio)
             audio[1].seek(0)
             out["verbose"] = await client.audio.transcriptions.create(
-                model="whisper-1", file=audio, response_format="verbose_json",
-                timestamp_granularities=["word", "segment"], language="en", temperature=0.2,
+                model="whisper-1",
+                file=audio,
+                response_format="verbose_json",
+                timestamp_granularities=["word", "segment"],
+                language="en",
+                temperature=0.2,
             )
             audio[1].seek(0)
             out["text"] = await client.audio.transcriptions.create(
@@ -36,13 +43,18 @@ def test_openai_sdk_transcriptions_translations_stream_errors(kit, app_factory) 
                 model="whisper-1", file=audio, response_format="srt"
             )
             audio[1].seek(0)
-            out["translation"] = await client.audio.translations.create(model="whisper-1", file=audio)
+            out["translation"] = await client.audio.translations.create(
+                model="whisper-1", file=audio
+            )
             audio[1].seek(0)
-            stream = await client.audio.transcriptions.create(model="whisper-1", file=audio, stream=True)
+            stream = await client.audio.transcriptions.create(
+                model="whisper-1", file=audio, stream=True
+            )
             out["events"] = [event async for event in stream]
             out["models"] = await client.models.list()
-            bad = openai.AsyncOpenAI(api_key="wrong", base_url="http://oasr.test/v1",
-                                     http_client=http, max_retries=0)
+            bad = openai.AsyncOpenAI(
+                api_key="wrong", base_url="http://oasr.test/v1", http_client=http, max_retries=0
+            )
             audio[1].seek(0)
             with pytest.raises(openai.AuthenticationError) as auth:
                 await bad.audio.transcriptions.create(model="whisper-1", file=audio)

@@ -30,7 +30,9 @@ def _command() -> list[str]:
 
 def _env(paths: list[Path]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OASR_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(p) for p in paths] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     return env
 
 
@@ -53,12 +55,33 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
     port, grpc_port = _free_port(), _free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [*_command(), "--ckpt-dir", str(example_ckpt), "--http-bind", f"127.0.0.1:{port}",
-         "--api-key", "k3y", "--max-queue", "8", "--request-timeout", "30",
-         "--max-upload-bytes", "1000000", "--max-audio-seconds", "60", "--device", "cpu",
-         "--served-model-name", "energy", "--grpc-bind", f"127.0.0.1:{grpc_port}"],
+        [
+            *_command(),
+            "--ckpt-dir",
+            str(example_ckpt),
+            "--http-bind",
+            f"127.0.0.1:{port}",
+            "--api-key",
+            "k3y",
+            "--max-queue",
+            "8",
+            "--request-timeout",
+            "30",
+            "--max-upload-bytes",
+            "1000000",
+            "--max-audio-seconds",
+            "60",
+            "--device",
+            "cpu",
+            "--served-model-name",
+            "energy",
+            "--grpc-bind",
+            f"127.0.0.1:{grpc_port}",
+        ],
         env=_env([kit.EXAMPLE / "src", example_installed]),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     auth = {"Authorization": "Bearer k3y"}
     try:
@@ -76,22 +99,38 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
             assert c.get("/healthz").json() == {"status": "ok"}
             wav = _speech_wav(kit)
             files = {"file": ("speech.wav", wav, "audio/wav")}
-            r = c.post("/v1/audio/transcriptions", files=files, data={"model": "energy"}, headers=auth)
+            r = c.post(
+                "/v1/audio/transcriptions", files=files, data={"model": "energy"}, headers=auth
+            )
             assert r.status_code == 200, r.text
             assert r.json() == {"text": "[speech]"}
-            by_ckpt = c.post("/v1/audio/transcriptions", files=files,
-                             data={"model": str(example_ckpt)}, headers=auth)
+            by_ckpt = c.post(
+                "/v1/audio/transcriptions",
+                files=files,
+                data={"model": str(example_ckpt)},
+                headers=auth,
+            )
             assert by_ckpt.status_code == 200, by_ckpt.text
             denied = c.post("/v1/audio/transcriptions", files=files)
             assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
             # SSE over a real socket
-            with c.stream("POST", "/v1/audio/transcriptions", files=files,
-                          data={"stream": "true"}, headers=auth) as s:
+            with c.stream(
+                "POST",
+                "/v1/audio/transcriptions",
+                files=files,
+                data={"stream": "true"},
+                headers=auth,
+            ) as s:
                 assert s.status_code == 200
                 assert s.headers["content-type"].startswith("text/event-stream")
-                events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
-            assert events[-1] == {"type": "transcript.text.done", "text": "[speech]",
-                                  "usage": {"type": "duration", "seconds": 2.0}}
+                events = [
+                    json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")
+                ]
+            assert events[-1] == {
+                "type": "transcript.text.done",
+                "text": "[speech]",
+                "usage": {"type": "duration", "seconds": 2.0},
+            }
             rec = c.post("/v1/speech:recognize", content=wav, headers=auth)
             assert rec.status_code == 200 and rec.json()["segments"][0]["text"] == "[speech]"
             models = c.get("/v1/models", headers=auth).json()
@@ -104,12 +143,16 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
 
             with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 reply = speech_pb2_grpc.SpeechStub(channel).Recognize(
-                    speech_pb2.RecognizeRequest(audio=wav), metadata=(("authorization", "Bearer k3y"),),
+                    speech_pb2.RecognizeRequest(audio=wav),
+                    metadata=(("authorization", "Bearer k3y"),),
                     timeout=10,
                 )
             assert reply.text == "[speech]" and reply.model == "energy"
             metrics = c.get("/metrics", headers=auth).text
-            assert 'oasr_requests_total{method="POST",route="/v1/audio/transcriptions",status="200"} 3.0' in metrics
+            assert (
+                'oasr_requests_total{method="POST",route="/v1/audio/transcriptions",status="200"} 3.0'
+                in metrics
+            )
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -124,8 +167,17 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
 
 def test_real_server_exits_when_the_model_cannot_load(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [*_command(), "--ckpt-dir", str(tmp_path / "missing"), "--http-bind", f"127.0.0.1:{_free_port()}"],
-        env=_env([]), capture_output=True, text=True, timeout=60,
+        [
+            *_command(),
+            "--ckpt-dir",
+            str(tmp_path / "missing"),
+            "--http-bind",
+            f"127.0.0.1:{_free_port()}",
+        ],
+        env=_env([]),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 1
     assert "the model failed to load" in proc.stderr and "missing" in proc.stderr
@@ -134,15 +186,31 @@ def test_real_server_exits_when_the_model_cannot_load(tmp_path: Path) -> None:
 def test_oasr_serve_is_registered() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", "from oasr.cli.main import main; main(['serve', '--help'])"],
-        env={**_env([]), "COLUMNS": "200"}, capture_output=True, text=True, timeout=60,
+        env={**_env([]), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    for option in ("--ckpt-dir", "--http-bind", "--max-upload-bytes", "--max-audio-seconds",
-                   "--max-queue", "--request-timeout", "--api-key", "--device"):
+    for option in (
+        "--ckpt-dir",
+        "--http-bind",
+        "--max-upload-bytes",
+        "--max-audio-seconds",
+        "--max-queue",
+        "--request-timeout",
+        "--api-key",
+        "--device",
+    ):
         assert option in proc.stdout
     plugins = subprocess.run(
         [sys.executable, "-c", "from oasr.cli.main import main; main(['plugins', '--json'])"],
-        env=_env([]), capture_output=True, text=True, timeout=60,
+        env=_env([]),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    server = next(p for p in json.loads(plugins.stdout)["plugins"] if p["distribution"] == "oasr-server")
+    server = next(
+        p for p in json.loads(plugins.stdout)["plugins"] if p["distribution"] == "oasr-server"
+    )
     assert server["hooks"] == ["register_commands"]

@@ -46,7 +46,9 @@ def test_waiting_requests_are_batched_and_answered_in_order(kit, app_factory) ->
             first = asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(0.5)))
             await _started(model)
             seconds = [0.25 * (i + 1) for i in range(8)]
-            queued = [asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(s))) for s in seconds]
+            queued = [
+                asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(s))) for s in seconds
+            ]
             await _wait_for(lambda: worker_depth() == 8)
             # the event loop is free while the engine works
             t0 = time.monotonic()
@@ -165,7 +167,10 @@ def test_failing_input_does_not_fail_its_batch(kit, app_factory) -> None:
             _arm(model, gate)
             first = asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(1.0)))
             await _started(model)
-            tasks = [asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(s))) for s in (0.25, 0.5, 0.75)]
+            tasks = [
+                asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(s)))
+                for s in (0.25, 0.5, 0.75)
+            ]
             await _wait_for(lambda: app.state.oasr.worker.depth == 3)
             gate.set()
             answers = await asyncio.gather(first, *tasks)
@@ -291,7 +296,9 @@ def test_metrics_move(kit, app_factory) -> None:
             for s in (1.0, 2.0):
                 assert (await kit.post_audio(c, audio=kit.wav_bytes(s))).status_code == 200
             assert (await kit.post_audio(c, audio=b"junk" * 50)).status_code == 400
-            assert (await c.post("/v1/speech:recognize", content=kit.wav_bytes(0.5))).status_code == 200
+            assert (
+                await c.post("/v1/speech:recognize", content=kit.wav_bytes(0.5))
+            ).status_code == 200
             r = await c.get("/metrics")
             return before, r
 
@@ -335,13 +342,18 @@ def test_speech_recognize(kit, app_factory) -> None:
     async def go():
         async with kit.serving(app) as c:
             wav = await c.post(
-                "/v1/speech:recognize?language=fr&word_timestamps=true", content=kit.wav_bytes(1.0),
+                "/v1/speech:recognize?language=fr&word_timestamps=true",
+                content=kit.wav_bytes(1.0),
                 headers={"Content-Type": "audio/wav"},
             )
-            raw = await c.post("/v1/speech:recognize?encoding=pcm_s16le&sample_rate=8000", content=pcm)
+            raw = await c.post(
+                "/v1/speech:recognize?encoding=pcm_s16le&sample_rate=8000", content=pcm
+            )
             no_rate = await c.post("/v1/speech:recognize?encoding=pcm_s16le", content=pcm)
             bad_task = await c.post("/v1/speech:recognize?task=summarise", content=pcm)
-            bad_enc = await c.post("/v1/speech:recognize?encoding=mp9&sample_rate=8000", content=pcm)
+            bad_enc = await c.post(
+                "/v1/speech:recognize?encoding=mp9&sample_rate=8000", content=pcm
+            )
             junk = await c.post("/v1/speech:recognize", content=b"\x00\x01" * 100)
             return wav, raw, no_rate, bad_task, bad_enc, junk
 
@@ -379,7 +391,9 @@ def test_example_plugin_through_the_server(kit, example_installed, example_ckpt)
 
     async def go():
         async with kit.serving(app) as c:
-            return await kit.post_audio(c, audio=buf.getvalue(), fields={"response_format": "verbose_json"})
+            return await kit.post_audio(
+                c, audio=buf.getvalue(), fields={"response_format": "verbose_json"}
+            )
 
     r = kit.run(go())
     assert r.status_code == 200, r.text
@@ -397,7 +411,9 @@ def test_shutdown_finishes_accepted_requests(kit, app_factory) -> None:
             _arm(model, gate)
             first = asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(0.5)))
             await _started(model)
-            queued = [asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(s))) for s in (0.25, 0.75)]
+            queued = [
+                asyncio.create_task(kit.post_audio(c, audio=kit.wav_bytes(s))) for s in (0.25, 0.75)
+            ]
             await _wait_for(lambda: state.worker.depth == 2)
             stopping = asyncio.create_task(asyncio.to_thread(state.shutdown))
             await _wait_for(lambda: not state.ready)
@@ -409,7 +425,11 @@ def test_shutdown_finishes_accepted_requests(kit, app_factory) -> None:
 
     refused, answers = kit.run(go())
     assert refused.status_code == 503
-    assert [a.json()["text"] for a in answers] == ["hello world 0.50", "hello world 0.25", "hello world 0.75"]
+    assert [a.json()["text"] for a in answers] == [
+        "hello world 0.50",
+        "hello world 0.25",
+        "hello world 0.75",
+    ]
     assert model.batches == [1, 2]
 
 
@@ -417,13 +437,24 @@ def test_client_that_went_away_is_dropped(kit, app_factory) -> None:
     import httpx
 
     app, model, gate = _gated(kit, app_factory)
-    built = httpx.Request("POST", "http://oasr.test/v1/audio/transcriptions",
-                          files={"file": ("a.wav", kit.wav_bytes(2.0), "audio/wav")})
+    built = httpx.Request(
+        "POST",
+        "http://oasr.test/v1/audio/transcriptions",
+        files={"file": ("a.wav", kit.wav_bytes(2.0), "audio/wav")},
+    )
     body = built.read()
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/audio/transcriptions", "raw_path": b"/v1/audio/transcriptions",
-        "query_string": b"", "root_path": "", "server": ("oasr.test", 80), "client": ("1.2.3.4", 5),
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/audio/transcriptions",
+        "raw_path": b"/v1/audio/transcriptions",
+        "query_string": b"",
+        "root_path": "",
+        "server": ("oasr.test", 80),
+        "client": ("1.2.3.4", 5),
         "headers": [(k.lower().encode(), v.encode()) for k, v in built.headers.items()],
     }
     sent: list[dict] = []
@@ -441,7 +472,9 @@ def test_client_that_went_away_is_dropped(kit, app_factory) -> None:
             async def send(message):
                 sent.append(message)
 
-            await asyncio.wait_for(app(scope, receive, send), 5)  # gives up once it sees the disconnect
+            await asyncio.wait_for(
+                app(scope, receive, send), 5
+            )  # gives up once it sees the disconnect
             gate.set()
             first = await first
             after = await kit.post_audio(c, audio=kit.wav_bytes(3.0))

@@ -28,17 +28,22 @@ def test_whisper_tiny_en_over_http(kit) -> None:
     from oasr_server.config import ServerConfig
 
     ckpt = _whisper_checkpoint()
-    app = create_app(ServerConfig(served_model_name="tiny.en"),
-                     engine_config=EngineConfig(ckpt_dir=str(ckpt)))
+    app = create_app(
+        ServerConfig(served_model_name="tiny.en"), engine_config=EngineConfig(ckpt_dir=str(ckpt))
+    )
     audio = FLAC.read_bytes()
 
     async def go():
         async with kit.serving(app) as c:
             files = {"file": (FLAC.name, audio, "audio/flac")}
             verbose = await c.post(
-                "/v1/audio/transcriptions", files=files,
-                data={"model": "tiny.en", "response_format": "verbose_json",
-                      "timestamp_granularities[]": ["word", "segment"]},
+                "/v1/audio/transcriptions",
+                files=files,
+                data={
+                    "model": "tiny.en",
+                    "response_format": "verbose_json",
+                    "timestamp_granularities[]": ["word", "segment"],
+                },
             )
             translate = await c.post("/v1/audio/translations", files=files)
             return verbose, translate

@@ -187,7 +187,9 @@ class ServerState:
                 param="model",
             )
 
-    async def decode(self, data: bytes, sample_rate: int, route: str, raw_format: Any = None) -> np.ndarray:
+    async def decode(
+        self, data: bytes, sample_rate: int, route: str, raw_format: Any = None
+    ) -> np.ndarray:
         from oasr.audio import load_audio
 
         audio = await anyio.to_thread.run_sync(
@@ -228,7 +230,11 @@ class ServerState:
                         "(--request-timeout); the server is overloaded or the audio is very long"
                     )
                 await asyncio.wait({job.future}, timeout=min(remaining, DISCONNECT_POLL_S))
-                if not job.future.done() and is_disconnected is not None and await is_disconnected():
+                if (
+                    not job.future.done()
+                    and is_disconnected is not None
+                    and await is_disconnected()
+                ):
                     job.abandoned = True
                     raise ClientDisconnectedError("the client closed the connection")
             result = job.future.result()

@@ -28,27 +28,65 @@ def parse_bind(bind: str) -> tuple[str, int]:
 def serve_command(
     ckpt_dir: Annotated[
         Optional[str],  # noqa: UP045 - typer reads annotations at run time
-        typer.Option("--ckpt-dir", help="Checkpoint directory or Hugging Face Hub id. Default: the bundled Whisper tiny.en."),
+        typer.Option(
+            "--ckpt-dir",
+            help="Checkpoint directory or Hugging Face Hub id. Default: the bundled Whisper tiny.en.",
+        ),
     ] = None,
-    http_bind: Annotated[str, typer.Option("--http-bind", help="HOST:PORT to listen on.")] = "127.0.0.1:8000",
-    max_upload_bytes: Annotated[int, typer.Option("--max-upload-bytes", min=1, help="Largest request body (413 above).")] = 25 * 1024 * 1024,
-    max_audio_seconds: Annotated[float, typer.Option("--max-audio-seconds", min=0.001, help="Longest audio (413 above).")] = 3600.0,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait for the engine (429 above).")] = 64,
-    request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.001, help="Seconds before a request is answered 504.")] = 600.0,
+    http_bind: Annotated[
+        str, typer.Option("--http-bind", help="HOST:PORT to listen on.")
+    ] = "127.0.0.1:8000",
+    max_upload_bytes: Annotated[
+        int, typer.Option("--max-upload-bytes", min=1, help="Largest request body (413 above).")
+    ] = 25 * 1024 * 1024,
+    max_audio_seconds: Annotated[
+        float, typer.Option("--max-audio-seconds", min=0.001, help="Longest audio (413 above).")
+    ] = 3600.0,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            "--max-queue", min=1, help="Requests that may wait for the engine (429 above)."
+        ),
+    ] = 64,
+    request_timeout: Annotated[
+        float,
+        typer.Option(
+            "--request-timeout", min=0.001, help="Seconds before a request is answered 504."
+        ),
+    ] = 600.0,
     api_key: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option("--api-key", envvar="OASR_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /healthz and /readyz."),
+        typer.Option(
+            "--api-key",
+            envvar="OASR_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on every route but /healthz and /readyz.",
+        ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
-    max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Most requests in one engine call.")] = 16,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")] = None,  # noqa: UP045
+    max_batch_size: Annotated[
+        int, typer.Option("--max-batch-size", min=1, help="Most requests in one engine call.")
+    ] = 16,
+    threads: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option("--threads", help="CPU threads for torch."),
+    ] = None,
     grpc_bind: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option("--grpc-bind", help="HOST:PORT for the gRPC API (oasr.speech.v1.Speech, health, reflection). Off by default."),
+        typer.Option(
+            "--grpc-bind",
+            help="HOST:PORT for the gRPC API (oasr.speech.v1.Speech, health, reflection). Off by default.",
+        ),
     ] = None,
-    served_model_name: Annotated[str, typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field.")] = "oasr",
-    no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Report ready without a warm-up run.")] = False,
-    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
+    served_model_name: Annotated[
+        str,
+        typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field."),
+    ] = "oasr",
+    no_warmup: Annotated[
+        bool, typer.Option("--no-warmup", help="Report ready without a warm-up run.")
+    ] = False,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="debug, info, warning, error.")
+    ] = "info",
 ) -> None:
     """Serve one model over HTTP: OpenAI-compatible /v1/audio/transcriptions and translations,
     /v1/models, /v1/speech:recognize, /healthz, /readyz and /metrics."""
@@ -102,7 +140,11 @@ def serve_command(
     app = create_app(config, engine_config=engine_config, on_load_failure=on_load_failure)
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=host, port=port, log_level=log_level.lower(), lifespan="on",
+            app,
+            host=host,
+            port=port,
+            log_level=log_level.lower(),
+            lifespan="on",
             timeout_graceful_shutdown=max(5, int(request_timeout)),
         )
     )

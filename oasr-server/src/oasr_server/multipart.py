@@ -113,5 +113,7 @@ def parse_multipart(body: bytes, content_type: str) -> Form:
     except InvalidRequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - any parser failure is the client's malformed body
-        raise InvalidRequestError(f"could not parse the multipart body: {exc}", param="file") from None
+        raise InvalidRequestError(
+            f"could not parse the multipart body: {exc}", param="file"
+        ) from None
     return form

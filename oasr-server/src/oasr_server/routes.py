@@ -46,7 +46,9 @@ def _float(value: str | None, param: str, lo: float, hi: float, default: float) 
     except ValueError:
         raise InvalidRequestError(f"{param} must be a number, not {value!r}", param=param) from None
     if not lo <= x <= hi:
-        raise InvalidRequestError(f"{param} must be between {lo:g} and {hi:g}, not {x:g}", param=param)
+        raise InvalidRequestError(
+            f"{param} must be between {lo:g} and {hi:g}, not {x:g}", param=param
+        )
     return x
 
 
@@ -56,7 +58,9 @@ def _int(value: str | None, param: str, lo: int, hi: int, default: int | None) -
     try:
         x = int(value)
     except ValueError:
-        raise InvalidRequestError(f"{param} must be an integer, not {value!r}", param=param) from None
+        raise InvalidRequestError(
+            f"{param} must be an integer, not {value!r}", param=param
+        ) from None
     if not lo <= x <= hi:
         raise InvalidRequestError(f"{param} must be between {lo} and {hi}, not {x}", param=param)
     return x
@@ -83,7 +87,12 @@ def _raw_text(form: Form, name: str) -> str | None:
 
 
 def _options(
-    *, task: str, language: str | None, prompt: str | None, temperature: float, words: bool,
+    *,
+    task: str,
+    language: str | None,
+    prompt: str | None,
+    temperature: float,
+    words: bool,
     beam_size: int | None = None,
 ) -> DecodingOptions:
     from oasr.types import DecodingOptions
@@ -116,7 +125,7 @@ async def _parse_form(request: Request, state: ServerState) -> Form:
 def _deltas(text: str) -> list[str]:
     """Split ``text`` into word deltas whose concatenation is exactly ``text``."""
     parts = re.findall(r"\s*\S+", text)
-    tail = text[len("".join(parts)):]
+    tail = text[len("".join(parts)) :]
     if tail:
         if parts:
             parts[-1] += tail
@@ -150,7 +159,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if upload is None:
             raise InvalidRequestError("the 'file' field with the audio is required", param="file")
         if not isinstance(upload, UploadedFile):
-            raise InvalidRequestError("'file' must be an uploaded file, not a text field", param="file")
+            raise InvalidRequestError(
+                "'file' must be an uploaded file, not a text field", param="file"
+            )
         state.check_model(_text(form, "model"))
         response_format = _text(form, "response_format") or "json"
         if response_format not in RESPONSE_FORMATS:
@@ -160,7 +171,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 param="response_format",
             )
         raw_grains = [
-            g for key in ("timestamp_granularities[]", "timestamp_granularities")
+            g
+            for key in ("timestamp_granularities[]", "timestamp_granularities")
             for g in form.getlist(key)
         ]
         grains: list[str] = []
@@ -273,7 +285,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(q.get("model"))
         task = q.get("task") or "transcribe"
         if task not in ("transcribe", "translate"):
-            raise InvalidRequestError(f"task must be transcribe or translate, not {task!r}", param="task")
+            raise InvalidRequestError(
+                f"task must be transcribe or translate, not {task!r}", param="task"
+            )
         words = _bool(q.get("word_timestamps"), "word_timestamps")
         options = _options(
             task=task,
@@ -291,7 +305,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
             rate = _int(q.get("sample_rate"), "sample_rate", 1, 10**7, None)
             if rate is None:
-                raise InvalidRequestError("raw PCM (encoding=...) needs sample_rate", param="sample_rate")
+                raise InvalidRequestError(
+                    "raw PCM (encoding=...) needs sample_rate", param="sample_rate"
+                )
             raw_format = RawPCMFormat(
                 sample_rate=rate,
                 encoding=encoding,  # type: ignore[arg-type]
@@ -320,8 +336,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                     for s in t.segments
                 ],
                 "words": [
-                    {"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3),
-                     "confidence": w.confidence}
+                    {
+                        "word": w.word,
+                        "start": round(w.start, 3),
+                        "end": round(w.end, 3),
+                        "confidence": w.confidence,
+                    }
                     for w in t.words
                 ],
             }

@@ -22,15 +22,23 @@ def main() -> None:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--grpc_python_out={tmp}", PROTO]
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            PROTO,
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         out = Path(tmp) / "oasr" / "speech" / "v1"
         (HERE / "speech_pb2.py").write_text((out / "speech_pb2.py").read_text())
         grpc_src = (out / "speech_pb2_grpc.py").read_text()
         grpc_src = re.sub(
-            r"^from oasr\.speech\.v1 import speech_pb2 as", "from . import speech_pb2 as",
-            grpc_src, flags=re.M,
+            r"^from oasr\.speech\.v1 import speech_pb2 as",
+            "from . import speech_pb2 as",
+            grpc_src,
+            flags=re.M,
         )
         (HERE / "speech_pb2_grpc.py").write_text(grpc_src)
     print(f"wrote {HERE / 'speech_pb2.py'} and {HERE / 'speech_pb2_grpc.py'}")

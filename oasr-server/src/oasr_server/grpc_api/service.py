@@ -58,9 +58,13 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
         for item in context.invocation_metadata() or ():
             if item.key == "authorization":
                 scheme, _, token = str(item.value).partition(" ")
-                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+                if scheme.lower() == "bearer" and hmac.compare_digest(
+                    token.strip().encode(), key.encode()
+                ):
                     return
-        raise AuthenticationError("missing or incorrect API key; send metadata 'authorization: Bearer <key>'")
+        raise AuthenticationError(
+            "missing or incorrect API key; send metadata 'authorization: Bearer <key>'"
+        )
 
     async def Recognize(  # noqa: N802 - gRPC method name
         self, request: speech_pb2.RecognizeRequest, context: aio.ServicerContext
@@ -76,7 +80,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             cfg = request.config
             state.check_model(cfg.model or None)
             if not 0.0 <= cfg.temperature <= 1.0:
-                raise InvalidRequestError("temperature must be between 0 and 1", param="temperature")
+                raise InvalidRequestError(
+                    "temperature must be between 0 and 1", param="temperature"
+                )
             if cfg.beam_size < 0 or cfg.beam_size > 64:
                 raise InvalidRequestError("beam_size must be between 0 and 64", param="beam_size")
             options = _options(
@@ -106,7 +112,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             if len(request.audio) > state.config.max_upload_bytes:
                 raise UploadTooLargeError(
                     f"the audio is {len(request.audio)} bytes; this server accepts at most "
-                    f"{state.config.max_upload_bytes} bytes (--max-upload-bytes)", param="audio",
+                    f"{state.config.max_upload_bytes} bytes (--max-upload-bytes)",
+                    param="audio",
                 )
             timeout = state.config.request_timeout
             remaining = context.time_remaining()
@@ -123,8 +130,12 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
                 task=t.task,
                 segments=[
                     speech_pb2.Segment(
-                        id=s.id, start=s.start, end=s.end, text=s.text,
-                        confidence=s.confidence, no_speech_prob=s.no_speech_prob,
+                        id=s.id,
+                        start=s.start,
+                        end=s.end,
+                        text=s.text,
+                        confidence=s.confidence,
+                        no_speech_prob=s.no_speech_prob,
                     )
                     for s in t.segments
                 ],

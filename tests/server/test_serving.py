@@ -89,7 +89,7 @@ def test_only_matching_options_share_a_batch(kit, app_factory) -> None:
 
 
 def test_many_concurrent_requests_all_answered(kit, app_factory) -> None:
-    app, model = app_factory(kit.FakeModel(delay=0.02), engine_kw={"max_batch_size": 4})
+    app, model = app_factory(kit.FakeModel(delay=0.05), engine_kw={"max_batch_size": 4})
 
     async def go():
         async with kit.serving(app) as c:

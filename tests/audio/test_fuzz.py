@@ -3,6 +3,7 @@ else, and within a time bound."""
 
 from __future__ import annotations
 
+import struct
 import time
 
 import numpy as np
@@ -78,3 +79,26 @@ def test_mutated_real_files(seeds, data):
         for _ in range(data.draw(st.integers(1, 16))):
             b[data.draw(st.integers(0, k - 1))] = data.draw(st.integers(0, 255))
     _check(bytes(b))
+
+
+def _wav(tag, channels, rate, bits, data_len, payload):
+    block = (channels * bits // 8) & 0xFFFF
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, (rate * block) & 0xFFFFFFFF, block, bits)
+    return (b"RIFF" + struct.pack("<I", (36 + len(payload)) & 0xFFFFFFFF) + b"WAVE" + b"fmt "
+            + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", data_len) + payload)
+
+
+@FUZZ
+@given(tag=st.sampled_from([1, 2, 3, 6, 7, 0x11, 0x55, 0xFFFE, 0x1234]),
+       channels=st.integers(0, 300), rate=st.integers(0, 2**32 - 1),
+       bits=st.sampled_from([0, 1, 4, 7, 8, 12, 16, 24, 32, 64, 255]),
+       data_len=st.one_of(st.integers(0, 8192), st.just(0xFFFFFFFF)),
+       n=st.integers(0, 8192))
+def test_structured_wav_headers(speech_pcm, tag, channels, rate, bits, data_len, n):
+    _check(_wav(tag, channels, rate, bits, data_len, speech_pcm[:n]))
+
+
+@pytest.fixture(scope="module")
+def speech_pcm(sources):
+    x, _ = sources["mono16k"]
+    return (np.clip(x[0], -1, 1) * 32767).astype("<i2").tobytes()

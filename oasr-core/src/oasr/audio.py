@@ -254,7 +254,8 @@ def _frame_to_mono(frame: Any) -> np.ndarray:
     arr = frame.to_ndarray().reshape(-1)
     if channels <= 1:
         return arr.astype(np.float32, copy=False)
-    return arr.reshape(-1, channels).mean(axis=1, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # corrupt float data: caught as non-finite
+        return arr.reshape(-1, channels).mean(axis=1, dtype=np.float32)
 
 
 def _decode_container(

@@ -138,7 +138,7 @@ def test_language_detection_matches_reference(rand_multi, multi_tok, clips):
         dict(language="de", task="transcribe"),
         dict(language="fr", task="translate"),
         dict(language="en", task="transcribe", without_timestamps=True),
-        dict(language="ja", task="transcribe", beam=3),
+        pytest.param(dict(language="ja", task="transcribe", beam=3), marks=pytest.mark.slow),
         dict(language="en", task="transcribe", prompt="Previous words here."),
     ],
 )
@@ -180,13 +180,15 @@ def tiny():
     "kw",
     [
         dict(),
-        dict(without_timestamps=True),
+        pytest.param(dict(without_timestamps=True), marks=pytest.mark.slow),
         pytest.param(dict(beam=5), marks=pytest.mark.slow),
         pytest.param(
             dict(beam=3, patience=2.0, length_penalty=0.6, without_timestamps=True),
             marks=pytest.mark.slow,
         ),
-        dict(prompt="President Kennedy's inaugural address, 1961."),
+        pytest.param(
+            dict(prompt="President Kennedy's inaugural address, 1961."), marks=pytest.mark.slow
+        ),
         pytest.param(dict(suppress=(), suppress_blank=False), marks=pytest.mark.slow),
     ],
     ids=["greedy", "greedy-notimestamps", "beam5", "beam3-patience-lp", "prompt", "nosuppress"],

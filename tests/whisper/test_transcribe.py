@@ -174,12 +174,14 @@ def test_prompt_and_no_conditioning_match_openai(tiny, tiny_ref, audio):
     assert_matches_reference(ours, ref)
 
 
-def test_batch_equals_single(tiny, audio):
-    opts = DecodingOptions(without_timestamps=True)
-    both = tiny.transcribe([audio["jfk"], audio["ls"]], opts)
-    single = tiny.transcribe([audio["ls"]], opts)[0]
+def test_batch_equals_single(tiny):
+    a = load_speech("en_ls_2830-3980-0043.wav")
+    b = load_speech("en_ls_4507-16021-0012.wav")
+    both = tiny.transcribe([a, b], DecodingOptions())
+    single = tiny.transcribe([b], DecodingOptions())[0]
     assert both[1].text == single.text
-    assert "fellow Americans" in both[0].text
+    assert [s.tokens for s in both[1].segments] == [s.tokens for s in single.segments]
+    assert "experience" in both[0].text.lower() and "halt" in single.text.lower()
 
 
 # --------------------------------------------------------------------------- random multilingual
@@ -207,7 +209,11 @@ def rand_pair(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(), dict(task="translate", language="de"), dict(word_timestamps=True, language="es")],
+    [
+        dict(),
+        pytest.param(dict(task="translate", language="de"), marks=pytest.mark.slow),
+        pytest.param(dict(word_timestamps=True, language="es"), marks=pytest.mark.slow),
+    ],
     ids=["detect", "translate", "words"],
 )
 def test_random_multilingual_long_form_matches_openai(rand_pair, audio, kw):
@@ -235,13 +241,14 @@ def test_native_round_trip(tiny, tmp_path, audio):
 
     again = WhisperASR.from_native(tmp_path / "native", read_native_config(tmp_path / "native"))
     opts = DecodingOptions(without_timestamps=True)
-    assert (
-        again.transcribe([audio["jfk"]], opts)[0].text
-        == tiny.transcribe([audio["jfk"]], opts)[0].text
-    )
+    clip = load_speech("en_ls_2830-3980-0043.wav")
+    text = again.transcribe([clip], opts)[0].text
+    assert text == tiny.transcribe([clip], opts)[0].text
+    assert "experience" in text.lower()
     assert again.name == tiny.name
 
 
+@pytest.mark.slow
 def test_word_timestamps_are_monotonic_and_inside_audio(batch_out):
     for t in batch_out:
         words = t.words

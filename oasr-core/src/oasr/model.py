@@ -7,6 +7,7 @@ subclass anything from core.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -50,3 +51,49 @@ class CheckpointFormat(Protocol):
 
     @staticmethod
     def load(path: Path, config: EngineConfig) -> ASRModel: ...
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+
+class StreamState(Protocol):
+    """Everything one live stream carries between steps (feature framing remainder, encoder
+    caches, decoder hypotheses). Created by ``StreamingASRModel.new_stream``; owned by the engine,
+    mutated only by the model's ``stream_step``."""
+
+    @property
+    def samples_needed(self) -> int:
+        """Samples of new audio this stream needs before its next step can run (one chunk)."""
+        ...
+
+
+@dataclass
+class StreamingUpdate:
+    """What one stream produced in one step."""
+
+    text: str  # the whole hypothesis so far (partial) or the final text
+    is_final: bool
+    #: the finished result, set when ``is_final``
+    transcript: Transcript | None = None
+
+
+@runtime_checkable
+class StreamingASRModel(ASRModel, Protocol):
+    """An :class:`ASRModel` whose capabilities include ``streaming=True``.
+
+    The engine buffers each stream's audio and, once a stream has ``samples_needed`` samples (or
+    its last audio arrived), hands that chunk to ``stream_step`` together with the ready chunks of
+    every other live stream: one batched call per engine step. Results must not depend on which
+    other streams share the batch.
+    """
+
+    def new_stream(self, options: DecodingOptions) -> StreamState: ...
+
+    def stream_step(
+        self,
+        states: Sequence[StreamState],
+        chunks: Sequence[np.ndarray],
+        is_last: Sequence[bool],
+    ) -> list[StreamingUpdate]:
+        """Advance each stream by its chunk (mono float32 at ``feature_spec.sample_rate``)."""
+        ...

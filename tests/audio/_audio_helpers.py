@@ -36,6 +36,8 @@ CASES = [
     Case("pcm48k.aiff", "aiff", "pcm_s16be", "stereo44k", out_rate=48000),
     Case("flac.flac", "flac", "flac", "stereo44k"),
     Case("flac8k.flac", "flac", "flac", "mono16k", out_rate=8000),
+    Case("flac96k.flac", "flac", "flac", "stereo44k", out_rate=96000),
+    Case("pcm11k.wav", "wav", "pcm_s16le", "stereo44k", out_rate=11025),
     Case("mp3.mp3", "mp3", "libmp3lame", "stereo44k", bit_rate=128000, lossy=True),
     Case("mp3_16k.mp3", "mp3", "libmp3lame", "mono16k", bit_rate=64000, lossy=True),
     Case("aac.m4a", "ipod", "aac", "stereo44k", bit_rate=128000, lossy=True),

@@ -161,7 +161,8 @@ class NemoMel:
         x = torch.as_tensor(audio)
         feats, flens = self.extract(x, lengths)
         if x.dim() == 1:
-            return feats[0, : int(flens[0])]
+            n = self.num_frames(x.shape[0]) if lengths is None else int(flens[0])
+            return feats[0, :n]
         return feats
 
     def stream(self, device: torch.device | str | None = None) -> NemoMelStream:

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 from _encode import encode
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from oasr.audio import RawPCMFormat, decode_raw_pcm, load_audio, resample
 from oasr.errors import BadAudioError, InvalidRequestError
@@ -120,3 +122,44 @@ def test_too_many_channels_rejected(tmp_path):
     sf.write(tmp_path / "c65.wav", x, 16000, subtype="PCM_16")
     with pytest.raises(BadAudioError, match="65 channels"):
         load_audio(tmp_path / "c65.wav")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(0, 12000), max_size=20),
+       enc=st.sampled_from(["pcm_s16le", "pcm_s24le", "mulaw"]), channels=st.integers(1, 2),
+       rate=st.sampled_from([8000, 16000, 44100]))
+def test_raw_pcm_stream_equals_whole(speech, cuts, enc, channels, rate):
+    from oasr.audio import RawPCMStream
+
+    x, _ = speech
+    fmt = RawPCMFormat(rate, enc, channels)
+    n = 6000
+    pcm16 = (np.clip(x[: n * channels], -1, 1) * 32767).astype("<i2")
+    if enc == "pcm_s16le":
+        raw = pcm16.tobytes()
+    elif enc == "pcm_s24le":
+        raw = b"".join((int(v) * 256).to_bytes(3, "little", signed=True) for v in pcm16[:4000])
+        raw = raw[: len(raw) - len(raw) % fmt.bytes_per_frame]
+    else:
+        raw = (pcm16.view(np.uint16) >> 8).astype(np.uint8).tobytes()
+        raw = raw[: len(raw) - len(raw) % fmt.bytes_per_frame]
+    whole = load_audio(raw, 16000, raw_format=fmt)
+    s = RawPCMStream(fmt, 16000)
+    bounds = sorted({min(c, len(raw)) for c in cuts} | {0, len(raw)})
+    parts = [s.feed(raw[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)] + [s.finish()]
+    np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-6)
+
+
+def test_raw_pcm_stream_errors():
+    from oasr.audio import RawPCMStream
+    from oasr.errors import AudioTooLongError
+
+    s = RawPCMStream(RawPCMFormat(16000), 16000, max_seconds=1)
+    s.feed(b"\x00" * 32000)
+    with pytest.raises(AudioTooLongError):
+        s.feed(b"\x00" * 3200)
+    s = RawPCMStream(RawPCMFormat(16000), 16000)
+    s.feed(b"\x00\x00\x00")
+    with pytest.raises(BadAudioError, match="stray"):
+        s.finish()

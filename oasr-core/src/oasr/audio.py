@@ -30,6 +30,7 @@ from oasr.errors import AudioTooLongError, BadAudioError, InvalidRequestError
 
 __all__ = [
     "RawPCMFormat",
+    "RawPCMStream",
     "Resampler",
     "load_audio",
     "decode_raw_pcm",
@@ -201,6 +202,47 @@ def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     rs = Resampler(src_rate, dst_rate)
     out = [rs.process(x), rs.flush()]
     return np.concatenate(out)
+
+
+class RawPCMStream:
+    """Streaming decoder for headerless PCM arriving in chunks (WebSocket / gRPC streams).
+
+    ``feed(data)`` accepts bytes split anywhere (even inside a sample) and returns float32 mono
+    samples at ``sample_rate`` that are ready; ``finish()`` flushes the resampler. The
+    concatenated output equals ``load_audio(all_bytes, sample_rate, raw_format=fmt)``. A stream
+    longer than ``max_seconds`` raises :class:`AudioTooLongError`; a trailing partial sample at
+    ``finish()`` raises :class:`BadAudioError`.
+    """
+
+    def __init__(
+        self, fmt: RawPCMFormat, sample_rate: int = 16000, *, max_seconds: float | None = None
+    ) -> None:
+        self.fmt = fmt
+        self.sample_rate = int(sample_rate)
+        self._rs = Resampler(fmt.sample_rate, self.sample_rate)
+        self._pending = b""
+        self._budget = _Budget(self.sample_rate, max_seconds, None)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> np.ndarray:
+        buf = self._pending + bytes(data)
+        usable = len(buf) - len(buf) % self.fmt.bytes_per_frame
+        self._pending = buf[usable:]
+        if usable == 0:
+            return np.zeros(0, np.float32)
+        self._budget.add(usable // self.fmt.bytes_per_frame / self.fmt.sample_rate)
+        planes = decode_raw_pcm(buf[:usable], self.fmt)
+        mono = planes[0] if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
+        return self._rs.process(mono)
+
+    def finish(self) -> np.ndarray:
+        if self._pending:
+            n = len(self._pending)
+            self._pending = b""
+            raise BadAudioError(
+                f"the raw {self.fmt.encoding} stream ended inside a sample frame ({n} stray "
+                f"bytes); send whole frames of {self.fmt.bytes_per_frame} bytes"
+            )
+        return self._rs.flush()
 
 
 # --------------------------------------------------------------------------------------------

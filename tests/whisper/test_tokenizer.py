@@ -156,3 +156,17 @@ def test_timestamp_token(multi):
     assert multi.timestamp_token(0.0) == multi.timestamp_begin
     assert multi.timestamp_token(30.0) == multi.timestamp_end
     assert multi.decode_with_timestamps([multi.timestamp_token(1.08)]) == "<|1.08|>"
+
+
+@pytest.mark.parametrize("multilingual,num_languages", [(False, 99), (True, 99), (True, 100)])
+def test_tiktoken_assets_give_the_reference_tokenizer(multilingual, num_languages):
+    """openai-whisper .pt checkpoints ship no tokenizer: it is rebuilt from the .tiktoken ranks."""
+    tok = WhisperTokenizer.for_vocabulary(multilingual, num_languages)
+    ref = wt.get_tokenizer(multilingual, num_languages=num_languages)
+    for name in SPECIALS:
+        assert getattr(tok, name) == getattr(ref, name), name
+    assert len(tok.languages) == (num_languages if multilingual else 99)
+    for text in TEXTS + ["  a\n\n b  c\t", "'s 're 123456 !!?? 'LL"]:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.non_speech_tokens == ref.non_speech_tokens

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures_decoding import (  # noqa: E402
@@ -259,3 +260,28 @@ def test_word_timestamps_are_monotonic_and_inside_audio(batch_out):
             assert w.start >= prev_end - 1e-6
             assert 0.0 <= w.confidence <= 1.0
             prev_end = w.end
+
+
+def test_openai_pt_checkpoint_without_tokenizer_files(tmp_path, audio):
+    """An openai-whisper .pt ships no tokenizer; the standard one is rebuilt and decoding
+    matches openai-whisper on the same file."""
+    from dataclasses import asdict
+
+    from oasr_models_whisper.checkpoints import load_openai
+
+    ref = random_openai_model(multilingual=False, seed=5)
+    pt = tmp_path / "random-weights.pt"
+    torch.save({"dims": asdict(ref.dims), "model_state_dict": ref.state_dict()}, pt)
+    loaded = load_openai(pt)
+    assert not loaded.tokenizer_files
+    ours = WhisperASR.from_loaded(loaded)
+    heads = ours.network.alignment_heads.tolist()
+    assert sorted(map(tuple, heads)) == sorted(
+        map(tuple, ref.alignment_heads.to_dense().nonzero().tolist())
+    )
+    opts = DecodingOptions(max_new_tokens=12, word_timestamps=True)
+    clip = load_speech("en_ls_2830-3980-0043.wav")
+    got = ours.transcribe([clip], opts)[0]
+    want = ref.transcribe(clip, fp16=False, temperature=0.0, sample_len=12,
+                          word_timestamps=True)  # fmt: skip
+    assert_matches_reference(got, want)

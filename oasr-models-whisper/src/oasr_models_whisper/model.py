@@ -92,13 +92,12 @@ class WhisperASR:
         config = config or EngineConfig()
         network = build_network(loaded, config.device, _dtype(config.dtype))
         files = {k: str(v) for k, v in (loaded.tokenizer_files or {}).items()}
-        if not files:
-            raise CheckpointError(
-                "this Whisper checkpoint carries no tokenizer (tokenizer.json or vocab.json + "
-                "merges.txt); put the matching Hugging Face tokenizer files next to it"
-            )
         num_languages = loaded.num_languages if loaded.is_multilingual else None
-        tokenizer = WhisperTokenizer.from_files(files, num_languages=num_languages or None)
+        if any(Path(f).name in ("tokenizer.json", "vocab.json") or f.endswith(".tiktoken")
+               for f in files.values()):  # fmt: skip
+            tokenizer = WhisperTokenizer.from_files(files, num_languages=num_languages or None)
+        else:  # openai-whisper .pt: the standard vocabulary for this model's size
+            tokenizer = WhisperTokenizer.for_vocabulary(loaded.is_multilingual, num_languages or 99)
         if tokenizer.timestamp_end >= loaded.dims.n_vocab:
             raise CheckpointError(
                 f"tokenizer does not fit the model: timestamps end at id {tokenizer.timestamp_end} "

@@ -12,7 +12,9 @@ The tokenizer is stateless with respect to language and task: callers pass them 
 
 from __future__ import annotations
 
+import base64
 import functools
+import importlib.util
 import json
 import os
 import string
@@ -177,7 +179,63 @@ class WhisperTokenizer:
                 by_name.get("added_tokens.json"),
                 **kwargs,
             )
+        tiktoken = [p for n, p in by_name.items() if n.endswith(".tiktoken")]
+        if len(tiktoken) == 1:
+            if kwargs.get("num_languages") is None:
+                kwargs.pop("num_languages", None)
+            return cls.from_tiktoken(tiktoken[0], **kwargs)
         raise CheckpointError(f"no Whisper tokenizer among {paths!r}")
+
+    @classmethod
+    def from_tiktoken(
+        cls, path: str | os.PathLike, *, num_languages: int = 99, **kwargs
+    ) -> WhisperTokenizer:
+        """Load openai-whisper's ``gpt2.tiktoken`` / ``multilingual.tiktoken`` rank file.
+
+        The BPE merges are recovered from the ranks and Whisper's special tokens are appended in
+        openai-whisper's order (``num_languages`` language tokens; 100 for large-v3).
+        """
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        ranks: dict[bytes, int] = {}
+        for line in Path(path).read_text(encoding="ascii").splitlines():
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+        byte_map = _bytes_to_unicode()
+
+        def spell(b: bytes) -> str:
+            return "".join(byte_map[x] for x in b)
+
+        vocab = {spell(tok): rank for tok, rank in ranks.items()}
+        merges = [(spell(a), spell(b)) for a, b in _recover_merges(ranks)]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        langs = list(LANGUAGES)[:num_languages]
+        specials = [
+            "<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code in langs],
+            "<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>",
+            "<|nospeech|>", "<|notimestamps|>",
+            *[f"<|{i * TIME_PRECISION:.2f}|>" for i in range(N_TIMESTAMPS)],
+        ]  # fmt: skip
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        kwargs.setdefault("num_languages", num_languages)
+        return cls(tok, **kwargs)
+
+    @classmethod
+    def for_vocabulary(cls, multilingual: bool, num_languages: int = 99) -> WhisperTokenizer:
+        """The standard tokenizer of a checkpoint that ships none (openai-whisper ``.pt``), from
+        the ``.tiktoken`` assets of an installed ``openai-whisper`` package."""
+        name = "multilingual.tiktoken" if multilingual else "gpt2.tiktoken"
+        asset = _openai_asset(name)
+        if asset is None:
+            raise CheckpointError(
+                f"this Whisper checkpoint carries no tokenizer and {name} was not found; install "
+                f"openai-whisper (which ships it) or put the Hugging Face tokenizer.json of the "
+                f"same model next to the checkpoint"
+            )
+        return cls.from_tiktoken(asset, num_languages=num_languages if multilingual else 99)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -308,3 +366,56 @@ class WhisperTokenizer:
                 words[-1] += sub
                 groups[-1].extend(group)
         return words, groups
+
+
+# --------------------------------------------------------------------------- tiktoken assets
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """BPE merges in priority order from tiktoken ranks: a multi-byte token of rank r is the
+    merge of the two pieces that byte-pair encoding with only lower-ranked tokens leaves."""
+    merges: list[tuple[int, bytes, bytes]] = []
+    for token, rank in ranks.items():
+        if len(token) < 2:
+            continue
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best_i, best_rank = -1, rank
+            for i in range(len(parts) - 1):
+                r = ranks.get(parts[i] + parts[i + 1])
+                if r is not None and r < best_rank:
+                    best_i, best_rank = i, r
+            if best_i < 0:
+                break
+            parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+        if len(parts) == 2:
+            merges.append((rank, parts[0], parts[1]))
+    merges.sort()
+    return [(a, b) for _, a, b in merges]
+
+
+def _openai_asset(name: str) -> Path | None:
+    """Path of ``whisper/assets/<name>`` in an installed openai-whisper (found without importing
+    it, which would import torch)."""
+    try:
+        spec = importlib.util.find_spec("whisper")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        candidate = Path(loc) / "assets" / name
+        if candidate.is_file():
+            return candidate
+    return None

@@ -84,6 +84,43 @@ class ServerState:
         self._ready_lock = threading.Lock()
         self._ready_listeners: list[Callable[[], None]] = []
         self._closed = False
+        #: live streams (realtime WebSockets and gRPC StreamingRecognize), at most max_streams
+        self.streams = 0
+        self._vad: Any = None
+        self._vad_lock: asyncio.Lock | None = None
+        self.vad_limiter = anyio.CapacityLimiter(config.decode_threads)
+
+    # -- streams and VAD ---------------------------------------------------------------------
+    def open_stream(self, api: str) -> None:
+        """Take one of the ``max_streams`` slots (raises :class:`TooManyStreamsError`)."""
+        from oasr_server.errors import TooManyStreamsError
+
+        if self.streams >= self.config.max_streams:
+            raise TooManyStreamsError(
+                f"this server already serves {self.config.max_streams} live streams "
+                "(--max-streams); retry later or on another instance"
+            )
+        self.streams += 1
+        self.metrics.streams_active.labels(api).inc()
+
+    def close_stream(self, api: str, outcome: str) -> None:
+        self.streams -= 1
+        self.metrics.streams_active.labels(api).dec()
+        self.metrics.streams_total.labels(api, outcome).inc()
+
+    async def vad_detector(self) -> Any:
+        """The process-wide Silero detector (``oasr.vad.default_detector``), loaded in a thread
+        the first time it is needed so the event loop never waits on it."""
+        if self._vad is not None:
+            return self._vad
+        if self._vad_lock is None:
+            self._vad_lock = asyncio.Lock()
+        async with self._vad_lock:
+            if self._vad is None:
+                from oasr.vad import default_detector
+
+                self._vad = await anyio.to_thread.run_sync(default_detector)
+        return self._vad
 
     # -- model loading -----------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -211,15 +248,18 @@ class ServerState:
     async def transcribe(
         self,
         worker: EngineWorker,
-        audio: np.ndarray,
+        audio: np.ndarray | list[np.ndarray],
         options: DecodingOptions,
         deadline: float,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-    ) -> Transcript:
-        """Queue one request and wait for its result, at most until ``deadline``. With
-        ``is_disconnected``, a client that went away is noticed (every ``DISCONNECT_POLL_S``)
-        and its work is dropped if the engine has not started it."""
-        job: Job = worker.submit(audio, options)
+        *,
+        multi: bool = False,
+    ) -> Any:
+        """Queue one request and wait for its result (a :class:`~oasr.types.Transcript`, or a
+        list of them with ``multi``), at most until ``deadline``. With ``is_disconnected``, a
+        client that went away is noticed (every ``DISCONNECT_POLL_S``) and its work is dropped
+        if the engine has not started it. Cancelling the awaiting task drops the work too."""
+        job: Job = worker.submit(audio, options, multi=multi)
         try:
             while not job.future.done():
                 remaining = deadline - time.monotonic()
@@ -238,6 +278,9 @@ class ServerState:
                     job.abandoned = True
                     raise ClientDisconnectedError("the client closed the connection")
             result = job.future.result()
+        except asyncio.CancelledError:
+            job.abandoned = True
+            raise
         finally:
             if not job.future.done():
                 job.abandoned = True  # timed out or the client went away: skip the work

@@ -38,6 +38,12 @@ class ServerConfig:
     #: ``HOST:PORT`` for the gRPC API (``oasr.speech.v1.Speech``, health, reflection); None: off.
     #: Port 0 picks a free port (see ``app.state.grpc_server.oasr_port``).
     grpc_bind: str | None = None
+    #: Live streams (``/v1/realtime`` WebSockets plus gRPC ``StreamingRecognize`` calls); one
+    #: more is refused (WebSocket close code 1013, gRPC ``RESOURCE_EXHAUSTED``).
+    max_streams: int = 64
+    #: Interim results: a turn still growing is re-transcribed after every this many ms of new
+    #: audio (0: no interim results, only the final transcript of each turn).
+    partial_interval_ms: int = 1000
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes < 1:
@@ -50,5 +56,11 @@ class ServerConfig:
             raise InvalidRequestError("request_timeout must be > 0", param="request_timeout")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        if self.max_streams < 0:
+            raise InvalidRequestError("max_streams must be >= 0", param="max_streams")
+        if self.partial_interval_ms < 0:
+            raise InvalidRequestError(
+                "partial_interval_ms must be >= 0", param="partial_interval_ms"
+            )
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

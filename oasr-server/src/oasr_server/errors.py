@@ -14,6 +14,7 @@ __all__ = [
     "NotFoundError",
     "NotReadyError",
     "RequestTimeoutError",
+    "TooManyStreamsError",
     "UploadTooLargeError",
     "error_body",
 ]
@@ -74,6 +75,14 @@ class EngineFailureError(OASRError):
     http_status = 500
     code = "engine_error"
     error_type = "server_error"
+
+
+class TooManyStreamsError(OASRError):
+    """``--max-streams`` live streams are already open."""
+
+    http_status = 429
+    code = "too_many_streams"
+    error_type = "rate_limit_error"
 
 
 def error_body(error: OASRError) -> dict[str, Any]:

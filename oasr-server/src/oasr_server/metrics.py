@@ -87,6 +87,24 @@ class ServerMetrics:
             ["code"],
             registry=r,
         )
+        self.streams_active = Gauge(
+            "oasr_streams_active",
+            "Live streams (realtime WebSockets, gRPC StreamingRecognize), by API.",
+            ["api"],
+            registry=r,
+        )
+        self.streams_total = Counter(
+            "oasr_streams",
+            "Streams ended, by API and outcome (closed, error, rejected).",
+            ["api", "outcome"],
+            registry=r,
+        )
+        self.stream_turns = Counter(
+            "oasr_stream_turns",
+            "Turns (utterances) committed on streams, by API.",
+            ["api"],
+            registry=r,
+        )
         self.ready = Gauge(
             "oasr_model_ready", "1 once the model is loaded and warmed up.", registry=r
         )

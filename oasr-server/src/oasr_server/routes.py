@@ -150,6 +150,18 @@ async def _stream_events(transcript: Transcript) -> AsyncIterator[bytes]:
     )
 
 
+def _chunking(form: Form) -> Any:
+    """``chunking_strategy`` (one field: ``auto`` / JSON, or ``chunking_strategy[KEY]``)."""
+    from oasr_server.chunking import PARAM, parse_chunking_strategy
+
+    bracketed: dict[str, str] = {}
+    for name in form.fields:
+        if name.startswith(PARAM + "[") and name.endswith("]"):
+            value = _text(form, name)
+            bracketed[name[len(PARAM) + 1 : -1]] = value or ""
+    return parse_chunking_strategy(_text(form, PARAM), bracketed)
+
+
 def add_routes(app: FastAPI, state: ServerState) -> None:
     async def openai_audio(request: Request, task: str, route: str) -> Response:
         deadline = time.monotonic() + state.config.request_timeout
@@ -202,12 +214,21 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             temperature=_float(_text(form, "temperature"), "temperature", 0.0, 1.0, 0.0),
             words="word" in grains,
         )
+        chunking = _chunking(form)
         # refuse what this family cannot do before any decoding work
         options.check_supported(engine.model.capabilities, engine.model.name)
         audio = await state.decode(upload.data, engine.sample_rate, route)
-        transcript = await state.transcribe(
-            worker, audio, options, deadline, request.is_disconnected
-        )
+        if chunking is not None:
+            from oasr_server.chunking import transcribe_chunked
+
+            transcript = await transcribe_chunked(
+                state, worker, audio, engine.sample_rate, options, chunking, deadline,
+                request.is_disconnected,
+            )
+        else:
+            transcript = await state.transcribe(
+                worker, audio, options, deadline, request.is_disconnected
+            )
         if stream:
             return StreamingResponse(
                 _stream_events(transcript),

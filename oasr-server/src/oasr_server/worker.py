@@ -44,7 +44,9 @@ def options_key(options: DecodingOptions) -> str:
 
 @dataclass(eq=False)
 class Job:
-    audio: np.ndarray
+    #: one input, or (``multi``) a list of inputs answered with a list of transcripts; a multi
+    #: job takes one queue slot and its inputs run in the same engine call as its group
+    audio: np.ndarray | list[np.ndarray]
     options: DecodingOptions
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Transcript]
@@ -52,6 +54,11 @@ class Job:
     enqueued_at: float = field(default_factory=time.monotonic)
     #: set by the caller when it stopped waiting (timeout, disconnect): the work is skipped
     abandoned: bool = False
+    multi: bool = False
+
+    @property
+    def inputs(self) -> list[np.ndarray]:
+        return list(self.audio) if self.multi else [self.audio]  # type: ignore[list-item]
 
 
 BatchCallback = Callable[[int, float], None]
@@ -104,9 +111,12 @@ class EngineWorker:
         return self._thread is not None and self._thread.is_alive()
 
     # -- submission (event-loop side; never blocks) ------------------------------------------
-    def submit(self, audio: np.ndarray, options: DecodingOptions) -> Job:
+    def submit(
+        self, audio: np.ndarray | list[np.ndarray], options: DecodingOptions, *, multi: bool = False
+    ) -> Job:
+        """Queue one input (or, with ``multi``, a list of inputs answered by a list)."""
         loop = asyncio.get_running_loop()
-        job = Job(audio, options, loop, loop.create_future(), options_key(options))
+        job = Job(audio, options, loop, loop.create_future(), options_key(options), multi=multi)
         with self._submit_lock:
             if not self._accepting:
                 from oasr_server.errors import NotReadyError
@@ -164,7 +174,8 @@ class EngineWorker:
     def _run_group(self, jobs: list[Job]) -> None:
         started = time.monotonic()
         try:
-            results = self.engine.transcribe_arrays([j.audio for j in jobs], jobs[0].options)
+            inputs = [x for j in jobs for x in j.inputs]
+            results = self.engine.transcribe_arrays(inputs, jobs[0].options) if inputs else []
         except BaseException as exc:  # noqa: BLE001
             if len(jobs) > 1 and not isinstance(exc, OASRError):
                 # isolate the request that breaks the batch; the others still get answers
@@ -189,8 +200,12 @@ class EngineWorker:
                     self._on_batch(len(jobs), time.monotonic() - started)
                 except Exception:  # noqa: BLE001 - metrics must never break serving
                     log.exception("batch metrics callback failed")
-        for job, result in zip(jobs, results, strict=True):
-            _deliver(job, result=result)
+        pos = 0
+        for job in jobs:
+            n = len(job.inputs)
+            part = results[pos : pos + n]
+            pos += n
+            _deliver(job, result=list(part) if job.multi else part[0])
 
 
 def _deliver(job: Job, *, result: Any = None, error: BaseException | None = None) -> None:

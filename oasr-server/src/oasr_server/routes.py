@@ -296,6 +296,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         """Prometheus text exposition."""
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
+    from oasr_server.realtime import ROUTE, realtime_endpoint
+
+    app.add_api_websocket_route(ROUTE, realtime_endpoint)
+
     @app.post("/v1/speech:recognize", tags=["oasr"])
     async def recognize(request: Request) -> JSONResponse:
         """Raw audio in the body (any container; or headerless PCM with ``encoding`` and

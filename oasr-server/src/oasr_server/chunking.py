@@ -20,8 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from oasr.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -174,13 +172,8 @@ async def transcribe_chunked(
     from oasr.vad import get_speech_segments
 
     detector = await state.vad_detector()
-    segs = await anyio.to_thread.run_sync(
-        get_speech_segments,
-        audio,
-        sample_rate,
-        detector,
-        strategy.segmentation_options(),
-        limiter=state.vad_limiter,
+    segs = await state.run_vad(
+        get_speech_segments, audio, sample_rate, detector, strategy.segmentation_options()
     )
     duration = audio.shape[-1] / sample_rate
     if not segs:

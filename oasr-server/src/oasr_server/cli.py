@@ -77,6 +77,23 @@ def serve_command(
             help="HOST:PORT for the gRPC API (oasr.speech.v1.Speech, health, reflection). Off by default.",
         ),
     ] = None,
+    max_streams: Annotated[
+        int,
+        typer.Option(
+            "--max-streams",
+            min=0,
+            help="Live streams (/v1/realtime WebSockets + gRPC StreamingRecognize); more are refused.",
+        ),
+    ] = 64,
+    partial_interval_ms: Annotated[
+        int,
+        typer.Option(
+            "--partial-interval-ms",
+            min=0,
+            help="Streams: re-transcribe a growing turn after this much new audio for interim "
+            "results (0: finals only).",
+        ),
+    ] = 1000,
     served_model_name: Annotated[
         str,
         typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field."),
@@ -89,7 +106,8 @@ def serve_command(
     ] = "info",
 ) -> None:
     """Serve one model over HTTP: OpenAI-compatible /v1/audio/transcriptions and translations,
-    /v1/models, /v1/speech:recognize, /healthz, /readyz and /metrics."""
+    the /v1/realtime WebSocket, /v1/models, /v1/speech:recognize, /healthz, /readyz and
+    /metrics."""
     import uvicorn
 
     from oasr.types import EngineConfig
@@ -124,6 +142,8 @@ def serve_command(
             max_batch_size=max_batch_size,
             warmup=not no_warmup,
             grpc_bind=grpc_bind,
+            max_streams=max_streams,
+            partial_interval_ms=partial_interval_ms,
         )
     except OASRError as exc:
         typer.echo(f"error: {exc.message}", err=True)

@@ -24,7 +24,7 @@ transcript; when the final transcript revised the stable words (rare), no last d
 the final transcript is what counts.
 
 Heavy work never runs on the event loop: decoding, resampling and VAD run in a thread
-(``state.vad_limiter``), the model in the engine worker. Calls into one ``TurnStream`` must be
+(``state.run_vad``), the model in the engine worker. Calls into one ``TurnStream`` must be
 sequential (each transport drives it from one task).
 """
 
@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy as np
 
 from oasr.errors import InvalidRequestError, OASRError
@@ -178,10 +177,10 @@ class TurnStream:
     async def set_format(self, fmt: InputFormat) -> None:
         if fmt == self.fmt:
             return
-        tail = await anyio.to_thread.run_sync(self._resampler.flush)
+        tail = await self.state.run_vad(self._resampler.flush)
         self._set_format(fmt)
         if len(tail):
-            await self._take(tail, await anyio.to_thread.run_sync(self._vad_feed, tail))
+            await self._take(tail, await self.state.run_vad(self._vad_feed, tail))
 
     def set_options(self, options: DecodingOptions) -> None:
         self.options = options
@@ -265,7 +264,7 @@ class TurnStream:
         next call)."""
         if not data:
             return
-        y, events = await anyio.to_thread.run_sync(self._ingest, data, limiter=self.state.vad_limiter)
+        y, events = await self.state.run_vad(self._ingest, data)
         await self._take(y, events)
 
     async def _take(self, y: np.ndarray, events: list[Any]) -> None:
@@ -441,10 +440,10 @@ class TurnStream:
     async def finish(self) -> None:
         """End of input: flush the resampler and the VAD, commit what is left of a turn, wait
         until every committed turn has been answered."""
-        tail = await anyio.to_thread.run_sync(self._resampler.flush)
-        await self._take(tail, await anyio.to_thread.run_sync(self._vad_feed, tail))
+        tail = await self.state.run_vad(self._resampler.flush)
+        await self._take(tail, await self.state.run_vad(self._vad_feed, tail))
         if self._endpointer is not None:
-            events = await anyio.to_thread.run_sync(self._endpointer.finish)
+            events = await self.state.run_vad(self._endpointer.finish)
             self._endpointer = None
             for ev in events:
                 self._on_vad(ev)

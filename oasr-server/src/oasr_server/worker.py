@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -133,6 +134,10 @@ class EngineWorker:
 
     # -- worker thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        if "torch" in sys.modules:
+            # fix this thread's intra-op thread count now, from the process setting (threads
+            # started later, e.g. the VAD threads, may run with another count)
+            sys.modules["torch"].get_num_threads()
         stopping = False
         while not stopping:
             item = self._queue.get()

@@ -25,3 +25,16 @@ def register_feature_extractors(register: Register) -> None:
         "oasr.features.nemo:NemoMel",
         description="NeMo / FastConformer log-mel (per-feature normalised)",
     )
+
+
+@hookimpl
+def register_decoders(register: Register) -> None:
+    # Generic CTC decoders (oasr.decoders.ctc); families call them directly or resolve by key.
+    register("ctc_greedy", "oasr.decoders.ctc:ctc_greedy_search", decode_family="ctc",
+             description="CTC best path (batched), peak times and confidences")
+    register("ctc_prefix_beam", "oasr.decoders.ctc:ctc_prefix_beam_search", decode_family="ctc",
+             description="CTC prefix beam search (WeNet-exact n-best, scores, Viterbi times)")
+    register("ctc_prefix_beam_incremental", "oasr.decoders.ctc:CTCPrefixBeamSearch",
+             decode_family="ctc", description="incremental CTC prefix beam search (streaming)")
+    register("attention_rescoring", "oasr.decoders.ctc:attention_rescoring", decode_family="ctc",
+             description="U2/U2++ attention rescoring (reverse_weight, ctc_weight)")

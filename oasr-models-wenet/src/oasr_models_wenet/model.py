@@ -1,0 +1,468 @@
+"""``WenetASR``: WeNet Conformer U2/U2++ as an OASR :class:`~oasr.model.StreamingASRModel`.
+
+Offline: Kaldi fbank (the checkpoint's options, dither 0) -> global CMVN -> Conformer encoder
+(full attention, or the chunk mask when ``offline_chunk_size > 0``) -> CTC. ``beam_size == 1``:
+CTC greedy; ``beam_size > 1``: CTC prefix beam search with that beam, then attention rescoring
+(U2++: left-to-right and right-to-left decoders weighted by ``reverse_weight``).
+
+Streaming: ``new_stream(options)`` / ``stream_step(states, chunks, is_last)``. Each stream keeps
+its fbank framing remainder, unconsumed feature frames, per-layer K/V caches (trimmed to
+``chunk_size * num_left_chunks`` frames when ``num_left_chunks >= 0``), causal-convolution
+caches and an incremental CTC search; one call encodes the ready chunk of every stream in one
+batch (rows padded and masked, so results do not depend on the batch). The last chunk triggers
+attention rescoring over the whole utterance's encoder output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from oasr.decoders.ctc import (
+    CTCGreedySearch,
+    CTCHypothesis,
+    CTCPrefixBeamSearch,
+    attention_rescoring,
+    build_rescoring_inputs,
+    group_words,
+    token_timestamps,
+)
+from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError
+from oasr.model import ProgressCallback, StreamingUpdate
+from oasr.types import (
+    DecodeFamily,
+    DecodingOptions,
+    EngineConfig,
+    FeatureSpec,
+    ModelCapabilities,
+    Segment,
+    Transcript,
+    Word,
+)
+from oasr_models_wenet.config import WenetConfig
+from oasr_models_wenet.nn import ChunkCaches, WenetNet, build_network
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name in (None, "auto"):
+        return None
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise InvalidRequestError(f"dtype {name!r} is not supported", param="dtype") from None
+
+
+class Units:
+    """The unit table (``units.txt``): id -> piece; detokenizes sentencepiece-style pieces."""
+
+    def __init__(self, pieces: Sequence[str]) -> None:
+        self.pieces = list(pieces)
+
+    def piece(self, i: int) -> str:
+        return self.pieces[i] if 0 <= i < len(self.pieces) else f"<{i}>"
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = "".join(self.piece(i) for i in ids)
+        return text.replace("\u2581", " ").strip()
+
+
+@dataclass
+class WenetStreamState:
+    """Per-stream state (see the module docstring). ``samples_needed``: samples of new audio
+    the next chunk needs."""
+
+    options: DecodingOptions
+    chunk_size: int
+    num_left_chunks: int
+    fbank_stream: Any
+    window: int  # feature frames of one chunk's input
+    stride: int  # feature frames between chunk starts
+    win_length: int
+    hop_length: int
+    search: Any
+    feats: torch.Tensor  # (n, F) feature frames not yet consumed (raw fbank)
+    samples_received: int = 0
+    frames_consumed: int = 0  # feature frames dropped from the front of ``feats``
+    offset: int = 0  # encoder frames emitted
+    k: list[torch.Tensor] = field(default_factory=list)  # per layer (H, Tc, D)
+    v: list[torch.Tensor] = field(default_factory=list)
+    cnn: list[torch.Tensor | None] = field(default_factory=list)  # per layer (C, lorder)
+    enc: list[torch.Tensor] = field(default_factory=list)  # encoder output chunks (T, d)
+    finished: bool = False
+    text: str = ""
+
+    @property
+    def samples_needed(self) -> int:
+        if self.finished:
+            return 0
+        frames = self.frames_consumed + self.window
+        total = self.win_length + (frames - 1) * self.hop_length
+        return max(1, total - self.samples_received)
+
+
+class WenetASR:
+    """A loaded WeNet U2/U2++ model."""
+
+    def __init__(self, net: WenetNet, units: Sequence[str], config: WenetConfig, *, name: str = "wenet conformer",
+                 source_format: str = "wenet", source_path: Path | None = None,
+                 max_batch_size: int = 16) -> None:
+        self.net = net
+        self.config = config
+        self.units = Units(units)
+        if len(self.units.pieces) != config.vocab_size:
+            raise CheckpointError(
+                f"the unit table has {len(self.units.pieces)} entries but the model has "
+                f"{config.vocab_size} outputs; the units.txt does not belong to this checkpoint"
+            )
+        self.name = name
+        self.source_format = source_format
+        self.source_path = source_path
+        self.max_batch_size = max_batch_size
+        self.capabilities = ModelCapabilities(
+            decode_family=DecodeFamily.CTC, offline=True, streaming=True, word_timestamps=True,
+            translation=False, language_detection=False, multilingual=False,
+        )
+        self.feature_spec = FeatureSpec(
+            kind="kaldi_fbank",
+            sample_rate=config.sample_rate,
+            num_bins=config.num_mel_bins,
+            hop_length=int(config.sample_rate * config.frame_shift_ms / 1000),
+            win_length=int(config.sample_rate * config.frame_length_ms / 1000),
+            n_fft=512,
+            options={"scale": 32768.0, "dither": 0.0, "energy_floor": 0.0,
+                     "frame_length_ms": config.frame_length_ms, "frame_shift_ms": config.frame_shift_ms},
+        )
+        from oasr.features.kaldi import KaldiFbank
+
+        self.fbank = KaldiFbank(self.feature_spec)
+        # decoding defaults (WeNet recipes decode with ctc_weight 0.3 / reverse_weight 0.5)
+        self.ctc_weight = 0.3
+        self.reverse_weight = 0.5 if net.r_decoder is not None else 0.0
+        self.offline_chunk_size = -1
+        self.offline_left_chunks = -1
+        self.chunk_size = 16
+        self.num_left_chunks = -1
+        self.max_token_duration = 1.0
+        self._lock = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_wenet(cls, path: str | Path, config: EngineConfig | None = None) -> WenetASR:
+        from oasr_models_wenet.checkpoints import load_wenet
+
+        cfg, state, units = load_wenet(Path(path))
+        return cls._build(cfg, state, units, config, "wenet", Path(path))
+
+    @classmethod
+    def _build(cls, cfg: WenetConfig, state: dict, units: list[str], config: EngineConfig | None,
+               source: str, path: Path | None) -> WenetASR:
+        config = config or EngineConfig()
+        net = build_network(cfg, state, config.device, _dtype(config.dtype))
+        return cls(net, units, cfg, source_format=source, source_path=path,
+                   max_batch_size=config.max_batch_size,
+                   name=f"wenet {cfg.input_layer} conformer {cfg.num_blocks}x{cfg.output_size}")
+
+    @classmethod
+    def from_native(cls, path: str | Path, body: dict[str, Any] | None = None,
+                    config: EngineConfig | None = None) -> WenetASR:
+        from oasr_models_wenet.checkpoints import load_native
+
+        from oasr.checkpoint import read_native_config
+
+        body = body or read_native_config(Path(path))
+        cfg, state, units = load_native(Path(path), body)
+        model = cls._build(cfg, state, units, config, "oasr", Path(path))
+        for key, value in (body.get("decoding") or {}).items():
+            if key in ("ctc_weight", "reverse_weight", "chunk_size", "num_left_chunks"):
+                setattr(model, key, value)
+        return model
+
+    def save_native(self, dst: str | Path) -> str:
+        """Write OASR's native format (``model.safetensors`` + ``oasr_model.json`` with the
+        config and unit table); returns ``"wenet_conformer"``."""
+        from oasr_models_wenet.checkpoints import save_native
+
+        return save_native(Path(dst), self)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def frame_shift(self) -> float:
+        """Seconds per encoder frame."""
+        return self.net.encoder.subsampling_rate * self.feature_spec.hop_length / self.feature_spec.sample_rate
+
+    def _check(self, options: DecodingOptions) -> None:
+        options.check_supported(self.capabilities, self.name)
+        if options.language not in (None, "", "auto") and options.language.split("-")[0].lower() not in (
+            "zh", "en", "auto"
+        ):
+            # the checkpoint is monolingual; a language hint cannot be honoured but is harmless
+            pass
+
+    @staticmethod
+    def _wave(audio: Any, k: int) -> np.ndarray:
+        a = np.asarray(audio.detach().cpu() if isinstance(audio, torch.Tensor) else audio)
+        if a.ndim != 1:
+            raise BadAudioError(f"audio #{k} must be a mono 1-D waveform, got shape {a.shape}")
+        a = a.astype(np.float32, copy=False)
+        if not np.isfinite(a).all():
+            raise BadAudioError(f"audio #{k} contains NaN or infinite samples")
+        return a
+
+    def _transcript(self, hyp: CTCHypothesis, duration: float, options: DecodingOptions, *,
+                    confidences: list[float] | None = None, num_frames: int | None = None) -> Transcript:
+        text = self.units.decode(hyp.tokens)
+        conf = confidences if confidences is not None else hyp.confidences
+        words: list[Word] = []
+        if hyp.tokens and len(hyp.times) == len(hyp.tokens):
+            timings = token_timestamps(hyp.tokens, hyp.times, conf, frame_shift=self.frame_shift,
+                                       num_frames=num_frames, max_token_duration=self.max_token_duration)
+            if options.word_timestamps:
+                pieces = [self.units.piece(t) for t in hyp.tokens]
+                words = [Word(w, min(s, duration), min(e, duration), c)
+                         for w, s, e, c in group_words(pieces, timings)]
+        lps = hyp.token_logprobs
+        avg = float(sum(lps) / len(lps)) if lps else 0.0
+        seg = Segment(id=0, start=0.0, end=round(duration, 3), text=text, tokens=list(hyp.tokens),
+                      words=words, avg_logprob=avg)
+        return Transcript(text=text, language=None, duration=duration, segments=[seg] if text else [])
+
+    def _rescore(self, enc: torch.Tensor, nbest: list[CTCHypothesis]) -> tuple[CTCHypothesis, list[float]]:
+        """Attention rescoring of one utterance's n-best over its encoder output (T, d)."""
+        c = self.config
+        hyps = [h.tokens for h in nbest]
+        l2r, r2l, lens = build_rescoring_inputs(hyps, c.sos, c.eos)
+        dev = enc.device
+        n = len(hyps)
+        memory = enc.unsqueeze(0).expand(n, -1, -1)
+        with torch.no_grad():
+            lo = torch.log_softmax(self.net.decoder(memory, None, l2r.to(dev), lens.to(dev)), dim=-1)
+            ro = None
+            if self.net.r_decoder is not None and self.reverse_weight > 0:
+                ro = torch.log_softmax(self.net.r_decoder(memory, None, r2l.to(dev), lens.to(dev)), dim=-1)
+        res = attention_rescoring(hyps, [h.score for h in nbest], lo.cpu(), None if ro is None else ro.cpu(),
+                                  eos=c.eos, ctc_weight=self.ctc_weight, reverse_weight=self.reverse_weight)
+        best = nbest[res.best_index]
+        return (CTCHypothesis(list(best.tokens), res.scores[res.best_index], list(best.times),
+                              list(best.token_logprobs)), res.token_confidences[res.best_index])
+
+    # ------------------------------------------------------------------ offline
+    def encode(self, waves: Sequence[np.ndarray], chunk_size: int = -1,
+               left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Waveforms -> (encoder output (B, T, d), lengths (B,))."""
+        net = self.net
+        feats, flens = self.fbank.extract([torch.from_numpy(w) for w in waves])
+        return self.encode_features(feats, flens, chunk_size, left_chunks)
+
+    def encode_features(self, feats: torch.Tensor, flens: torch.Tensor, chunk_size: int = -1,
+                        left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        net = self.net
+        with torch.no_grad():
+            return net.encoder(feats.to(net.device, net.dtype), flens.to(net.device), chunk_size, left_chunks)
+
+    def decode_encoded(self, enc: torch.Tensor, lens: torch.Tensor, options: DecodingOptions,
+                       durations: Sequence[float]) -> list[Transcript]:
+        with torch.no_grad():
+            logp = self.net.ctc_log_probs(enc).cpu()
+        out = []
+        for b in range(enc.shape[0]):
+            n = int(lens[b])
+            if options.beam_size > 1:
+                search = CTCPrefixBeamSearch(options.beam_size, self.config.blank_id)
+                search.step(logp[b, :n])
+                nbest = search.nbest()
+                if nbest[0].tokens or len(nbest) > 1:
+                    hyp, conf = self._rescore(enc[b, :n], nbest)
+                else:
+                    hyp, conf = nbest[0], None
+            else:
+                g = CTCGreedySearch(self.config.blank_id)
+                g.step(logp[b, :n])
+                hyp, conf = g.result(), None
+            out.append(self._transcript(hyp, durations[b], options, confidences=conf, num_frames=n))
+        return out
+
+    def transcribe(self, audios: Sequence[np.ndarray], options: DecodingOptions,
+                   progress: ProgressCallback | None = None) -> list[Transcript]:
+        self._check(options)
+        waves = [self._wave(a, k) for k, a in enumerate(audios)]
+        if not waves:
+            return []
+        sr = self.feature_spec.sample_rate
+        results: list[Transcript | None] = [None] * len(waves)
+        order = sorted(range(len(waves)), key=lambda i: len(waves[i]))
+        total = sum(len(w) for w in waves) / sr
+        done = 0.0
+        for s in range(0, len(order), self.max_batch_size):
+            idx = order[s : s + self.max_batch_size]
+            short = [i for i in idx if len(waves[i]) < self.feature_spec.win_length]
+            for i in short:
+                results[i] = Transcript(text="", language=None, duration=len(waves[i]) / sr)
+            idx = [i for i in idx if i not in short]
+            if idx:
+                enc, lens = self.encode([waves[i] for i in idx], self.offline_chunk_size, self.offline_left_chunks)
+                outs = self.decode_encoded(enc, lens, options, [len(waves[i]) / sr for i in idx])
+                for i, t in zip(idx, outs, strict=True):
+                    results[i] = t
+            done += sum(len(waves[i]) for i in order[s : s + self.max_batch_size]) / sr
+            if progress is not None:
+                progress(done, total)
+        return [r for r in results if r is not None]
+
+    # ------------------------------------------------------------------ streaming
+    def new_stream(self, options: DecodingOptions | None = None, *, chunk_size: int | None = None,
+                   num_left_chunks: int | None = None) -> WenetStreamState:
+        options = options or DecodingOptions()
+        self._check(options)
+        c = self.chunk_size if chunk_size is None else int(chunk_size)
+        left = self.num_left_chunks if num_left_chunks is None else int(num_left_chunks)
+        if c <= 0:
+            raise InvalidRequestError("streaming needs chunk_size > 0 (encoder frames per chunk)",
+                                      param="chunk_size")
+        sub = self.net.encoder.subsampling_rate
+        context = self.net.encoder.right_context + 1
+        search = (CTCPrefixBeamSearch(options.beam_size, self.config.blank_id) if options.beam_size > 1
+                  else CTCGreedySearch(self.config.blank_id))
+        net = self.net
+        return WenetStreamState(
+            options=options, chunk_size=c, num_left_chunks=left,
+            fbank_stream=self.fbank.stream(), window=(c - 1) * sub + context, stride=c * sub,
+            win_length=self.feature_spec.win_length, hop_length=self.feature_spec.hop_length,
+            search=search, feats=torch.zeros(0, self.fbank.dim),
+            k=[torch.zeros(0) for _ in net.encoder.encoders], v=[torch.zeros(0) for _ in net.encoder.encoders],
+            cnn=[None for _ in net.encoder.encoders],
+        )
+
+    def _windows(self, st: WenetStreamState, last: bool) -> list[torch.Tensor]:
+        out = []
+        context = self.net.encoder.right_context + 1
+        while st.feats.shape[0] >= st.window:
+            out.append(st.feats[: st.window])
+            st.feats = st.feats[st.stride :]
+            st.frames_consumed += st.stride
+        if last:
+            if st.feats.shape[0] >= context:
+                out.append(st.feats)
+            st.feats = st.feats[:0]
+        return out
+
+    def stream_step(self, states: Sequence[WenetStreamState], chunks: Sequence[np.ndarray],
+                    is_last: Sequence[bool]) -> list[StreamingUpdate]:
+        if not (len(states) == len(chunks) == len(is_last)):
+            raise InvalidRequestError("states, chunks and is_last must have the same length")
+        pending: list[list[torch.Tensor]] = []
+        for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
+            if st.finished:
+                raise InvalidRequestError("this stream already finished; start a new one")
+            a = self._wave(chunk, k) if chunk is not None and len(chunk) else np.zeros(0, np.float32)
+            if len(a):
+                st.samples_received += len(a)
+                new = st.fbank_stream.accept(torch.from_numpy(a)).cpu()
+                if new.shape[0]:
+                    st.feats = torch.cat([st.feats, new.to(st.feats.dtype)])
+            pending.append(self._windows(st, bool(last)))
+        rounds = max((len(p) for p in pending), default=0)
+        for r in range(rounds):
+            rows = [i for i, p in enumerate(pending) if len(p) > r]
+            self._encode_chunks([states[i] for i in rows], [pending[i][r] for i in rows])
+        updates = []
+        for st, last in zip(states, is_last, strict=True):
+            if last:
+                updates.append(self._finish(st))
+            else:
+                hyp = st.search.best() if isinstance(st.search, CTCPrefixBeamSearch) else st.search.result()
+                st.text = self.units.decode(hyp.tokens)
+                updates.append(StreamingUpdate(text=st.text, is_final=False))
+        return updates
+
+    def _encode_chunks(self, states: list[WenetStreamState], windows: list[torch.Tensor]) -> None:
+        net = self.net
+        enc = net.encoder
+        dev, dt = net.device, net.dtype
+        b = len(states)
+        w = max(x.shape[0] for x in windows)
+        feats = torch.zeros(b, w, windows[0].shape[1])
+        for i, x in enumerate(windows):
+            feats[i, : x.shape[0]] = x
+        flens = torch.tensor([x.shape[0] for x in windows])
+        offsets = torch.tensor([st.offset for st in states])
+        caches = enc.new_caches(b, dev, dt)
+        tc = max(st.k[0].shape[1] if st.k[0].dim() == 3 else 0 for st in states) if enc.encoders else 0
+        cache_lens = torch.tensor([st.k[0].shape[1] if st.k and st.k[0].dim() == 3 else 0 for st in states])
+        if tc:
+            for li in range(len(enc.encoders)):
+                kk = caches.k[li].new_zeros(b, caches.k[li].shape[1], tc, caches.k[li].shape[3])
+                vv = kk.clone()
+                for i, st in enumerate(states):
+                    n = int(cache_lens[i])
+                    if n:
+                        kk[i, :, :n] = st.k[li]
+                        vv[i, :, :n] = st.v[li]
+                caches.k[li], caches.v[li] = kk, vv
+        caches.lengths = cache_lens.to(dev)
+        for li in range(len(enc.encoders)):
+            if caches.cnn[li] is not None:
+                for i, st in enumerate(states):
+                    if st.cnn[li] is not None:
+                        caches.cnn[li][i] = st.cnn[li]
+        with torch.no_grad():
+            out, out_lens, new = enc.forward_chunk(feats.to(dev, dt), flens.to(dev), offsets.to(dev), caches)
+            logp = net.ctc_log_probs(out).cpu()
+        for i, st in enumerate(states):
+            n = int(out_lens[i])
+            c_len = int(cache_lens[i])
+            keep = -1 if st.num_left_chunks < 0 else st.chunk_size * st.num_left_chunks
+            for li in range(len(enc.encoders)):
+                # valid keys of row i: cache [0, c_len) then chunk frames [tc, tc + n)
+                kf = torch.cat([new.k[li][i, :, :c_len], new.k[li][i, :, tc : tc + n]], dim=1)
+                vf = torch.cat([new.v[li][i, :, :c_len], new.v[li][i, :, tc : tc + n]], dim=1)
+                if keep >= 0:
+                    kf, vf = kf[:, kf.shape[1] - min(keep, kf.shape[1]) :], vf[:, vf.shape[1] - min(keep, vf.shape[1]) :]
+                st.k[li], st.v[li] = kf, vf
+                if new.cnn[li] is not None:
+                    st.cnn[li] = new.cnn[li][i]
+            st.enc.append(out[i, :n])
+            st.offset += n
+            st.search.step(logp[i, :n])
+
+    def _finish(self, st: WenetStreamState) -> StreamingUpdate:
+        st.finished = True
+        sr = self.feature_spec.sample_rate
+        duration = st.samples_received / sr
+        n = st.offset
+        if isinstance(st.search, CTCPrefixBeamSearch):
+            nbest = st.search.nbest()
+            if n and (nbest[0].tokens or len(nbest) > 1):
+                hyp, conf = self._rescore(torch.cat(st.enc), nbest)
+            else:
+                hyp, conf = nbest[0], None
+        else:
+            hyp, conf = st.search.result(), None
+        tr = self._transcript(hyp, duration, st.options, confidences=conf, num_frames=n)
+        st.text = tr.text
+        # release the caches
+        st.k = st.v = []
+        st.cnn = []
+        st.enc = []
+        return StreamingUpdate(text=tr.text, is_final=True, transcript=tr)
+
+    # ------------------------------------------------------------------ VAD support
+    def ctc_blank_posteriors(self, wave: np.ndarray) -> np.ndarray:
+        """exp(log P(blank)) per encoder frame of one waveform (offline encoder)."""
+        w = self._wave(wave, 0)
+        if len(w) < self.feature_spec.win_length:
+            return np.zeros(0, np.float32)
+        enc, lens = self.encode([w], self.offline_chunk_size, self.offline_left_chunks)
+        with torch.no_grad():
+            logp = self.net.ctc_log_probs(enc)[0, : int(lens[0]), self.config.blank_id]
+        return logp.exp().cpu().numpy().astype(np.float32)
+
+
+__all__ = ["ChunkCaches", "Units", "WenetASR", "WenetStreamState"]

@@ -151,7 +151,7 @@ class WenetASR:
         self.chunk_size = 16
         self.num_left_chunks = -1
         self.max_token_duration = 1.0
-        self._lock = None
+        self.keep_encoder_output = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -447,10 +447,10 @@ class WenetASR:
             hyp, conf = st.search.result(), None
         tr = self._transcript(hyp, duration, st.options, confidences=conf, num_frames=n)
         st.text = tr.text
-        # release the caches
+        # release the caches (the encoder output is kept only when asked: tests, VAD)
         st.k = st.v = []
         st.cnn = []
-        st.enc = []
+        st.enc = [torch.cat(st.enc)] if (self.keep_encoder_output and st.enc) else []
         return StreamingUpdate(text=tr.text, is_final=True, transcript=tr)
 
     # ------------------------------------------------------------------ VAD support

@@ -1,0 +1,263 @@
+"""``StreamingScheduler``: many live streams, one batched ``model.stream_step`` per step.
+
+The scheduler owns each stream's buffered audio and its model state
+(:class:`oasr.model.StreamState`). A stream is *ready* when it has buffered at least
+``state.samples_needed`` samples, or when its last audio arrived (then everything left is handed
+over with ``is_last=True``). :meth:`step` takes the ready chunk of up to ``max_batch_size``
+streams (oldest waiting first) and calls ``model.stream_step`` once for all of them. Models
+promise results that do not depend on which streams share a batch, so batching is invisible to
+callers.
+
+Thread-safety: every public method may be called from any thread. Feeding and aborting only touch
+bookkeeping under a short lock; the model call runs under a separate step lock, so only one step
+runs at a time and ``feed_chunk`` never waits for the model. A stream aborted while its chunk is
+in the model is dropped when the step returns (no update is reported for it).
+
+No torch import here; numpy only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from oasr.errors import InvalidRequestError, UnsupportedOptionError
+
+if TYPE_CHECKING:
+    from oasr.model import StreamingASRModel, StreamingUpdate
+    from oasr.types import DecodingOptions, Transcript
+
+__all__ = ["StreamingScheduler", "StreamInfo"]
+
+
+@dataclass
+class _Stream:
+    rid: str
+    state: Any
+    seq: int
+    chunks: list[np.ndarray] = field(default_factory=list)
+    buffered: int = 0
+    last_received: bool = False
+    in_flight: bool = False
+    finished: bool = False
+    aborted: bool = False
+    waiting_since: int = 0
+    text: str = ""
+    transcript: Transcript | None = None
+    samples_in: int = 0
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    rid: str
+    buffered_samples: int
+    samples_in: int
+    last_received: bool
+    finished: bool
+    text: str
+
+
+class StreamingScheduler:
+    """Batch the ready chunks of all live streams into one ``model.stream_step`` call.
+
+    ``model`` must satisfy :class:`oasr.model.StreamingASRModel` (capabilities.streaming True).
+    ``max_batch_size``: most streams per model call. ``max_streams``: live streams allowed
+    (``add_request`` raises beyond it; None = unlimited). ``new_state``: optional factory
+    ``(options) -> StreamState`` replacing ``model.new_stream`` (e.g. to pass model-specific
+    streaming parameters).
+    """
+
+    def __init__(self, model: StreamingASRModel, *, max_batch_size: int = 16,
+                 max_streams: int | None = None,
+                 new_state: Callable[[DecodingOptions], Any] | None = None) -> None:
+        caps = getattr(model, "capabilities", None)
+        if caps is None or not caps.streaming or not hasattr(model, "stream_step"):
+            raise UnsupportedOptionError(
+                f"{getattr(model, 'name', type(model).__name__)} cannot stream", param="service_mode"
+            )
+        if max_batch_size < 1:
+            raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_streams = max_streams
+        self._new_state = new_state or model.new_stream
+        self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count(1)
+        self._seq = itertools.count()
+        self._clock = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, options: DecodingOptions | None = None, request_id: str | None = None) -> str:
+        """Open a stream; returns its id (``request_id`` if given, else ``"s1"``, ``"s2"`` ...).
+        The model validates ``options`` here (typed errors for unsupported options)."""
+        from oasr.types import DecodingOptions
+
+        options = options or DecodingOptions()
+        state = self._new_state(options)
+        with self._lock:
+            live = sum(1 for s in self._streams.values() if not s.finished)
+            if self.max_streams is not None and live >= self.max_streams:
+                raise InvalidRequestError(
+                    f"too many live streams ({live}); this engine accepts {self.max_streams}",
+                    param="max_streams",
+                )
+            rid = request_id if request_id is not None else f"s{next(self._ids)}"
+            if rid in self._streams:
+                raise InvalidRequestError(f"stream id {rid!r} is already in use", param="request_id")
+            self._streams[rid] = _Stream(rid, state, next(self._seq), waiting_since=self._clock)
+        return rid
+
+    def feed_chunk(self, rid: str, audio: Any = None, is_last: bool = False) -> None:
+        """Append mono float32 samples (at the model's rate; any length, None or empty allowed)
+        to stream ``rid``; ``is_last=True`` marks the end of its audio."""
+        a = np.zeros(0, np.float32) if audio is None else np.asarray(audio, dtype=np.float32).reshape(-1)
+        if a.size and not np.isfinite(a).all():
+            from oasr.errors import BadAudioError
+
+            raise BadAudioError("audio chunk contains NaN or infinite samples")
+        with self._lock:
+            s = self._get(rid)
+            if s.last_received:
+                raise InvalidRequestError(f"stream {rid!r} already received its last chunk", param="audio")
+            if a.size:
+                s.chunks.append(a.copy())
+                s.buffered += a.size
+                s.samples_in += a.size
+            if is_last:
+                s.last_received = True
+
+    def abort(self, rid: str) -> bool:
+        """Drop stream ``rid`` and its state. Returns False if it was unknown or already done."""
+        with self._lock:
+            s = self._streams.pop(rid, None)
+            if s is None:
+                return False
+            s.aborted = True
+            return not s.finished
+
+    def _get(self, rid: str) -> _Stream:
+        s = self._streams.get(rid)
+        if s is None:
+            raise InvalidRequestError(f"unknown stream {rid!r}", param="request_id")
+        if s.finished:
+            raise InvalidRequestError(f"stream {rid!r} already finished", param="request_id")
+        return s
+
+    # -- stepping ------------------------------------------------------------------------------
+    def _ready(self, s: _Stream) -> bool:
+        if s.finished or s.in_flight or s.aborted:
+            return False
+        if s.last_received:
+            return True
+        need = int(s.state.samples_needed)
+        return s.buffered >= max(need, 1)
+
+    def _take(self, s: _Stream) -> tuple[np.ndarray, bool]:
+        need = int(s.state.samples_needed)
+        buf = np.concatenate(s.chunks) if len(s.chunks) > 1 else (s.chunks[0] if s.chunks else np.zeros(0, np.float32))
+        if s.last_received and buf.size <= max(need, 0):
+            take, last = buf.size, True
+        elif s.last_received and need <= 0:
+            take, last = buf.size, True
+        else:
+            take, last = max(need, 0), False
+            if take == 0:  # a model that needs nothing more: hand over what there is
+                take = buf.size
+        chunk, rest = buf[:take], buf[take:]
+        s.chunks = [rest] if rest.size else []
+        s.buffered = rest.size
+        return chunk, last
+
+    def step(self) -> list[tuple[str, StreamingUpdate]]:
+        """Run one batched model call over the ready streams (up to ``max_batch_size``, those
+        waiting longest first). Returns ``(rid, StreamingUpdate)`` for each stream advanced;
+        an empty list when nothing was ready."""
+        with self._step_lock:
+            with self._lock:
+                ready = [s for s in self._streams.values() if self._ready(s)]
+                ready.sort(key=lambda s: (s.waiting_since, s.seq))
+                batch = ready[: self.max_batch_size]
+                work = []
+                for s in batch:
+                    chunk, last = self._take(s)
+                    s.in_flight = True
+                    work.append((s, chunk, last))
+                self._clock += 1
+            if not work:
+                return []
+            try:
+                updates = self.model.stream_step(
+                    [s.state for s, _, _ in work], [c for _, c, _ in work], [lst for _, _, lst in work]
+                )
+            except BaseException:
+                with self._lock:
+                    for s, _, _ in work:  # the states may be inconsistent: end these streams
+                        s.in_flight = False
+                        s.finished = True
+                        self._streams.pop(s.rid, None)
+                raise
+            out: list[tuple[str, StreamingUpdate]] = []
+            with self._lock:
+                for (s, _, last), upd in zip(work, updates, strict=True):
+                    s.in_flight = False
+                    s.waiting_since = self._clock
+                    if s.aborted:
+                        continue
+                    s.text = upd.text
+                    if upd.is_final or last:
+                        s.finished = True
+                        s.transcript = upd.transcript
+                    out.append((s.rid, upd))
+            return out
+
+    def run(self, callback: Callable[[str, StreamingUpdate], None] | None = None,
+            ) -> dict[str, Transcript | None]:
+        """Step until no stream can advance (every stream finished, or waiting for audio that
+        has not arrived). Returns the final transcripts of the streams that finished during
+        this call, by id; ``callback(rid, update)`` sees every update as it happens."""
+        finals: dict[str, Transcript | None] = {}
+        while True:
+            updates = self.step()
+            if not updates:
+                break
+            for rid, upd in updates:
+                if callback is not None:
+                    callback(rid, upd)
+                if upd.is_final:
+                    finals[rid] = upd.transcript
+        return finals
+
+    # -- introspection -------------------------------------------------------------------------
+    def result(self, rid: str) -> Transcript | None:
+        """The final transcript of a finished stream (None while it runs)."""
+        with self._lock:
+            s = self._streams.get(rid)
+            return None if s is None else s.transcript
+
+    def release(self, rid: str) -> None:
+        """Forget a finished stream (its transcript included)."""
+        with self._lock:
+            self._streams.pop(rid, None)
+
+    def info(self, rid: str) -> StreamInfo:
+        with self._lock:
+            s = self._streams.get(rid)
+            if s is None:
+                raise InvalidRequestError(f"unknown stream {rid!r}", param="request_id")
+            return StreamInfo(rid, s.buffered, s.samples_in, s.last_received, s.finished, s.text)
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return sum(1 for s in self._streams.values() if not s.finished)
+
+    def has_ready(self) -> bool:
+        with self._lock:
+            return any(self._ready(s) for s in self._streams.values())

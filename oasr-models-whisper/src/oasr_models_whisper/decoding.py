@@ -262,6 +262,17 @@ class _Beam:
                     kept += 1
                     if kept == self.beam_size:
                         break
+            while kept < self.beam_size:  # fewer live candidates than beams (rare): pad
+                if kept:
+                    next_rows.append(list(next_rows[-1]))
+                    sources.append(sources[-1])
+                    new_sums.append(new_sums[-1])
+                else:
+                    row = i * self.beam_size
+                    next_rows.append([*prefixes[row], self.eot])
+                    sources.append(row)
+                    new_sums.append(-math.inf)
+                kept += 1
             new_finished.append(finished)
         index = torch.tensor(sources, dtype=torch.long, device=tokens.device)
         if sources != list(range(n_rows)):
@@ -343,12 +354,26 @@ def decode_windows(
     sum_logprobs = torch.zeros(tokens.shape[0], device=device, dtype=torch.float32)
     no_speech = [math.nan] * tokens.shape[0]
 
+    greedy = isinstance(strategy, _Greedy)
+    in_cache = torch.arange(tokens.shape[0], device=device)  # rows held by the cache, in order
     for step in range(sample_len):
-        logits = network.decode(tokens if step == 0 else tokens[:, -1:], cache)
-        if step == 0 and tokenizer.no_speech is not None:
-            probs = logits[:, sot_index].float().softmax(dim=-1)
-            no_speech = probs[:, tokenizer.no_speech].tolist()
-        last = logits[:, -1].float().clone()
+        if step == 0:
+            logits = network.decode(tokens, cache)
+            if tokenizer.no_speech is not None:
+                probs = logits[:, sot_index].float().softmax(dim=-1)
+                no_speech = probs[:, tokenizer.no_speech].tolist()
+            last = logits[:, -1].float().clone()
+        elif greedy:
+            # finished rows only ever append <|endoftext|>: drop them from the network batch
+            alive = (tokens[:, -1] != tokenizer.eot).nonzero().squeeze(1)
+            if alive.numel() < in_cache.numel():
+                cache.reorder(torch.searchsorted(in_cache, alive))
+                in_cache = alive
+            out = network.decode(tokens[in_cache, -1:], cache)[:, -1].float()
+            last = torch.zeros(tokens.shape[0], out.shape[-1], device=device)
+            last[in_cache] = out
+        else:
+            last = network.decode(tokens[:, -1:], cache)[:, -1].float().clone()
         filters(last, tokens)
         tokens, completed = strategy.update(tokens, last, sum_logprobs, cache)
         if completed or tokens.shape[-1] > n_ctx:

@@ -285,3 +285,16 @@ def test_openai_pt_checkpoint_without_tokenizer_files(tmp_path, audio):
     want = ref.transcribe(clip, fp16=False, temperature=0.0, sample_len=12,
                           word_timestamps=True)  # fmt: skip
     assert_matches_reference(got, want)
+
+
+@pytest.mark.parametrize("piece", [1, 777, 3000])
+def test_piecewise_log_mel_of_long_audio_is_identical(piece):
+    from oasr_models_whisper.transcribe import whole_log_mel
+
+    gen = torch.Generator().manual_seed(0)
+    wave = torch.randn(16000 * 65 + 123, generator=gen) * 0.05
+    wave[16000 * 20 : 16000 * 30] *= 20
+    whole = whole_log_mel(wave, 80)
+    pieces = whole_log_mel(wave, 80, piece_frames=piece, long_samples=0)
+    assert whole.shape == pieces.shape
+    torch.testing.assert_close(pieces, whole, atol=1e-6, rtol=0)

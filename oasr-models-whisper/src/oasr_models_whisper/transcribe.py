@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from oasr.features.whisper import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
+from oasr.features.whisper import (
+    HOP_LENGTH,
+    N_FFT,
+    N_FRAMES,
+    N_SAMPLES,
+    SAMPLE_RATE,
+    log_mel_spectrogram,
+    mel_filters,
+)
 from oasr.types import DecodingOptions, Segment, Transcript
 from oasr_models_whisper.alignment import FRAMES_PER_SECOND, add_word_timestamps, last_word_end
 from oasr_models_whisper.decoding import (
@@ -38,6 +46,36 @@ TIME_PRECISION = INPUT_STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.02 s
 #: windows quieter than this RMS (-70 dBFS) are silence: skipped without decoding, because
 #: Whisper tends to hallucinate ("you") on digital silence
 SILENCE_RMS = 10 ** (-70 / 20)
+
+
+#: inputs longer than this (samples) get their log-mel computed in pieces to bound memory
+LONG_AUDIO_SAMPLES = 20 * 60 * SAMPLE_RATE
+_PIECE_FRAMES = 30000  # 5 minutes of frames per STFT piece
+
+
+def whole_log_mel(wave: torch.Tensor, n_mels: int, piece_frames: int = _PIECE_FRAMES,
+                  long_samples: int = LONG_AUDIO_SAMPLES) -> torch.Tensor:  # fmt: skip
+    """Log-mel of ``wave`` followed by 30 s of silence, normalised over the whole recording
+    (as openai-whisper's transcribe computes it). Long recordings are transformed piecewise
+    with identical frames, so the STFT of hours of audio never sits in memory at once."""
+    if wave.numel() <= long_samples:
+        return log_mel_spectrogram(wave, n_mels, padding=N_SAMPLES)
+    x = torch.nn.functional.pad(wave.float(), (0, N_SAMPLES))
+    n_frames = x.numel() // HOP_LENGTH  # the last STFT frame is dropped
+    half = N_FFT // 2
+    padded = torch.nn.functional.pad(x[None, None], (half, half), mode="reflect")[0, 0]
+    window = torch.hann_window(N_FFT, device=x.device)
+    filters = torch.from_numpy(mel_filters(n_mels)).to(x.device)
+    pieces = []
+    for f0 in range(0, n_frames, piece_frames):
+        f1 = min(n_frames, f0 + piece_frames)
+        seg = padded[f0 * HOP_LENGTH : (f1 - 1) * HOP_LENGTH + N_FFT]
+        stft = torch.stft(seg, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
+        mel = filters @ (stft.abs() ** 2)
+        pieces.append(torch.clamp(mel, min=1e-10).log10())
+    log_spec = torch.cat(pieces, dim=-1)
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    return (log_spec + 4.0) / 4.0
 
 
 @dataclass
@@ -189,7 +227,7 @@ def transcribe(
     jobs: list[_Job] = []
     for i, audio in enumerate(audios):
         wave = torch.as_tensor(np.asarray(audio, dtype=np.float32)).flatten()
-        mel = log_mel_spectrogram(wave, n_mels, padding=N_SAMPLES)
+        mel = whole_log_mel(wave, n_mels)
         content = mel.shape[-1] - N_FRAMES
         jobs.append(_Job(i, wave, mel, content, wave.shape[0] / SAMPLE_RATE))
 

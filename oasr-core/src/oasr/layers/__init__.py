@@ -91,3 +91,34 @@ __all__ = [
     "sinusoids",
     "unregister_override",
 ]
+
+# Conformer building blocks (appended by the WeNet issue). Imported here so that their ops
+# (conv2d, depthwise_conv1d, batch_norm, glu, swish) are declared, and can be overridden by a
+# kernel provider, before any model is loaded.
+from oasr.layers.conformer import (  # noqa: E402
+    BatchNorm1d,
+    ConformerConvModule,
+    Conv2d,
+    Conv2dSubsampling,
+    DepthwiseConv1d,
+    PositionwiseFeedForward,
+    RelPositionalEncoding,
+    RelPositionMultiHeadAttention,
+    glu,
+    rel_position_table,
+    swish,
+)
+
+__all__ += [
+    "BatchNorm1d",
+    "ConformerConvModule",
+    "Conv2d",
+    "Conv2dSubsampling",
+    "DepthwiseConv1d",
+    "PositionwiseFeedForward",
+    "RelPositionMultiHeadAttention",
+    "RelPositionalEncoding",
+    "glu",
+    "rel_position_table",
+    "swish",
+]

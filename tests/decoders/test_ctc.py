@@ -67,7 +67,7 @@ def test_incremental_equals_offline(t, seed, cuts, beam) -> None:
     inc = CTCPrefixBeamSearch(beam)
     g = CTCGreedySearch()
     bounds = sorted({0, t, *[c for c in cuts if c <= t]})
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         inc.step(lp[a:b])
         g.step(lp[a:b])
     got = inc.nbest()
@@ -126,7 +126,7 @@ def test_timestamps_and_words() -> None:
     tm = token_timestamps([1, 2, 3], [2, 5, 30], [0.9, 0.8, 0.7], frame_shift=0.04, num_frames=40,
                           max_token_duration=0.4)
     assert [t.token for t in tm] == [1, 2, 3]
-    for a, b in zip(tm, tm[1:]):
+    for a, b in zip(tm, tm[1:], strict=False):
         assert a.end <= b.start + 1e-9
     assert tm[0].start == pytest.approx(0.0)  # (2 + .5) * .04 - .2 < 0 -> 0
     assert tm[2].start == pytest.approx(30.5 * 0.04 - 0.2)  # long gap: clipped to half the max

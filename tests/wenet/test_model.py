@@ -14,7 +14,7 @@ from oasr.checkpoint import convert_checkpoint, detect_format, load_model
 from oasr.errors import CheckpointError
 from oasr.types import DecodingOptions, EngineConfig
 
-from .conftest import DATA, Golden, load  # noqa: TID252
+from .conftest import DATA, Golden  # noqa: TID252
 
 CLIP = "zh_aishell_BAC009S0764W0121.wav"
 

@@ -173,9 +173,8 @@ class WenetASR:
     @classmethod
     def from_native(cls, path: str | Path, body: dict[str, Any] | None = None,
                     config: EngineConfig | None = None) -> WenetASR:
-        from oasr_models_wenet.checkpoints import load_native
-
         from oasr.checkpoint import read_native_config
+        from oasr_models_wenet.checkpoints import load_native
 
         body = body or read_native_config(Path(path))
         cfg, state, units = load_native(Path(path), body)
@@ -257,7 +256,6 @@ class WenetASR:
     def encode(self, waves: Sequence[np.ndarray], chunk_size: int = -1,
                left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """Waveforms -> (encoder output (B, T, d), lengths (B,))."""
-        net = self.net
         feats, flens = self.fbank.extract([torch.from_numpy(w) for w in waves])
         return self.encode_features(feats, flens, chunk_size, left_chunks)
 

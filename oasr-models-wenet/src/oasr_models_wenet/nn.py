@@ -387,7 +387,7 @@ def build_network(config: WenetConfig, state: dict[str, torch.Tensor], device="c
     if dtype is None:
         dtype = torch.float32 if str(device).startswith("cpu") else torch.float16
     net = net.to(device=device)
-    for name, p in list(net.named_parameters()):
+    for _name, p in list(net.named_parameters()):
         p.data = p.data.to(dtype)
     for mod in net.modules():
         for bname, buf in list(mod._buffers.items()):

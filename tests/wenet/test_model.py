@@ -157,3 +157,41 @@ def test_ctc_blank_vad(u2pp, speech) -> None:
     assert isinstance(get_speech_segments(a[:24000], 16000, vad), list)
     with pytest.raises(ValueError):
         vad.window_size(8000)
+
+
+def _edit_yaml(src: Path, dst: Path, **enc) -> Path:
+    import yaml
+
+    shutil.copytree(src, dst)
+    cfg = yaml.safe_load((dst / "train.yaml").read_text())
+    cfg["encoder_conf"].update(enc)
+    (dst / "train.yaml").write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    return dst
+
+
+def test_full_context_model_does_not_stream(tmp_path: Path, speech) -> None:
+    from oasr.engine import ASREngine
+    from oasr.errors import UnsupportedOptionError
+
+    d = _edit_yaml(DATA / "u2pp_conformer", tmp_path / "full", use_dynamic_chunk=False)
+    m = load_model(EngineConfig(ckpt_dir=str(d)))
+    assert m.capabilities.streaming is False
+    with pytest.raises(UnsupportedOptionError):
+        m.new_stream(DecodingOptions())
+    with pytest.raises(UnsupportedOptionError):
+        ASREngine(EngineConfig(service_mode="streaming"), model=m)
+    assert m.transcribe([speech[CLIP]], DecodingOptions())[0].text
+    from oasr.vad import get_detector
+
+    assert len(get_detector("ctc_blank", model=m).speech_probs(speech[CLIP][:16000])) == 25
+
+
+def test_static_chunk_model_uses_its_mask_offline(tmp_path: Path, speech) -> None:
+    """WeNet applies static_chunk_size's mask in every forward when use_dynamic_chunk is off."""
+    d = _edit_yaml(DATA / "u2_conformer_conv2d6", tmp_path / "static", use_dynamic_chunk=False,
+                   static_chunk_size=4)
+    m = load_model(EngineConfig(ckpt_dir=str(d)))
+    assert m.capabilities.streaming and m.chunk_size == 4 and m.offline_chunk_size == 4
+    run = Golden("u2_conformer_conv2d6").run("C4_L-1_mask")
+    tr = m.transcribe([speech[CLIP]], DecodingOptions())[0]
+    assert tr.segments[0].tokens == run["results"][0]["greedy"]

@@ -32,7 +32,7 @@ from oasr.decoders.ctc import (
     group_words,
     token_timestamps,
 )
-from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError
+from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.types import (
     DecodeFamily,
@@ -126,8 +126,11 @@ class WenetASR:
         self.source_format = source_format
         self.source_path = source_path
         self.max_batch_size = max_batch_size
+        # WeNet streams only models trained with chunk masks (dynamic or static); a full-context
+        # model would see a context it was never trained on
+        trained_chunked = config.use_dynamic_chunk or config.static_chunk_size > 0
         self.capabilities = ModelCapabilities(
-            decode_family=DecodeFamily.CTC, offline=True, streaming=True, word_timestamps=True,
+            decode_family=DecodeFamily.CTC, offline=True, streaming=trained_chunked, word_timestamps=True,
             translation=False, language_detection=False, multilingual=False,
         )
         self.feature_spec = FeatureSpec(
@@ -146,9 +149,12 @@ class WenetASR:
         # decoding defaults (WeNet recipes decode with ctc_weight 0.3 / reverse_weight 0.5)
         self.ctc_weight = 0.3
         self.reverse_weight = 0.5 if net.r_decoder is not None else 0.0
-        self.offline_chunk_size = -1
+        # a static-chunk model (use_dynamic_chunk false, static_chunk_size > 0) always runs with its
+        # chunk mask, offline too, as WeNet's encoder does
+        static = config.static_chunk_size if not config.use_dynamic_chunk and config.static_chunk_size > 0 else 0
+        self.offline_chunk_size = static or -1
         self.offline_left_chunks = -1
-        self.chunk_size = 16
+        self.chunk_size = static or 16
         self.num_left_chunks = -1
         self.max_token_duration = 1.0
         self.keep_encoder_output = False
@@ -316,9 +322,18 @@ class WenetASR:
 
     # ------------------------------------------------------------------ streaming
     def new_stream(self, options: DecodingOptions | None = None, *, chunk_size: int | None = None,
-                   num_left_chunks: int | None = None) -> WenetStreamState:
+                   num_left_chunks: int | None = None, force: bool = False) -> WenetStreamState:
+        """A new stream. ``chunk_size`` / ``num_left_chunks`` default to the model's
+        attributes; ``force=True`` streams a model trained without chunk masks anyway (the
+        ``ctc_blank`` VAD does; recognition quality is then not what the model was trained for)."""
         options = options or DecodingOptions()
         self._check(options)
+        if not self.capabilities.streaming and not force:
+            raise UnsupportedOptionError(
+                f"{self.name} was trained without chunk masks (use_dynamic_chunk false, "
+                f"static_chunk_size 0); WeNet does not stream such models. Use offline decoding",
+                param="service_mode",
+            )
         c = self.chunk_size if chunk_size is None else int(chunk_size)
         left = self.num_left_chunks if num_left_chunks is None else int(num_left_chunks)
         if c <= 0:

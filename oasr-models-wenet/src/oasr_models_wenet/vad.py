@@ -52,7 +52,7 @@ class CTCBlankVAD:
         from oasr.types import DecodingOptions
 
         self._check_rate(sample_rate)
-        st = self.model.new_stream(DecodingOptions(), chunk_size=self.chunk_size, num_left_chunks=-1)
+        st = self.model.new_stream(DecodingOptions(), chunk_size=self.chunk_size, num_left_chunks=-1, force=True)
         return {"stream": st, "emitted": 0, "samples": 0, "done": False}
 
     def _frames(self, st: Any) -> int:

@@ -111,6 +111,7 @@ def test_transcribe_offline(u2pp, speech) -> None:
         assert beam[b].segments[0].tokens == run["results"][b]["rescoring"]
         assert beam[b].text == u2pp.units.decode(run["results"][b]["rescoring"])
     assert greedy[2].text == "" and greedy[2].segments == []
+    assert greedy[0].language == "zh"
     words = beam[0].words
     assert len(words) == len(beam[0].segments[0].tokens)  # Chinese: one character per word
     starts = [w.start for w in words]
@@ -138,6 +139,7 @@ def test_bpe_words_and_timestamps(bpe8, speech) -> None:
     n_words = sum(1 for i, p in enumerate(pieces) if p.startswith("\u2581") or i == 0)
     assert len(tr.words) == n_words
     assert " ".join(w.word for w in tr.words) == tr.text
+    assert tr.language == "en"
 
 
 def test_ctc_blank_vad(u2pp, speech) -> None:

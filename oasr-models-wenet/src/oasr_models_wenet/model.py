@@ -15,6 +15,7 @@ attention rescoring over the whole utterance's encoder output.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,23 @@ class Units:
 
     def piece(self, i: int) -> str:
         return self.pieces[i] if 0 <= i < len(self.pieces) else f"<{i}>"
+
+    @functools.cached_property
+    def language(self) -> str | None:
+        """'zh' when most units are CJK characters, 'en' when most are Latin letters, else
+        None (a monolingual model's transcripts carry this language)."""
+        from oasr.decoders.ctc import _is_cjk
+
+        body = [p.lstrip("\u2581") for p in self.pieces if p and not p.startswith("<")]
+        if not body:
+            return None
+        cjk = sum(1 for p in body if p and all(_is_cjk(c) for c in p))
+        latin = sum(1 for p in body if p and all(c.isascii() and (c.isalpha() or c == "'") for c in p))
+        if cjk > 0.5 * len(body):
+            return "zh"
+        if latin > 0.5 * len(body):
+            return "en"
+        return None
 
     def decode(self, ids: Sequence[int]) -> str:
         text = "".join(self.piece(i) for i in ids)
@@ -237,7 +255,8 @@ class WenetASR:
         avg = float(sum(lps) / len(lps)) if lps else 0.0
         seg = Segment(id=0, start=0.0, end=round(duration, 3), text=text, tokens=list(hyp.tokens),
                       words=words, avg_logprob=avg)
-        return Transcript(text=text, language=None, duration=duration, segments=[seg] if text else [])
+        return Transcript(text=text, language=self.units.language, duration=duration,
+                          segments=[seg] if text else [])
 
     def _rescore(self, enc: torch.Tensor, nbest: list[CTCHypothesis]) -> tuple[CTCHypothesis, list[float]]:
         """Attention rescoring of one utterance's n-best over its encoder output (T, d)."""

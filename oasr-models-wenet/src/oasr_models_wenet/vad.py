@@ -8,7 +8,8 @@ WeNet model is already loaded (no second network) and for endpointing streams: a
 frames after speech is the end of a turn.
 
 Probabilities are computed chunk by chunk with the model's streaming encoder (``chunk_size``
-encoder frames, all left context), both offline (``speech_probs``) and streaming (``step``), so
+encoder frames, ``num_left_chunks`` chunks of left context: bounded, so a detector can run on a
+stream for hours in constant memory and time per chunk), both offline (``speech_probs``) and streaming (``step``), so
 the two agree. ``speech_probs`` returns ``ceil(len(audio) / window)`` values: frames the encoder
 does not produce (the tail shorter than its receptive field) read 0.
 """
@@ -25,7 +26,7 @@ class CTCBlankVAD:
     sample_rates = (16000,)
 
     def __init__(self, checkpoint: str | None = None, *, model: Any = None, device: str = "cpu",
-                 chunk_size: int = 16) -> None:
+                 chunk_size: int = 16, num_left_chunks: int = 8) -> None:
         if model is None:
             if checkpoint is None:
                 raise ValueError("CTCBlankVAD needs a WeNet model (model=...) or checkpoint=PATH")
@@ -37,6 +38,7 @@ class CTCBlankVAD:
             raise ValueError(f"{getattr(model, 'name', model)!r} is not a WeNet CTC model")
         self.model = model
         self.chunk_size = chunk_size
+        self.num_left_chunks = num_left_chunks
         self.sample_rates = (model.feature_spec.sample_rate,)
 
     def window_size(self, sample_rate: int = 16000) -> int:
@@ -52,11 +54,9 @@ class CTCBlankVAD:
         from oasr.types import DecodingOptions
 
         self._check_rate(sample_rate)
-        st = self.model.new_stream(DecodingOptions(), chunk_size=self.chunk_size, num_left_chunks=-1, force=True)
+        st = self.model.new_stream(DecodingOptions(), chunk_size=self.chunk_size,
+                                  num_left_chunks=self.num_left_chunks, force=True)
         return {"stream": st, "emitted": 0, "samples": 0, "done": False}
-
-    def _frames(self, st: Any) -> int:
-        return sum(int(e.shape[0]) for e in st.enc)
 
     def step(self, state: dict[str, Any], chunk: Any, *, final: bool = False) -> np.ndarray:
         import torch
@@ -66,17 +66,13 @@ class CTCBlankVAD:
         a = np.asarray(chunk, dtype=np.float32).reshape(-1)
         state["samples"] += len(a)
         st = state["stream"]
-        st_enc_before = list(st.enc)
-        enc_all = None
         self.model.stream_step([st], [a], [False])
         if final:
-            # flush the partial last chunk without decoding: reuse the model's windowing
-            windows = self.model._windows(st, True)
-            for w in windows:
+            # flush the partial last chunk (no rescoring: only the posteriors are needed)
+            for w in self.model._windows(st, True):
                 self.model._encode_chunks([st], [w])
             state["done"] = True
-        enc_all = st.enc
-        new = enc_all[len(st_enc_before):] if len(enc_all) >= len(st_enc_before) else enc_all
+        new, st.enc = st.enc, []  # the VAD keeps no encoder history
         if new:
             with torch.no_grad():
                 logp = self.model.net.ctc_log_probs(torch.cat(new))[:, self.model.config.blank_id]

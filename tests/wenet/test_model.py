@@ -119,6 +119,19 @@ def test_transcribe_offline(u2pp, speech) -> None:
     assert all(0 <= w.start <= w.end <= beam[0].duration + 1e-6 for w in words)
     assert all(0.0 < w.confidence <= 1.0 for w in words)
     assert not greedy[0].words  # only when asked
+    # default confidences come from the CTC alignment; "attention" gives WeNet's decoder ones
+    from oasr.decoders.ctc import ctc_prefix_beam_search
+
+    enc, lens = u2pp.encode([speech[CLIP]])
+    nbest = ctc_prefix_beam_search(u2pp.net.ctc_log_probs(enc)[0].detach(), beam_size=5)[0]
+    hyp, att_conf = u2pp._rescore(enc[0], nbest)
+    assert [w.confidence for w in words] == pytest.approx(hyp.confidences)
+    u2pp.word_confidence = "attention"
+    try:
+        w2 = u2pp.transcribe(audios[:1], DecodingOptions(beam_size=5, word_timestamps=True))[0].words
+    finally:
+        u2pp.word_confidence = "ctc"
+    assert [w.confidence for w in w2] == pytest.approx(att_conf)
 
 
 def test_engine_offline_and_streaming_mode(u2pp, speech) -> None:

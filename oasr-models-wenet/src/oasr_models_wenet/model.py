@@ -176,6 +176,7 @@ class WenetASR:
         self.num_left_chunks = -1
         self.max_token_duration = 1.0
         self.keep_encoder_output = False
+        self.word_confidence = "ctc"  # or "attention" (decoder probabilities after rescoring)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -242,7 +243,11 @@ class WenetASR:
     def _transcript(self, hyp: CTCHypothesis, duration: float, options: DecodingOptions, *,
                     confidences: list[float] | None = None, num_frames: int | None = None) -> Transcript:
         text = self.units.decode(hyp.tokens)
-        conf = confidences if confidences is not None else hyp.confidences
+        # token confidences: the CTC posterior at each token's peak frame (default), or the
+        # attention decoder's probabilities after rescoring (WeNet's choice) when
+        # ``word_confidence == "attention"``
+        use_att = confidences is not None and self.word_confidence == "attention"
+        conf = confidences if use_att else hyp.confidences
         words: list[Word] = []
         if hyp.tokens and len(hyp.times) == len(hyp.tokens):
             timings = token_timestamps(hyp.tokens, hyp.times, conf, frame_shift=self.frame_shift,

@@ -487,9 +487,11 @@ class RealtimeSession:
         try:
             event = json.loads(text)
         except ValueError:
-            raise RealtimeError("The client event is not valid JSON.", code="invalid_json") from None
+            event = None
         if not isinstance(event, dict):
-            raise RealtimeError("A client event must be a JSON object.", code="invalid_json")
+            self.send_error(RealtimeError(
+                "The client event is not a JSON object.", code="invalid_json"))
+            return
         event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
         kind = event.get("type")
         try:
@@ -563,15 +565,8 @@ class RealtimeSession:
                         "(audio base64-encoded in input_audio_buffer.append).",
                         code="invalid_json"))
         finally:
+            # no awaits here: the session may be ending because its task is being cancelled
             log.debug("realtime session %s ended after %.1f s", self.id, time.monotonic() - started)
-            processor.cancel()
-            await asyncio.gather(processor, return_exceptions=True)
-            await self.stream.aclose()
-            self.out.put_nowait(None)
-            if self.ws.client_state == WebSocketState.CONNECTED and not writer.done():
-                try:
-                    await asyncio.wait_for(writer, 1.0)
-                except Exception:  # noqa: BLE001
-                    pass
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            for task in (processor, writer):
+                task.cancel()
+            self.stream.abort()

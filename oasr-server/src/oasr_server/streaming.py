@@ -458,12 +458,13 @@ class TurnStream:
         self._finals.put_nowait(None)
         await self._finalizer
 
-    async def aclose(self) -> None:
-        """Stop everything (the client went away): pending work is dropped."""
+    def abort(self) -> list[asyncio.Task[Any]]:
+        """Stop everything now (the client went away): pending work is dropped (queued engine
+        jobs are skipped). Returns the cancelled tasks (await them to be sure they ended)."""
         self._closed = True
+        tasks: list[asyncio.Task[Any]] = [self._finalizer]
         if self.item is not None and self.item.partial_task is not None:
-            self.item.partial_task.cancel()
-        tasks = [self._finalizer]
+            tasks.append(self.item.partial_task)
         if self._current is not None:
             tasks.append(self._current)
         while not self._finals.empty():
@@ -472,4 +473,7 @@ class TurnStream:
                 tasks.append(entry[1])
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        return tasks
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*self.abort(), return_exceptions=True)

@@ -134,10 +134,14 @@ class EngineWorker:
 
     # -- worker thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        if "torch" in sys.modules:
+        torch = sys.modules.get("torch")
+        if torch is not None and hasattr(torch, "get_num_threads"):
             # fix this thread's intra-op thread count now, from the process setting (threads
             # started later, e.g. the VAD threads, may run with another count)
-            sys.modules["torch"].get_num_threads()
+            try:
+                torch.get_num_threads()
+            except Exception:  # noqa: BLE001 - only an optimisation
+                pass
         stopping = False
         while not stopping:
             item = self._queue.get()

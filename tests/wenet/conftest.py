@@ -16,7 +16,17 @@ DATA = REPO / "tests" / "data" / "wenet"
 SPEECH = REPO / "tests" / "data" / "speech"
 VARIANTS = ("u2pp_conformer", "u2_conformer_conv2d6", "conformer_conv2d8_bpe")
 
-torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _one_torch_thread():
+    """The test models are tiny: one thread is fastest, and immune to OpenMP spin-waiting when
+    the machine is loaded (measured: 7 s for tests/wenet + tests/decoders with one thread, up
+    to 110 s with two on a busy 2-core machine). Restored afterwards for other packages."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 class Golden:

@@ -39,7 +39,7 @@ def _random_logp(t, v, seed):
     return torch.log_softmax(torch.randn(t, v, generator=g) * 2, dim=-1)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(t=st.integers(1, 5), v=st.integers(2, 4), seed=st.integers(0, 10_000))
 def test_full_beam_is_exact_prefix_probability(t, v, seed) -> None:
     lp = _random_logp(t, v, seed)
@@ -58,7 +58,7 @@ def test_full_beam_is_exact_prefix_probability(t, v, seed) -> None:
     assert tuple(nbest[0].tokens) == best[0]
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(t=st.integers(1, 40), seed=st.integers(0, 10_000), cuts=st.lists(st.integers(0, 40), max_size=5),
        beam=st.integers(1, 6))
 def test_incremental_equals_offline(t, seed, cuts, beam) -> None:

@@ -19,7 +19,7 @@ from oasr.types import DecodingOptions
 from .conftest import Golden, load  # noqa: TID252
 
 CLIP = "zh_aishell_BAC009S0764W0121.wav"
-SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=10, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

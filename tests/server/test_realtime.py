@@ -119,7 +119,7 @@ def test_server_vad_two_turns_pcm16_24k(client_for) -> None:
     # speech at 0.5-2.5 s and 4.0-6.7 s of the stream
     assert 300 <= started[0]["audio_start_ms"] <= 900
     assert 1500 <= stopped[0]["audio_end_ms"] <= 2700
-    assert 3800 <= started[1]["audio_start_ms"] <= 4600
+    assert 3800 <= started[1]["audio_start_ms"] <= 4900
     assert 5800 <= stopped[1]["audio_end_ms"] <= 7000
     # the in-test model names the committed duration: each turn is one clip (+ padding)
     durations = [float(e["transcript"].split()[-1]) for e in completed]

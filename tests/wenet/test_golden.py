@@ -89,3 +89,45 @@ def test_frontend_reproduces_golden_features(speech) -> None:
     feats = model.fbank(torch.from_numpy(wave))
     assert feats.shape == g.feats[0].shape
     assert (feats - g.feats[0]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_beam_search_matches_wenet(variant: str) -> None:
+    """WeNet's ``attention`` method (decoder beam search, batch of two padded items)."""
+    g = Golden(variant)
+    model = load(variant)
+    f0, f1 = g.feats
+    feats = torch.nn.utils.rnn.pad_sequence([f0, f1], batch_first=True)
+    for run in g.meta["runs"]:
+        if run["simulate_streaming"] or run["key"] not in ("C-1_L-1_mask", "C4_L1_mask"):
+            continue
+        enc, lens = model.encode_features(feats, torch.tensor([len(f0), len(f1)]), run["chunk"], run["left"])
+        got = model.attention_beam_search(enc, lens, run["beam"])
+        assert got == [r["attention"] for r in run["results"]]
+
+
+def test_decoding_methods(speech) -> None:
+    from oasr.errors import InvalidRequestError
+    from oasr.types import DecodingOptions
+
+    g = Golden("u2pp_conformer")
+    model = load("u2pp_conformer")
+    run = g.run("C-1_L-1_mask")
+    model.ctc_weight, model.reverse_weight = run["ctc_weight"], run["reverse_weight"]
+    audio = [speech["zh_aishell_BAC009S0764W0121.wav"]]
+    opts = DecodingOptions(beam_size=5, word_timestamps=True)
+    want = {"ctc_greedy_search": run["results"][0]["greedy"],
+            "ctc_prefix_beam_search": run["results"][0]["prefix_nbest"][0],
+            "attention_rescoring": run["results"][0]["rescoring"]}
+    try:
+        for method, tokens in want.items():
+            model.decoding_method = method
+            assert model.transcribe(audio, opts)[0].segments[0].tokens == tokens
+        model.decoding_method = "attention"
+        tr = model.transcribe(audio, opts)[0]
+        assert tr.text and tr.words == []  # no alignment, no word times
+        model.decoding_method = "nope"
+        with pytest.raises(InvalidRequestError):
+            model.transcribe(audio, opts)
+    finally:
+        model.decoding_method = "auto"

@@ -177,6 +177,9 @@ class WenetASR:
         self.max_token_duration = 1.0
         self.keep_encoder_output = False
         self.word_confidence = "ctc"  # or "attention" (decoder probabilities after rescoring)
+        # "auto": beam_size 1 -> ctc_greedy_search, > 1 -> attention_rescoring; or one of
+        # WeNet's methods by name (offline decoding)
+        self.decoding_method = "auto"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -295,26 +298,83 @@ class WenetASR:
         with torch.no_grad():
             return net.encoder(feats.to(net.device, net.dtype), flens.to(net.device), chunk_size, left_chunks)
 
+    METHODS = ("auto", "ctc_greedy_search", "ctc_prefix_beam_search", "attention_rescoring", "attention")
+
+    def _method(self, options: DecodingOptions) -> str:
+        m = self.decoding_method
+        if m not in self.METHODS:
+            raise InvalidRequestError(f"decoding_method must be one of {', '.join(self.METHODS)}, not {m!r}")
+        if m == "auto":
+            return "attention_rescoring" if options.beam_size > 1 else "ctc_greedy_search"
+        return m
+
     def decode_encoded(self, enc: torch.Tensor, lens: torch.Tensor, options: DecodingOptions,
                        durations: Sequence[float]) -> list[Transcript]:
+        method = self._method(options)
+        beam = max(1, options.beam_size)
         with torch.no_grad():
             logp = self.net.ctc_log_probs(enc).cpu()
+        att = self.attention_beam_search(enc, lens, beam) if method == "attention" else None
         out = []
         for b in range(enc.shape[0]):
             n = int(lens[b])
-            if options.beam_size > 1:
-                search = CTCPrefixBeamSearch(options.beam_size, self.config.blank_id)
+            conf = None
+            if att is not None:
+                hyp = CTCHypothesis(att[b])  # no alignment: no times, no words
+            elif method in ("ctc_prefix_beam_search", "attention_rescoring"):
+                search = CTCPrefixBeamSearch(beam, self.config.blank_id)
                 search.step(logp[b, :n])
                 nbest = search.nbest()
-                if nbest[0].tokens or len(nbest) > 1:
+                hyp = nbest[0]
+                if method == "attention_rescoring" and (nbest[0].tokens or len(nbest) > 1):
                     hyp, conf = self._rescore(enc[b, :n], nbest)
-                else:
-                    hyp, conf = nbest[0], None
             else:
                 g = CTCGreedySearch(self.config.blank_id)
                 g.step(logp[b, :n])
-                hyp, conf = g.result(), None
+                hyp = g.result()
             out.append(self._transcript(hyp, durations[b], options, confidences=conf, num_frames=n))
+        return out
+
+    def attention_beam_search(self, enc: torch.Tensor, lens: torch.Tensor, beam: int,
+                              length_penalty: float = 0.0) -> list[list[int]]:
+        """WeNet's ``attention`` decoding: left-to-right decoder beam search over the encoder
+        output (B, T, d) (at most T steps), best hypothesis per item (no CTC)."""
+        c = self.config
+        dev = enc.device
+        b, t, _ = enc.shape
+        running = b * beam
+        memory = enc.repeat_interleave(beam, dim=0)
+        mem_pad = (torch.arange(t, device=dev)[None, :] >= lens.to(dev)[:, None]).repeat_interleave(beam, 0)
+        hyps = torch.full((running, 1), c.sos, dtype=torch.long, device=dev)
+        scores = torch.tensor([0.0] + [-float("inf")] * (beam - 1), device=dev).repeat(b).unsqueeze(1)
+        end = torch.zeros_like(scores, dtype=torch.bool)
+        base = (torch.arange(b, device=dev) * beam)[:, None]
+        with torch.no_grad():
+            for _ in range(t):
+                if bool(end.all()):
+                    break
+                lens_h = torch.full((running,), hyps.shape[1], dtype=torch.long, device=dev)
+                logits = self.net.decoder(memory, mem_pad, hyps, lens_h)[:, -1]
+                top_v, top_i = torch.log_softmax(logits, dim=-1).topk(beam)
+                if beam > 1:  # a finished row keeps one zero-cost continuation (eos)
+                    top_v = torch.where(end, torch.cat([top_v.new_zeros(running, 1),
+                                                        top_v.new_full((running, beam - 1), -float("inf"))], 1), top_v)
+                else:
+                    top_v = top_v.masked_fill(end, 0.0)
+                top_i = top_i.masked_fill(end, c.eos)
+                scores = (scores + top_v).view(b, beam * beam)
+                scores, offset = scores.topk(beam)
+                best = (base * beam + offset).view(-1)
+                pred = top_i.view(-1)[best]
+                hyps = torch.cat([hyps[best // beam], pred[:, None]], dim=1)
+                scores = scores.view(-1, 1)
+                end = (hyps[:, -1] == c.eos)[:, None]
+        lengths = hyps.ne(c.eos).sum(1).view(b, beam).float()
+        final = scores.view(b, beam) / lengths.pow(length_penalty)
+        idx = final.argmax(dim=-1) + torch.arange(b, device=dev) * beam
+        out = []
+        for row in hyps[idx, 1:].tolist():
+            out.append([x for x in row if x != c.eos])
         return out
 
     def transcribe(self, audios: Sequence[np.ndarray], options: DecodingOptions,

@@ -51,6 +51,44 @@ def _speech_wav(kit) -> bytes:
     return buf.getvalue()
 
 
+def _realtime(port: int) -> None:
+    import base64
+
+    from websockets.sync.client import connect
+
+    from oasr.audio import load_audio
+
+    speech = load_audio(
+        str(Path(__file__).resolve().parents[1] / "data/speech/en_ls_2830-3980-0043.wav"), 24000
+    )
+    audio = np.concatenate([np.zeros(12000, np.float32), speech, np.zeros(24000, np.float32)])
+    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+    with connect(
+        f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription",
+        subprotocols=["realtime", "openai-insecure-api-key.k3y"],
+        open_timeout=10,
+    ) as ws:
+        assert ws.subprotocol == "realtime"
+        assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+        for i in range(0, len(pcm), 9600):
+            chunk = base64.b64encode(pcm[i : i + 9600]).decode()
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        kinds = []
+        while not kinds or kinds[-1]["type"] != (
+            "conversation.item.input_audio_transcription.completed"
+        ):
+            kinds.append(json.loads(ws.recv(timeout=20)))
+    types = [e["type"] for e in kinds if not e["type"].endswith(".delta")]
+    assert types == [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.created",
+        "conversation.item.input_audio_transcription.completed",
+    ], types
+    assert kinds[-1]["transcript"].startswith("[speech]")  # one per energy segment
+
+
 def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -> None:
     port, grpc_port = _free_port(), _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -148,6 +186,9 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
                     timeout=10,
                 )
             assert reply.text == "[speech]" and reply.model == "energy"
+            # the realtime WebSocket over a real socket (uvicorn + websockets): server VAD on
+            # real speech, the key sent as OpenAI's browser subprotocol
+            _realtime(port)
             metrics = c.get("/metrics", headers=auth).text
             assert (
                 'oasr_requests_total{method="POST",route="/v1/audio/transcriptions",status="200"} 3.0'
@@ -201,6 +242,8 @@ def test_oasr_serve_is_registered() -> None:
         "--request-timeout",
         "--api-key",
         "--device",
+        "--max-streams",
+        "--partial-interval-ms",
     ):
         assert option in proc.stdout
     plugins = subprocess.run(

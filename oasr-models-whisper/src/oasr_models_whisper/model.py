@@ -201,6 +201,13 @@ class WhisperASR:
         suppress = resolve_suppress_tokens(
             self.tokenizer, options.suppress_tokens, self.non_speech_tokens
         )
+        if options.long_form == "vad":  # VAD chunks of all inputs decoded as one batch
+            from oasr_models_whisper.vad_longform import transcribe_vad as _transcribe_vad
+
+            return _transcribe_vad(self.network, self.tokenizer, waves, options,
+                                   multilingual=self.multilingual, language=language,
+                                   suppress=suppress, max_batch_size=self.max_batch_size,
+                                   progress=progress)  # fmt: skip
         return _transcribe(
             self.network,
             self.tokenizer,

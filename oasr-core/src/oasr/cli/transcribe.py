@@ -26,6 +26,11 @@ class Format(str, Enum):
     vtt = "vtt"
 
 
+class LongForm(str, Enum):
+    sequential = "sequential"
+    vad = "vad"
+
+
 class Granularity(str, Enum):
     word = "word"
     segment = "segment"
@@ -47,6 +52,7 @@ def _run(
     threads: int | None,
     server: str | None = None,
     api_key: str | None = None,
+    long_form: str = "sequential",
 ) -> None:
     if server:
         _run_remote(files, task=task, server=server, api_key=api_key, language=language,
@@ -71,6 +77,7 @@ def _run(
             temperature=temperature if temperature > 0 else (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
             prompt=prompt,
             word_timestamps="word" in grains,
+            long_form=long_form,  # type: ignore[arg-type]
         )
         ckpt = ckpt_dir or str(default_checkpoint())
         with err_console.status(f"loading model from {ckpt}"):
@@ -195,6 +202,11 @@ ApiKeyOpt = Annotated[
     typer.Option("--api-key", envvar="OASR_API_KEY", help="Bearer token for --server."),
 ]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")]  # noqa: UP045
+LongFormOpt = Annotated[
+    LongForm,
+    typer.Option("--long-form", help="Audio over 30 s: sequential (window by window, conditioned "
+                 "on previous text) or vad (VAD speech chunks decoded as one batch)."),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -214,6 +226,7 @@ def register(app: typer.Typer) -> None:
         threads: ThreadsOpt = None,
         server: ServerOpt = None,
         api_key: ApiKeyOpt = None,
+        long_form: LongFormOpt = LongForm.sequential,
     ) -> None:
         """Transcribe audio files (in-process, or on a server with --server)."""
         if task not in ("transcribe", "translate"):
@@ -221,7 +234,8 @@ def register(app: typer.Typer) -> None:
         _run(files, task=task, ckpt_dir=ckpt_dir, language=language,
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
-             device=device, threads=threads, server=server, api_key=api_key)
+             device=device, threads=threads, server=server, api_key=api_key,
+             long_form=long_form.value)
 
     @app.command("translate")
     def translate(
@@ -238,12 +252,14 @@ def register(app: typer.Typer) -> None:
         threads: ThreadsOpt = None,
         server: ServerOpt = None,
         api_key: ApiKeyOpt = None,
+        long_form: LongFormOpt = LongForm.sequential,
     ) -> None:
         """Translate speech in audio files into English text."""
         _run(files, task="translate", ckpt_dir=ckpt_dir, language=language,
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
-             device=device, threads=threads, server=server, api_key=api_key)
+             device=device, threads=threads, server=server, api_key=api_key,
+             long_form=long_form.value)
 
     @app.command("convert")
     def convert(

@@ -1,20 +1,36 @@
-"""``ASREngine``: one loaded model behind a small, thread-safe API.
+"""``ASREngine``: one loaded model behind a small, thread-safe API, pinned to a service mode.
 
-This first engine serves the offline mode: inputs are decoded, checked against the configured
-limits, sorted by length and run through the model in length-bucketed batches of at most
-``max_batch_size`` (similar lengths together waste the least padding). The streaming mode and the
-continuous-batching scheduler are the engine issue's work; asking for streaming on a model that
-cannot stream is refused here with a typed error.
+Offline mode (``EngineConfig(service_mode="offline")``):
+
+* :meth:`ASREngine.submit` ``(audio, options) -> Future[Transcript]`` from any thread; a scheduler
+  thread batches the requests of all callers (:mod:`oasr.scheduler`: length bucketing, memory-
+  bounded admission, a starvation bound, per-request errors, and continuous batching of the
+  decoder for models whose plugin provides an executor, Whisper included);
+* :meth:`ASREngine.transcribe_outputs` ``(inputs, decoding=...)``: many inputs through the
+  scheduler, one :class:`RequestOutput` each (a failed input carries its error, the others their
+  transcripts);
+* :meth:`transcribe_offline` / :meth:`transcribe_arrays`: the direct per-batch path (sorted by
+  length, batches of ``max_batch_size``, one ``model.transcribe`` call each), unchanged.
+
+Streaming mode (``service_mode="streaming"``, models with ``capabilities.streaming``): the
+:class:`oasr.streaming.StreamingScheduler` behind :meth:`add_streaming_request`,
+:meth:`feed_chunk`, :meth:`step`, :meth:`run` and :meth:`abort`.
+
+Calling a method of the other mode raises :class:`ServiceModeError` (a typed 400 error).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Union
 
 from oasr.errors import AudioTooLongError, UnsupportedOptionError
+from oasr.scheduler import RequestAbortedError, Scheduler, SchedulerConfig, executor_for
 from oasr.types import DecodingOptions, EngineConfig, Transcript
 
 if TYPE_CHECKING:
@@ -25,8 +41,43 @@ if TYPE_CHECKING:
 AudioInput = Union[str, Path, bytes, BinaryIO, "np.ndarray"]
 
 
+__all__ = ["ASREngine", "RequestOutput", "ServiceModeError", "StreamOutput", "RequestAbortedError"]
+
+
+class ServiceModeError(UnsupportedOptionError):
+    """A method of the other service mode was called (streaming API on an offline engine, or the
+    offline API on a streaming engine)."""
+
+    code = "wrong_service_mode"
+
+
+@dataclass
+class RequestOutput:
+    """The outcome of one offline request: its transcript, or the error it alone failed with."""
+
+    request_id: str
+    transcript: Transcript | None
+    error: BaseException | None = None
+    latency_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class StreamOutput:
+    """One streaming update: the hypothesis so far (partial) or the final result."""
+
+    request_id: str
+    text: str
+    is_final: bool
+    transcript: Transcript | None = None
+
+
 class ASREngine:
-    def __init__(self, config: EngineConfig, model: ASRModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: ASRModel | None = None, *,
+                 scheduler_config: SchedulerConfig | None = None) -> None:  # fmt: skip
         from oasr.checkpoint import load_model
 
         self.config = config
@@ -42,6 +93,131 @@ class ASREngine:
                 param="service_mode",
             )
         self._lock = threading.Lock()
+        self.scheduler: Scheduler | None = None
+        self.streaming = None
+        if config.service_mode == "offline":
+            sc = scheduler_config or SchedulerConfig(max_batch_size=config.max_batch_size)
+            self.scheduler_config = sc
+            self._sched_lock = threading.Lock()
+        else:
+            from oasr.streaming import StreamingScheduler
+
+            self.streaming = StreamingScheduler(self.model, max_batch_size=config.max_batch_size)  # type: ignore[arg-type]
+
+    # -- mode checks -----------------------------------------------------------------------------
+    def _offline(self, what: str) -> Scheduler:
+        if self.config.service_mode != "offline":
+            raise ServiceModeError(
+                f"{what} is offline-mode API; this engine runs service_mode='streaming'",
+                param="service_mode",
+            )
+        if self.scheduler is None:
+            with self._sched_lock:
+                if self.scheduler is None:
+                    executor = executor_for(self.model, self.scheduler_config)
+                    self.scheduler = Scheduler(executor, self.scheduler_config, self.sample_rate)
+        return self.scheduler
+
+    def _streaming(self, what: str):  # noqa: ANN202
+        if self.streaming is None:
+            raise ServiceModeError(
+                f"{what} is streaming-mode API; this engine runs service_mode='offline' "
+                f"(start it with EngineConfig(service_mode='streaming'))",
+                param="service_mode",
+            )
+        return self.streaming
+
+    # -- offline: the scheduler ------------------------------------------------------------------
+    def submit(self, audio: AudioInput, options: DecodingOptions | None = None,
+               request_id: str | None = None) -> Future:  # fmt: skip
+        """Queue one input (path, bytes, file object or 1-D float array) from any thread; the
+        returned future resolves to its :class:`Transcript` (or raises its error). ``future.rid``
+        is the request id (for :meth:`abort`). Starts the scheduler thread on first use."""
+        sched = self._offline("submit")
+        options = options or DecodingOptions()
+        options.check_supported(self.model.capabilities, self.model.name)
+        wave = self.load_audio(audio)
+        fut = sched.submit(wave, options, request_id)
+        sched.start()
+        return fut
+
+    def transcribe_outputs(
+        self,
+        inputs: Sequence[AudioInput],
+        streaming: bool = False,
+        decoding: DecodingOptions | None = None,
+    ) -> list[RequestOutput]:
+        """Transcribe many inputs together, one :class:`RequestOutput` per input in order; an
+        input that fails (unreadable audio, options its model refuses) fails alone.
+        ``streaming=True`` (streaming engines only) feeds each input through the streaming path."""
+        options = decoding or DecodingOptions()
+        if streaming:
+            return self._transcribe_streaming(inputs, options)
+        sched = self._offline("transcribe_outputs")
+        t0 = time.perf_counter()
+        futures: list[Future | BaseException] = []
+        for k, x in enumerate(inputs):
+            try:
+                options.check_supported(self.model.capabilities, self.model.name)
+                futures.append(sched.submit(self.load_audio(x), options))
+            except Exception as exc:  # noqa: BLE001 - this input fails alone
+                futures.append(exc)
+        sched.wait_all([f for f in futures if isinstance(f, Future)])
+        out: list[RequestOutput] = []
+        for k, f in enumerate(futures):
+            if isinstance(f, BaseException):
+                out.append(RequestOutput(str(k), None, f))
+                continue
+            rid = getattr(f, "rid", str(k))
+            exc = f.exception()
+            lat = time.perf_counter() - t0
+            out.append(RequestOutput(rid, None if exc else f.result(), exc, lat))
+        return out
+
+    def _transcribe_streaming(self, inputs: Sequence[AudioInput], options: DecodingOptions) -> list[RequestOutput]:
+        sched = self._streaming("transcribe_outputs(streaming=True)")
+        rids = []
+        for x in inputs:
+            rid = sched.add_request(options)
+            sched.feed_chunk(rid, self.load_audio(x), is_last=True)
+            rids.append(rid)
+        finals = sched.run()
+        out = []
+        for rid in rids:
+            t = finals.get(rid) or sched.result(rid)
+            sched.release(rid)
+            out.append(RequestOutput(rid, t, None if t is not None else RequestAbortedError(f"{rid} did not finish")))
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread (queued requests stay queued)."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    # -- streaming ---------------------------------------------------------------------------------
+    def add_streaming_request(self, options: DecodingOptions | None = None,
+                              request_id: str | None = None) -> str:  # fmt: skip
+        """Open a stream; returns its id."""
+        return self._streaming("add_streaming_request").add_request(options, request_id)
+
+    def feed_chunk(self, rid: str, chunk, is_last: bool = False) -> None:  # noqa: ANN001
+        """Append mono float32 samples at the model's rate to stream ``rid``."""
+        self._streaming("feed_chunk").feed_chunk(rid, chunk, is_last)
+
+    def step(self) -> list[StreamOutput]:
+        """One batched step over the ready streams: partial and final outputs."""
+        updates = self._streaming("step").step()
+        return [StreamOutput(rid, u.text, u.is_final, u.transcript) for rid, u in updates]
+
+    def run(self) -> dict[str, Transcript | None]:
+        """Step until no stream can advance; the final transcripts of the streams that ended."""
+        return self._streaming("run").run()
+
+    def abort(self, rid: str) -> bool:
+        """Drop a stream (streaming mode) or a queued/running request (offline mode)."""
+        if self.streaming is not None:
+            return self.streaming.abort(rid)
+        return self._offline("abort").abort(rid)
 
     @property
     def sample_rate(self) -> int:

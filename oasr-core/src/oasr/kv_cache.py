@@ -1,0 +1,107 @@
+"""A block-pool (paged) key/value cache for autoregressive decoders.
+
+Every sequence owns a *block table*: the ids of fixed-size blocks (``block_size`` token positions
+each) in one pool shared by all sequences. Rows join and leave the running batch at any step: a
+finished sequence returns its blocks to the pool, a new one takes free blocks. Memory is fixed at
+construction (``num_blocks``), so admission control is a matter of counting free blocks
+(:meth:`BlockAllocator.can_allocate`) and never an out-of-memory error mid-decode.
+
+* :class:`BlockAllocator`: pure-python free list (no torch), with reservation of a sequence's
+  worst-case block count at admission;
+* :class:`PagedKVCache`: the per-layer K/V tensors ``(num_blocks, block_size, heads, head_dim)``;
+  :meth:`~PagedKVCache.write` scatters new K/V by flat slot index and :meth:`~PagedKVCache.gather`
+  returns a dense ``(B, heads, n_blocks * block_size, head_dim)`` view for attention. Block 0 is a
+  scratch block never handed out: padded rows of a static (CUDA-graph) batch write there.
+
+The shapes touched per step depend only on (batch size, number of gathered blocks), so a decoder
+step over this cache can be captured once per shape bucket and replayed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from oasr.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BlockAllocator", "PagedKVCache", "blocks_for"]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return max(1, math.ceil(num_tokens / block_size))
+
+
+class BlockAllocator:
+    """Free list of block ids ``1 .. num_blocks-1`` (0 is the scratch block)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise InvalidRequestError("a paged KV cache needs at least 2 blocks", param="kv_cache")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks - 1
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV cache: {n} blocks asked for, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: Sequence[int]) -> None:
+        self._free.extend(blocks)
+
+
+class PagedKVCache:
+    """Per-layer K and V pools of shape (num_blocks, block_size, num_heads, head_dim)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
+                 head_dim: int, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        import torch
+
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        shape = (num_blocks, block_size, num_heads, head_dim)
+        kw = {"device": device, "dtype": dtype or torch.float32}
+        self.k = [torch.zeros(shape, **kw) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, **kw) for _ in range(num_layers)]
+        self.allocator = BlockAllocator(num_blocks)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_heads: int, head_dim: int,
+                        element_size: int) -> int:  # fmt: skip
+        return 2 * num_layers * block_size * num_heads * head_dim * element_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (N, heads, head_dim) at flat slot indices ``slots`` (N,)
+        (``block_id * block_size + offset``)."""
+        self.k[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, k)
+        self.v[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K, V (B, heads, n * block_size, head_dim) for ``block_tables`` (B, n)."""
+        b, n = block_tables.shape
+        flat = block_tables.reshape(-1)
+        k = self.k[layer].index_select(0, flat).view(b, n * self.block_size, self.num_heads, self.head_dim)
+        v = self.v[layer].index_select(0, flat).view(b, n * self.block_size, self.num_heads, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)

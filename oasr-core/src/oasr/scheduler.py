@@ -1,0 +1,394 @@
+"""The offline request scheduler: requests from many callers, batched together.
+
+:class:`Scheduler` owns a waiting queue and an :class:`Executor` (the model-specific part). Each
+*step* it admits waiting requests into the executor and lets the executor advance everything it
+runs by one unit of work, then resolves the futures of the requests that finished:
+
+* admission is **length-bucketed** (waiting requests are considered shortest bucket first, so
+  similar lengths share a batch and short requests are not stuck behind long ones);
+* the executor says whether a request fits *now* (free batch slot, enough KV-cache blocks):
+  admission never over-commits memory, a flood of requests waits in the queue;
+* **starvation bound**: a request that has waited ``max_wait_steps`` steps is *starved*; starved
+  requests are admitted oldest first before anything else, and while the oldest starved request
+  does not fit nothing younger is admitted (its room is freed by the running requests finishing);
+* **errors are per request**: a request the executor refuses or fails completes its own future
+  with the exception; the others go on.
+
+Two executors exist: :class:`BatchExecutor` here (any :class:`oasr.model.ASRModel`: one
+``model.transcribe`` call per admitted batch) and model plugins' continuous-batching executors
+(Whisper: ``oasr_models_whisper.engine_adapter``), found by :func:`executor_for`.
+
+Thread-safety: :meth:`Scheduler.submit` and :meth:`Scheduler.abort` may be called from any thread;
+steps run in one thread (the scheduler thread started by :meth:`Scheduler.start`, or the caller of
+:meth:`Scheduler.run_until_idle`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from oasr.errors import InvalidRequestError, OASRError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from oasr.model import ASRModel
+    from oasr.types import DecodingOptions, Transcript
+
+__all__ = [
+    "BatchExecutor",
+    "EngineBusyError",
+    "Executor",
+    "Request",
+    "RequestAbortedError",
+    "Scheduler",
+    "SchedulerConfig",
+    "executor_for",
+]
+
+
+class EngineBusyError(OASRError):
+    """The waiting queue is full; retry later."""
+
+    http_status = 503
+    code = "engine_busy"
+    error_type = "server_error"
+
+
+class RequestAbortedError(OASRError):
+    """The request was aborted before it finished."""
+
+    http_status = 499
+    code = "request_aborted"
+    error_type = "invalid_request_error"
+
+
+@dataclass
+class SchedulerConfig:
+    #: most requests running at once (the decoder batch of a continuous executor)
+    max_batch_size: int = 16
+    #: starvation bound, in scheduler steps (see the module docstring)
+    max_wait_steps: int = 256
+    #: most requests waiting (None: unbounded); beyond it ``submit`` raises EngineBusyError
+    max_queue: int | None = None
+    #: width of a length bucket, seconds of audio
+    bucket_seconds: float = 5.0
+    #: KV-cache memory budget in bytes for continuous executors (None: room for a full batch)
+    kv_cache_bytes: int | None = None
+    #: token positions per KV-cache block
+    block_size: int = 16
+    #: CUDA-graph capture of the decoder step (None: on when the model runs on CUDA)
+    cuda_graphs: bool | None = None
+    #: most windows per encoder call (None: max_batch_size)
+    max_encoder_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        if self.max_wait_steps < 0:
+            raise InvalidRequestError("max_wait_steps must be >= 0", param="max_wait_steps")
+
+
+@dataclass
+class Request:
+    rid: str
+    audio: np.ndarray
+    options: DecodingOptions
+    seq: int
+    arrival_step: int
+    future: Future = field(default_factory=Future)
+    admitted_step: int | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    finish_time: float | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.audio.shape[-1])
+
+
+class Executor(Protocol):
+    """The model-specific half of the scheduler."""
+
+    def try_admit(self, request: Request) -> bool:
+        """Take ``request`` if it fits now (slot and memory); False leaves it waiting. May raise a
+        typed error for a request that can never run (it then fails alone)."""
+        ...
+
+    def step(self) -> list[tuple[Request, Transcript | BaseException]]:
+        """Advance the admitted requests by one unit of work; return those that finished."""
+        ...
+
+    def abort(self, request: Request) -> bool:
+        """Drop an admitted request (free its memory). False when it is not held."""
+        ...
+
+    @property
+    def num_running(self) -> int: ...
+
+
+class BatchExecutor:
+    """Any :class:`ASRModel`: admitted requests with equal options run as one
+    ``model.transcribe`` batch per step; a failing batch is retried request by request so only
+    the bad request fails."""
+
+    def __init__(self, model: ASRModel, max_batch_size: int) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self._pending: list[Request] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self._pending)
+
+    def try_admit(self, request: Request) -> bool:
+        if len(self._pending) >= self.max_batch_size:
+            return False
+        if self._pending and self._pending[0].options != request.options:
+            return False  # one options set per model call
+        request.options.check_supported(self.model.capabilities, self.model.name)
+        self._pending.append(request)
+        return True
+
+    def abort(self, request: Request) -> bool:
+        if request in self._pending:
+            self._pending.remove(request)
+            return True
+        return False
+
+    def step(self) -> list[tuple[Request, Transcript | BaseException]]:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return []
+        try:
+            outs = self.model.transcribe([r.audio for r in batch], batch[0].options)
+            return list(zip(batch, outs, strict=True))
+        except Exception:  # noqa: BLE001 - isolate the bad request
+            if len(batch) == 1:
+                raise
+        done: list[tuple[Request, Transcript | BaseException]] = []
+        for r in batch:
+            try:
+                done.append((r, self.model.transcribe([r.audio], r.options)[0]))
+            except Exception as exc:  # noqa: BLE001
+                done.append((r, exc))
+        return done
+
+
+def executor_for(model: ASRModel, config: SchedulerConfig) -> Any:
+    """The model's continuous-batching executor when its plugin has one, else BatchExecutor.
+
+    Convention: a plugin package may expose ``<package>.engine_adapter.make_executor(model,
+    config)``, returning an executor or None (None: this model/config is not supported)."""
+    factory = getattr(model, "make_executor", None)
+    if factory is None:
+        package = type(model).__module__.split(".")[0]
+        try:
+            module = importlib.import_module(f"{package}.engine_adapter")
+        except ImportError:
+            module = None
+        factory = getattr(module, "make_executor", None) if module is not None else None
+        if factory is not None:
+            made = factory(model, config)
+            if made is not None:
+                return made
+    else:
+        made = factory(config)
+        if made is not None:
+            return made
+    return BatchExecutor(model, config.max_batch_size)
+
+
+class Scheduler:
+    """Waiting queue + admission policy + one executor. See the module docstring."""
+
+    def __init__(self, executor: Executor, config: SchedulerConfig | None = None,
+                 sample_rate: int = 16000) -> None:  # fmt: skip
+        self.executor = executor
+        self.config = config or SchedulerConfig()
+        self.sample_rate = sample_rate
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: list[Request] = []
+        self._running: dict[str, Request] = {}
+        self._ids = itertools.count(1)
+        self._seq = itertools.count()
+        self.step_count = 0
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._step_lock = threading.Lock()
+        #: most requests waiting for admission seen (introspection / tests)
+        self.stats: dict[str, int] = {"max_running": 0, "max_wait_steps_seen": 0}
+        self.on_step: Callable[[Scheduler], None] | None = None
+
+    # -- submission (any thread) ---------------------------------------------------------------
+    def submit(self, audio: np.ndarray, options: DecodingOptions, rid: str | None = None) -> Future:
+        with self._lock:
+            if self.config.max_queue is not None and len(self._waiting) >= self.config.max_queue:
+                raise EngineBusyError(
+                    f"{len(self._waiting)} requests are waiting; retry later", param=None
+                )
+            req = Request(rid or f"r{next(self._ids)}", audio, options, next(self._seq), self.step_count)
+            req.future.rid = req.rid  # type: ignore[attr-defined]
+            self._waiting.append(req)
+            self._wake.notify_all()
+        return req.future
+
+    def abort(self, rid: str) -> bool:
+        with self._lock:
+            for r in self._waiting:
+                if r.rid == rid:
+                    self._waiting.remove(r)
+                    r.future.set_exception(RequestAbortedError(f"request {rid!r} aborted"))
+                    return True
+        with self._step_lock:  # running requests: between steps only
+            with self._lock:
+                r = self._running.pop(rid, None)
+            if r is None:
+                return False
+            self.executor.abort(r)
+            if not r.future.done():
+                r.future.set_exception(RequestAbortedError(f"request {rid!r} aborted"))
+            return True
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    # -- policy --------------------------------------------------------------------------------
+    def _bucket(self, r: Request) -> int:
+        return int(r.num_samples / (self.config.bucket_seconds * self.sample_rate))
+
+    def _admit(self) -> None:
+        with self._lock:
+            waiting = list(self._waiting)
+        now = self.step_count
+        bound = self.config.max_wait_steps
+        starved = sorted((r for r in waiting if now - r.arrival_step >= bound), key=lambda r: r.seq)
+        fresh = sorted((r for r in waiting if now - r.arrival_step < bound),
+                       key=lambda r: (self._bucket(r), r.seq))  # fmt: skip
+        admitted: list[Request] = []
+        failed: list[tuple[Request, BaseException]] = []
+        blocked = False
+        for r in (*starved, *fresh):
+            if len(self._running) + len(admitted) >= self.config.max_batch_size:
+                break
+            starving = now - r.arrival_step >= bound
+            try:
+                ok = self.executor.try_admit(r)
+            except Exception as exc:  # noqa: BLE001 - the request fails alone
+                failed.append((r, exc))
+                continue
+            if ok:
+                admitted.append(r)
+            elif starving:
+                blocked = True  # hold the room for the oldest starved request
+                break
+        del blocked
+        with self._lock:
+            for r in admitted:
+                if r in self._waiting:
+                    self._waiting.remove(r)
+                r.admitted_step = now
+                self._running[r.rid] = r
+                self.stats["max_wait_steps_seen"] = max(self.stats["max_wait_steps_seen"], now - r.arrival_step)
+            for r, _ in failed:
+                if r in self._waiting:
+                    self._waiting.remove(r)
+            self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
+        for r, exc in failed:
+            self._finish(r, exc)
+
+    def _finish(self, r: Request, result: Transcript | BaseException) -> None:
+        r.finish_time = time.perf_counter()
+        if r.future.done():
+            return
+        if isinstance(result, BaseException):
+            r.future.set_exception(result)
+        else:
+            r.future.set_result(result)
+
+    # -- stepping (one thread) -----------------------------------------------------------------
+    def step(self) -> int:
+        """Admit, advance the executor once, resolve finished requests. Returns how many
+        requests finished."""
+        with self._step_lock:
+            self._admit()
+            try:
+                done = self.executor.step()
+            except Exception as exc:  # noqa: BLE001 - the executor lost its batch: fail it
+                with self._lock:
+                    running = list(self._running.values())
+                    self._running.clear()
+                for r in running:
+                    self.executor.abort(r)
+                    self._finish(r, exc)
+                done = []
+            with self._lock:
+                for r, _ in done:
+                    self._running.pop(r.rid, None)
+                self.step_count += 1
+            for r, result in done:
+                self._finish(r, result)
+            if self.on_step is not None:
+                self.on_step(self)
+            return len(done)
+
+    def run_until_idle(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def wait_all(self, futures: Sequence[Future]) -> None:
+        """Wait for ``futures``: drive the steps here unless the scheduler thread runs."""
+        if self._thread is not None and self._thread.is_alive():
+            for f in futures:
+                try:
+                    f.exception()
+                except BaseException:  # noqa: BLE001
+                    pass
+            return
+        while not all(f.done() for f in futures):
+            self.step()
+
+    def start(self) -> None:
+        """Run steps in a daemon thread whenever there is work."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="oasr-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._stop:
+                    return
+            self.step()

@@ -3,6 +3,13 @@
     python -m benchmarks.asrbench                       # English clips, tiny.en, CPU, 2 threads
     python -m benchmarks.asrbench --profile smoke       # two short clips, for a quick check
     python -m benchmarks.asrbench --json out.json
+    python -m benchmarks.asrbench --workload synthetic --profile smoke        # CPU, < 2 min
+    python -m benchmarks.asrbench --workload synthetic --shape large-v3 --device cuda \
+        --dtype float16 --batch-size 64 --requests 128 --tokens 100             # GPU
+
+The synthetic workload (``benchmarks/synthetic.py``) compares OASR's engine with
+``transformers`` on random weights and a forced decode length, so both sides do identical work:
+RTFx, latency p50/p90/p99, tokens/s and peak GPU memory.
 
 Backends:
   oasr_engine     OASR's in-process ASREngine (the same path `oasr transcribe` takes)
@@ -102,7 +109,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--workload", choices=["speech", "synthetic"], default="speech")
+    parser.add_argument("--shape", default=None, help="synthetic: smoke | tiny | large-v3")
+    parser.add_argument("--dtype", default=None, help="synthetic: float32 | float16 | bfloat16")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--tokens", type=int, default=None, help="synthetic: forced tokens per request")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
     args = parser.parse_args(argv)
+    if args.workload == "synthetic":
+        return _synthetic(args)
 
     import torch
 
@@ -137,6 +153,37 @@ def main(argv: list[str] | None = None) -> dict:
         "clips": [str(p.name) for p in paths],
         "results": [asdict(r) for r in results],
     }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _synthetic(args: argparse.Namespace) -> dict:
+    import torch
+
+    from benchmarks.synthetic import print_table, run_synthetic
+
+    torch.set_num_threads(args.threads)
+    smoke = args.profile == "smoke"
+    backends = args.backends if args.backends != "oasr_engine,faster_whisper" else "oasr_engine,transformers"
+    report = run_synthetic(
+        shape=args.shape or ("smoke" if smoke else "large-v3"),
+        device=args.device,
+        dtype=args.dtype or ("float32" if args.device == "cpu" else "float16"),
+        requests=args.requests or (6 if smoke else 128),
+        batch_size=args.batch_size or (4 if smoke else 64),
+        tokens=args.tokens or (12 if smoke else 100),
+        backends=tuple(backends.split(",")),
+        cuda_graphs=False if args.no_cuda_graphs else None,
+    )
+    print_table(report)
+    if smoke:  # every backend ran, produced the forced number of tokens and comparable text
+        for r in report["results"]:
+            assert r["tokens"] == report["requests"] * report["tokens_per_request"], r["backend"]
+            assert len(r["texts"]) == report["requests"], r["backend"]
+        assert report["text_agreement_with_transformers"] in (None,) or report["text_agreement_with_transformers"] >= 0.5
+    for r in report["results"]:
+        r.pop("texts", None) if not smoke else None
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

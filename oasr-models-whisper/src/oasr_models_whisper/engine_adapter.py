@@ -184,7 +184,8 @@ class WhisperExecutor:
         self._cols = torch.arange(self._vocab, device=self.device)
         self.graph_batch_sizes = sorted({b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
                                          if b < self.max_rows} | {self.max_rows})  # fmt: skip
-        self.stats = {"steps": 0, "graph_replays": 0, "eager_steps": 0, "max_rows": 0}
+        self.stats = {"steps": 0, "graph_replays": 0, "eager_steps": 0, "max_rows": 0,
+                      "tokens": 0}
 
     # ------------------------------------------------------------------ Executor protocol
     @property
@@ -590,6 +591,7 @@ class WhisperExecutor:
         for i, s in enumerate(seqs):
             s.sum_logprob = s.sum_logprob + picked[i]
         toks = next_tokens.tolist()
+        self.stats["tokens"] += len(toks)
         finished = []
         for i, (s, t) in enumerate(zip(seqs, toks, strict=True)):
             s.sampled.append(int(t))

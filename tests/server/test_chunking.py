@@ -40,9 +40,10 @@ def test_chunking_maps_timestamps_and_batches(kit, app_factory) -> None:
     audio = _two_utterances()
     wav = _wav(audio)
     segs = get_speech_segments(
-        audio, 16000, default_detector(),
-        SegmentationOptions(threshold=0.5, min_silence_ms=200, speech_pad_ms=300,
-                            max_speech_s=30),
+        audio,
+        16000,
+        default_detector(),
+        SegmentationOptions(threshold=0.5, min_silence_ms=200, speech_pad_ms=300, max_speech_s=30),
     )
     assert len(segs) == 2
 
@@ -58,15 +59,24 @@ def test_chunking_maps_timestamps_and_batches(kit, app_factory) -> None:
             as_json = await kit.post_audio(
                 c,
                 audio=wav,
-                fields={"chunking_strategy": json.dumps(
-                    {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 100,
-                     "silence_duration_ms": 500})},
+                fields={
+                    "chunking_strategy": json.dumps(
+                        {
+                            "type": "server_vad",
+                            "threshold": 0.5,
+                            "prefix_padding_ms": 100,
+                            "silence_duration_ms": 500,
+                        }
+                    )
+                },
             )
             bracketed = await kit.post_audio(
                 c,
                 audio=wav,
-                fields={"chunking_strategy[type]": "server_vad",
-                        "chunking_strategy[prefix_padding_ms]": "0"},
+                fields={
+                    "chunking_strategy[type]": "server_vad",
+                    "chunking_strategy[prefix_padding_ms]": "0",
+                },
             )
             plain = await kit.post_audio(c, audio=wav)
             return auto, calls, as_json, bracketed, plain
@@ -111,7 +121,8 @@ def test_chunking_silence_and_invalid_values(kit, app_factory) -> None:
         async with kit.serving(app) as c:
             empty = await kit.post_audio(c, audio=silence, fields={"chunking_strategy": "auto"})
             verbose = await kit.post_audio(
-                c, audio=silence,
+                c,
+                audio=silence,
                 fields={"chunking_strategy": "auto", "response_format": "verbose_json"},
             )
             calls = len(model.batches)
@@ -123,7 +134,11 @@ def test_chunking_silence_and_invalid_values(kit, app_factory) -> None:
                 {"chunking_strategy": json.dumps({"type": "semantic"})},
                 {"chunking_strategy": json.dumps({"type": "server_vad", "threshold": 1.5})},
                 {"chunking_strategy": json.dumps({"type": "server_vad", "threshold": "x"})},
-                {"chunking_strategy": json.dumps({"type": "server_vad", "silence_duration_ms": -1})},
+                {
+                    "chunking_strategy": json.dumps(
+                        {"type": "server_vad", "silence_duration_ms": -1}
+                    )
+                },
                 {"chunking_strategy": json.dumps({"type": "server_vad", "extra": 1})},
                 {"chunking_strategy[type]": "nope"},
                 {"chunking_strategy": "auto", "chunking_strategy[type]": "server_vad"},

@@ -98,11 +98,11 @@ def test_streaming_recognize(kit, app_factory) -> None:
                 )
                 # (refused calls send one message: a client still writing when the server ends
                 # the call may see grpc's own INTERNAL instead of the status)
-                no_config = await _error(stub.StreamingRecognize(_requests(None, tone[:3200], 3200)))
+                no_config = await _error(
+                    stub.StreamingRecognize(_requests(None, tone[:3200], 3200))
+                )
                 container = await _error(
-                    stub.StreamingRecognize(
-                        _requests(pb.StreamingRecognitionConfig(), b"", 1)
-                    )
+                    stub.StreamingRecognize(_requests(pb.StreamingRecognitionConfig(), b"", 1))
                 )
                 bad_vad = await _error(
                     stub.StreamingRecognize(
@@ -122,7 +122,9 @@ def test_streaming_recognize(kit, app_factory) -> None:
             return vad, interim, no_config, container, bad_vad, metrics
 
     vad, interim, no_config, container, bad_vad, metrics = kit.run(go())
-    events = [(r.speech_event_type, round(r.speech_event_time, 1)) for r in vad if r.speech_event_type]
+    events = [
+        (r.speech_event_type, round(r.speech_event_time, 1)) for r in vad if r.speech_event_type
+    ]
     assert [e[0] for e in events] == [
         pb.SPEECH_ACTIVITY_BEGIN,
         pb.SPEECH_ACTIVITY_END,

@@ -87,3 +87,124 @@ def test_openai_sdk_transcriptions_translations_stream_errors(kit, app_factory) 
     assert out["auth"].status_code == 401 and out["auth"].code == "invalid_api_key"
     assert out["bad_audio"].code == "bad_audio" and out["bad_audio"].param is None
     assert out["unknown"].code == "model_not_found" and out["unknown"].param == "model"
+
+
+def test_openai_sdk_chunking_strategy(kit, app_factory) -> None:
+    """The SDK sends chunking_strategy as a form field ("auto") or bracketed fields (object)."""
+    import numpy as np
+
+    app, model = app_factory()
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(np.zeros(32000, "<i2").tobytes())
+
+    async def go():
+        async with kit.serving(app):
+            http = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://oasr.test"
+            )
+            client = openai.AsyncOpenAI(
+                api_key="x", base_url="http://oasr.test/v1", http_client=http, max_retries=0
+            )
+            out = []
+            for strategy in (
+                "auto",
+                {
+                    "type": "server_vad",
+                    "threshold": 0.4,
+                    "prefix_padding_ms": 200,
+                    "silence_duration_ms": 300,
+                },
+            ):
+                out.append(
+                    await client.audio.transcriptions.create(
+                        model="whisper-1",
+                        file=("s.wav", io.BytesIO(buf.getvalue()), "audio/wav"),
+                        chunking_strategy=strategy,
+                    )
+                )
+            try:
+                await client.audio.transcriptions.create(
+                    model="whisper-1",
+                    file=("s.wav", io.BytesIO(buf.getvalue()), "audio/wav"),
+                    chunking_strategy={"type": "server_vad", "threshold": 7},
+                )
+            except openai.BadRequestError as exc:
+                out.append(exc)
+            return out
+
+    auto, vad, bad = kit.run(go())
+    assert auto.text == "" and vad.text == ""  # silence: no segment reached the engine
+    assert bad.body["param"] == "chunking_strategy"
+
+
+def test_openai_sdk_realtime_transcription(kit, app_factory) -> None:
+    """The SDK's realtime client (websockets) against the server on a real socket."""
+    import asyncio
+    import base64
+    import socket
+    import threading
+
+    import numpy as np
+    import uvicorn
+
+    pytest.importorskip("websockets")
+    app, model = app_factory(api_key="sk-rt", partial_interval_ms=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        while not (server.started and app.state.oasr.ready):
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+
+        async def go():
+            client = openai.AsyncOpenAI(api_key="sk-rt", base_url=f"http://127.0.0.1:{port}/v1")
+            events = []
+            async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+                await conn.send(
+                    {
+                        "type": "session.update",
+                        "session": {
+                            "type": "transcription",
+                            "audio": {
+                                "input": {
+                                    "format": {"type": "audio/pcm", "rate": 24000},
+                                    "transcription": {
+                                        "model": "gpt-4o-transcribe",
+                                        "language": "en",
+                                    },
+                                    "turn_detection": None,
+                                }
+                            },
+                        },
+                    }
+                )
+                pcm = (np.zeros(36000) + 0.01 * 32767).astype("<i2").tobytes()
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+                await conn.input_audio_buffer.commit()
+                async for event in conn:
+                    events.append(event)
+                    if event.type == "conversation.item.input_audio_transcription.completed":
+                        break
+            return events
+
+        events = asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    types = [e.type for e in events]
+    assert types[0] == "transcription_session.created"
+    assert "session.updated" in types and "input_audio_buffer.committed" in types
+    assert events[-1].transcript == "hello world 1.50"

@@ -125,7 +125,7 @@ def test_server_vad_two_turns_pcm16_24k(client_for) -> None:
     durations = [float(e["transcript"].split()[-1]) for e in completed]
     assert 1.3 <= durations[0] <= 2.9 and 1.9 <= durations[1] <= 3.6, durations
     assert all(e["transcript"].startswith("hello world ") for e in completed)
-    for item, done in zip(items, completed):
+    for item, done in zip(items, completed, strict=False):
         deltas = [
             e["delta"]
             for e in of(events, "conversation.item.input_audio_transcription.delta")
@@ -158,8 +158,11 @@ def test_manual_commit_clear_and_16k(client_for) -> None:
                     "input_audio_format": "pcm16",
                     "input_audio_sample_rate": 16000,
                     "turn_detection": None,
-                    "input_audio_transcription": {"model": "whisper-1", "language": "fr",
-                                                  "prompt": "Bonjour"},
+                    "input_audio_transcription": {
+                        "model": "whisper-1",
+                        "language": "fr",
+                        "prompt": "Bonjour",
+                    },
                 },
             }
         )
@@ -255,18 +258,41 @@ def test_bad_events_keep_the_socket_usable(client_for) -> None:
             ("not json", "invalid_json", None),
             ('["a list"]', "invalid_json", None),
             (json.dumps({"type": "response.create", "event_id": "e1"}), "invalid_value", "type"),
-            (json.dumps({"type": "input_audio_buffer.append", "audio": "@@@not base64"}),
-             "invalid_value", "audio"),
-            (json.dumps({"type": "input_audio_buffer.append"}), "missing_required_parameter",
-             "audio"),
-            (json.dumps({"type": "session.update", "session": {"input_audio_format": "mp3"}}),
-             "invalid_value", "session.input_audio_format"),
-            (json.dumps({"type": "session.update",
-                         "session": {"turn_detection": {"type": "server_vad", "threshold": 2}}}),
-             "invalid_value", "session.turn_detection.threshold"),
-            (json.dumps({"type": "session.update",
-                         "session": {"input_audio_transcription": {"model": "nope"}}}),
-             "model_not_found", "session.input_audio_transcription.model"),
+            (
+                json.dumps({"type": "input_audio_buffer.append", "audio": "@@@not base64"}),
+                "invalid_value",
+                "audio",
+            ),
+            (
+                json.dumps({"type": "input_audio_buffer.append"}),
+                "missing_required_parameter",
+                "audio",
+            ),
+            (
+                json.dumps({"type": "session.update", "session": {"input_audio_format": "mp3"}}),
+                "invalid_value",
+                "session.input_audio_format",
+            ),
+            (
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {"turn_detection": {"type": "server_vad", "threshold": 2}},
+                    }
+                ),
+                "invalid_value",
+                "session.turn_detection.threshold",
+            ),
+            (
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {"input_audio_transcription": {"model": "nope"}},
+                    }
+                ),
+                "model_not_found",
+                "session.input_audio_transcription.model",
+            ),
             (json.dumps({"type": "session.update", "session": "x"}), "invalid_type", "session"),
         ]
         for text, code, param in bad:
@@ -318,9 +344,7 @@ def test_max_streams_and_api_key(client_for) -> None:
         ws.send_json({"type": "session.update", "session": {"turn_detection": None}})
         assert ws.receive_json()["type"] == "session.updated"
     # the slot is free again
-    with client.websocket_connect(
-        "/v1/realtime", headers={"Authorization": "Bearer s3cret"}
-    ) as ws:
+    with client.websocket_connect("/v1/realtime", headers={"Authorization": "Bearer s3cret"}) as ws:
         assert ws.receive_json()["type"] == "session.created"
     metrics = client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).text
     assert 'oasr_streams_total{api="realtime",outcome="rejected"} 2.0' in metrics

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from oasr.engine import ASREngine
-    from oasr.types import DecodingOptions, EngineConfig, Transcript
+    from oasr.types import DecodingOptions, EngineConfig
 
 log = logging.getLogger("oasr_server")
 

@@ -94,8 +94,7 @@ def parse_chunking_strategy(
             return ChunkingStrategy()
         if not text.startswith("{"):
             raise InvalidRequestError(
-                f'{PARAM} must be "auto" or an object {{"type": "server_vad", ...}}, '
-                f"not {value!r}",
+                f'{PARAM} must be "auto" or an object {{"type": "server_vad", ...}}, not {value!r}',
                 param=PARAM,
             )
         try:
@@ -103,7 +102,7 @@ def parse_chunking_strategy(
         except ValueError:
             raise InvalidRequestError(f"{PARAM} is not valid JSON", param=PARAM) from None
     if not isinstance(obj, dict):
-        raise InvalidRequestError(f"{PARAM} must be \"auto\" or an object", param=PARAM)
+        raise InvalidRequestError(f'{PARAM} must be "auto" or an object', param=PARAM)
     if obj.get("type") != "server_vad":
         raise InvalidRequestError(
             f"{PARAM}.type must be 'server_vad', not {obj.get('type')!r}", param=PARAM
@@ -146,8 +145,9 @@ def merge_transcripts(
         for seg in piece.segments:
             words = [replace(w, start=w.start + off, end=w.end + off) for w in seg.words]
             segments.append(
-                replace(seg, id=len(segments), start=seg.start + off, end=seg.end + off,
-                        words=words)
+                replace(
+                    seg, id=len(segments), start=seg.start + off, end=seg.end + off, words=words
+                )
             )
     return Transcript(
         text=" ".join(texts),

@@ -24,7 +24,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from oasr.errors import InvalidRequestError, OASRError
 from oasr_server.streaming import InputFormat, StreamEvent, TurnStream, VADSettings, new_id
@@ -126,8 +126,11 @@ def _num(obj: dict[str, Any], key: str, lo: float, hi: float, default: float, pa
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RealtimeError(f"Invalid type for '{param}.{key}': expected a number.",
-                            code="invalid_type", param=f"{param}.{key}")
+        raise RealtimeError(
+            f"Invalid type for '{param}.{key}': expected a number.",
+            code="invalid_type",
+            param=f"{param}.{key}",
+        )
     if not lo <= value <= hi:
         raise RealtimeError(
             f"Invalid '{param}.{key}': expected a value between {lo:g} and {hi:g}, got {value}.",
@@ -140,8 +143,11 @@ def _turn_detection(value: Any, param: str) -> VADSettings | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise RealtimeError(f"Invalid type for '{param}': expected an object or null.",
-                            code="invalid_type", param=param)
+        raise RealtimeError(
+            f"Invalid type for '{param}': expected an object or null.",
+            code="invalid_type",
+            param=param,
+        )
     kind = value.get("type", "server_vad")
     if kind not in ("server_vad", "semantic_vad"):
         raise RealtimeError(
@@ -193,12 +199,16 @@ def _transcription(state: ServerState, cfg: SessionConfig, value: Any, param: st
     if value is None:
         return
     if not isinstance(value, dict):
-        raise RealtimeError(f"Invalid type for '{param}': expected an object.",
-                            code="invalid_type", param=param)
+        raise RealtimeError(
+            f"Invalid type for '{param}': expected an object.", code="invalid_type", param=param
+        )
     model = value.get("model")
     if model:
-        names = (state.config.served_model_name, *state.config.model_aliases,
-                 *REALTIME_MODEL_ALIASES)
+        names = (
+            state.config.served_model_name,
+            *state.config.model_aliases,
+            *REALTIME_MODEL_ALIASES,
+        )
         if model not in names:
             raise RealtimeError(
                 f"Model {model!r} is not served here; this server serves "
@@ -211,8 +221,11 @@ def _transcription(state: ServerState, cfg: SessionConfig, value: Any, param: st
         if key in value:
             v = value[key]
             if v is not None and not isinstance(v, str):
-                raise RealtimeError(f"Invalid type for '{param}.{key}': expected a string.",
-                                    code="invalid_type", param=f"{param}.{key}")
+                raise RealtimeError(
+                    f"Invalid type for '{param}.{key}': expected a string.",
+                    code="invalid_type",
+                    param=f"{param}.{key}",
+                )
             setattr(cfg, key, v or None)
 
 
@@ -220,10 +233,13 @@ def apply_update(state: ServerState, current: SessionConfig, session: Any) -> Se
     """A new config from a ``session`` object (beta or GA shape); raises :class:`RealtimeError`
     and leaves ``current`` unchanged when anything is invalid."""
     if not isinstance(session, dict):
-        raise RealtimeError("Invalid type for 'session': expected an object.",
-                            code="invalid_type", param="session")
+        raise RealtimeError(
+            "Invalid type for 'session': expected an object.", code="invalid_type", param="session"
+        )
     cfg = current.copy()
-    ga_input = session.get("audio", {}).get("input") if isinstance(session.get("audio"), dict) else None
+    ga_input = (
+        session.get("audio", {}).get("input") if isinstance(session.get("audio"), dict) else None
+    )
     if isinstance(ga_input, dict):  # GA: session.audio.input.{format,transcription,turn_detection}
         p = "session.audio.input"
         if "format" in ga_input:
@@ -246,8 +262,9 @@ def apply_update(state: ServerState, current: SessionConfig, session: Any) -> Se
             )
         cfg.pcm_rate = int(rate)
     if "input_audio_transcription" in session:
-        _transcription(state, cfg, session["input_audio_transcription"],
-                       "session.input_audio_transcription")
+        _transcription(
+            state, cfg, session["input_audio_transcription"], "session.input_audio_transcription"
+        )
     if "turn_detection" in session:
         cfg.vad = _turn_detection(session["turn_detection"], "session.turn_detection")
     if "input_audio_noise_reduction" in session:
@@ -370,60 +387,104 @@ class RealtimeSession:
     def _options(self, cfg: SessionConfig) -> Any:
         from oasr_server.routes import _options
 
-        return _options(task="transcribe", language=cfg.language, prompt=cfg.prompt,
-                        temperature=0.0, words=False)
+        return _options(
+            task="transcribe",
+            language=cfg.language,
+            prompt=cfg.prompt,
+            temperature=0.0,
+            words=False,
+        )
 
     # -- stream events -> OpenAI events ------------------------------------------------------
     def on_stream(self, ev: StreamEvent) -> None:
         item = ev.item_id
         if ev.kind == "speech_started":
-            self.send({"type": "input_audio_buffer.speech_started",
-                       "audio_start_ms": round(ev.start_s * 1000), "item_id": item})
+            self.send(
+                {
+                    "type": "input_audio_buffer.speech_started",
+                    "audio_start_ms": round(ev.start_s * 1000),
+                    "item_id": item,
+                }
+            )
         elif ev.kind == "speech_stopped":
-            self.send({"type": "input_audio_buffer.speech_stopped",
-                       "audio_end_ms": round(ev.end_s * 1000), "item_id": item})
+            self.send(
+                {
+                    "type": "input_audio_buffer.speech_stopped",
+                    "audio_end_ms": round(ev.end_s * 1000),
+                    "item_id": item,
+                }
+            )
         elif ev.kind == "committed":
-            self.send({"type": "input_audio_buffer.committed",
-                       "previous_item_id": ev.previous_item_id, "item_id": item})
-            self.send({
-                "type": "conversation.item.created",
-                "previous_item_id": ev.previous_item_id,
-                "item": {
-                    "id": item,
-                    "object": "realtime.item",
-                    "type": "message",
-                    "status": "completed",
-                    "role": "user",
-                    "content": [{"type": "input_audio", "transcript": None}],
-                },
-            })
+            self.send(
+                {
+                    "type": "input_audio_buffer.committed",
+                    "previous_item_id": ev.previous_item_id,
+                    "item_id": item,
+                }
+            )
+            self.send(
+                {
+                    "type": "conversation.item.created",
+                    "previous_item_id": ev.previous_item_id,
+                    "item": {
+                        "id": item,
+                        "object": "realtime.item",
+                        "type": "message",
+                        "status": "completed",
+                        "role": "user",
+                        "content": [{"type": "input_audio", "transcript": None}],
+                    },
+                }
+            )
         elif ev.kind == "partial":
             if ev.delta:
-                self.send({"type": "conversation.item.input_audio_transcription.delta",
-                           "item_id": item, "content_index": 0, "delta": ev.delta})
+                self.send(
+                    {
+                        "type": "conversation.item.input_audio_transcription.delta",
+                        "item_id": item,
+                        "content_index": 0,
+                        "delta": ev.delta,
+                    }
+                )
         elif ev.kind == "completed":
             t = ev.transcript
             if ev.delta:
-                self.send({"type": "conversation.item.input_audio_transcription.delta",
-                           "item_id": item, "content_index": 0, "delta": ev.delta})
-            self.send({
-                "type": "conversation.item.input_audio_transcription.completed",
-                "item_id": item,
-                "content_index": 0,
-                "transcript": ev.text,
-                "language": t.language if t is not None else None,
-                "usage": {"type": "duration",
-                          "seconds": round(t.duration, 3) if t is not None else 0},
-            })
+                self.send(
+                    {
+                        "type": "conversation.item.input_audio_transcription.delta",
+                        "item_id": item,
+                        "content_index": 0,
+                        "delta": ev.delta,
+                    }
+                )
+            self.send(
+                {
+                    "type": "conversation.item.input_audio_transcription.completed",
+                    "item_id": item,
+                    "content_index": 0,
+                    "transcript": ev.text,
+                    "language": t.language if t is not None else None,
+                    "usage": {
+                        "type": "duration",
+                        "seconds": round(t.duration, 3) if t is not None else 0,
+                    },
+                }
+            )
         elif ev.kind == "failed":
             err = ev.error
-            self.send({
-                "type": "conversation.item.input_audio_transcription.failed",
-                "item_id": item,
-                "content_index": 0,
-                "error": {"type": err.error_type, "code": err.code, "message": err.message,
-                          "param": err.param},
-            })
+            self.send(
+                {
+                    "type": "conversation.item.input_audio_transcription.failed",
+                    "item_id": item,
+                    "content_index": 0,
+                    "error": {
+                        "type": err.error_type,
+                        "code": err.code,
+                        "message": err.message,
+                        "param": err.param,
+                    },
+                }
+            )
 
     # -- tasks -------------------------------------------------------------------------------
     async def _writer(self) -> None:
@@ -474,8 +535,9 @@ class RealtimeSession:
             try:
                 await self._apply(cfg)
             finally:
-                self.send({"type": reply,
-                           "session": self.config.to_json(self.id, self.transcription)})
+                self.send(
+                    {"type": reply, "session": self.config.to_json(self.id, self.transcription)}
+                )
         elif kind == "start":
             try:
                 await self._apply(self.config)
@@ -489,8 +551,9 @@ class RealtimeSession:
         except ValueError:
             event = None
         if not isinstance(event, dict):
-            self.send_error(RealtimeError(
-                "The client event is not a JSON object.", code="invalid_json"))
+            self.send_error(
+                RealtimeError("The client event is not a JSON object.", code="invalid_json")
+            )
             return
         event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
         kind = event.get("type")
@@ -502,13 +565,17 @@ class RealtimeSession:
             elif kind == "input_audio_buffer.append":
                 audio = event.get("audio")
                 if not isinstance(audio, str):
-                    raise RealtimeError("Missing required parameter: 'audio' (base64 audio).",
-                                        code="missing_required_parameter", param="audio")
+                    raise RealtimeError(
+                        "Missing required parameter: 'audio' (base64 audio).",
+                        code="missing_required_parameter",
+                        param="audio",
+                    )
                 try:
                     data = base64.b64decode(audio, validate=True)
                 except (binascii.Error, ValueError):
-                    raise RealtimeError("Invalid 'audio': not valid base64.",
-                                        code="invalid_value", param="audio") from None
+                    raise RealtimeError(
+                        "Invalid 'audio': not valid base64.", code="invalid_value", param="audio"
+                    ) from None
                 if data:
                     await self.work.put(("append", data, event_id))
             elif kind == "input_audio_buffer.commit":
@@ -560,10 +627,13 @@ class RealtimeSession:
                 if message.get("text") is not None:
                     await self._dispatch(message["text"])
                 else:
-                    self.send_error(RealtimeError(
-                        "Binary frames are not supported; send JSON text events "
-                        "(audio base64-encoded in input_audio_buffer.append).",
-                        code="invalid_json"))
+                    self.send_error(
+                        RealtimeError(
+                            "Binary frames are not supported; send JSON text events "
+                            "(audio base64-encoded in input_audio_buffer.append).",
+                            code="invalid_json",
+                        )
+                    )
         finally:
             # no awaits here: the session may be ending because its task is being cancelled
             log.debug("realtime session %s ended after %.1f s", self.id, time.monotonic() - started)

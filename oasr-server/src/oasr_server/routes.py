@@ -222,7 +222,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             from oasr_server.chunking import transcribe_chunked
 
             transcript = await transcribe_chunked(
-                state, worker, audio, engine.sample_rate, options, chunking, deadline,
+                state,
+                worker,
+                audio,
+                engine.sample_rate,
+                options,
+                chunking,
+                deadline,
                 request.is_disconnected,
             )
         else:

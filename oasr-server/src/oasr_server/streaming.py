@@ -138,7 +138,9 @@ class TurnStream:
         self.rate = engine.sample_rate
         self.emit = emit
         self.options = options
-        interval = state.config.partial_interval_ms if partial_interval_ms is None else partial_interval_ms
+        interval = (
+            state.config.partial_interval_ms if partial_interval_ms is None else partial_interval_ms
+        )
         self.partial_interval = int(self.rate * interval / 1000)
         self.fmt = fmt
         self._raw_format: Any = None
@@ -168,7 +170,9 @@ class TurnStream:
     def _set_format(self, fmt: InputFormat) -> None:
         from oasr.audio import RawPCMFormat, Resampler
 
-        raw = RawPCMFormat(sample_rate=fmt.sample_rate, encoding=fmt.encoding, channels=fmt.channels)  # type: ignore[arg-type]
+        raw = RawPCMFormat(
+            sample_rate=fmt.sample_rate, encoding=fmt.encoding, channels=fmt.channels
+        )  # type: ignore[arg-type]
         self._raw_format = raw
         self._resampler = Resampler(fmt.sample_rate, self.rate)
         self._leftover = b""
@@ -199,7 +203,9 @@ class TurnStream:
 
         det = await self.state.vad_detector()
         rates = tuple(det.sample_rates)
-        self._vad_rate = self.rate if self.rate in rates else (16000 if 16000 in rates else rates[0])
+        self._vad_rate = (
+            self.rate if self.rate in rates else (16000 if 16000 in rates else rates[0])
+        )
         self._vad_resampler = (
             None if self._vad_rate == self.rate else Resampler(self.rate, self._vad_rate)
         )
@@ -328,7 +334,9 @@ class TurnStream:
                 f"{MIN_COMMIT_MS}ms of audio, but buffer only has {have_ms:.2f}ms of audio."
             )
         self._commit(item, start, self.received)
-        in_turn = self.vad is not None and self._endpointer is not None and self._endpointer.in_speech
+        in_turn = (
+            self.vad is not None and self._endpointer is not None and self._endpointer.in_speech
+        )
         self.item = _Item(new_id("item"), self.received) if in_turn else None
         return item.id
 
@@ -338,7 +346,9 @@ class TurnStream:
         if item is not None and item.partial_task is not None:
             item.partial_task.cancel()
         self._drop_before(self.received)
-        in_turn = self.vad is not None and self._endpointer is not None and self._endpointer.in_speech
+        in_turn = (
+            self.vad is not None and self._endpointer is not None and self._endpointer.in_speech
+        )
         self.item = _Item(item.id, self.received) if (in_turn and item is not None) else None
 
     def _commit(self, item: _Item, start: int, end: int) -> None:
@@ -398,7 +408,7 @@ class TurnStream:
             return
         tokens = _tokens(t.text)
         stable: list[str] = []
-        for a, b in zip(item.prev_tokens, tokens):
+        for a, b in zip(item.prev_tokens, tokens, strict=False):
             if a != b:
                 break
             stable.append(a)

@@ -145,8 +145,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             va = sc.voice_activity
             vad = None
             if va.enabled:
-                if not 0.0 <= va.threshold <= 1.0 or va.prefix_padding_ms < 0 or (
-                    va.silence_duration_ms < 0
+                if (
+                    not 0.0 <= va.threshold <= 1.0
+                    or va.prefix_padding_ms < 0
+                    or (va.silence_duration_ms < 0)
                 ):
                     raise InvalidRequestError(
                         "voice_activity: threshold must be in [0, 1], durations >= 0",
@@ -175,41 +177,69 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             def emit(ev: StreamEvent) -> None:
                 if ev.kind == "speech_started":
                     utterance(ev.item_id)
-                    out.put_nowait(speech_pb2.StreamingRecognizeResponse(
-                        speech_event_type=speech_pb2.SPEECH_ACTIVITY_BEGIN,
-                        speech_event_time=ev.start_s or 0.0))
+                    out.put_nowait(
+                        speech_pb2.StreamingRecognizeResponse(
+                            speech_event_type=speech_pb2.SPEECH_ACTIVITY_BEGIN,
+                            speech_event_time=ev.start_s or 0.0,
+                        )
+                    )
                 elif ev.kind == "speech_stopped":
-                    out.put_nowait(speech_pb2.StreamingRecognizeResponse(
-                        speech_event_type=speech_pb2.SPEECH_ACTIVITY_END,
-                        speech_event_time=ev.end_s or 0.0))
+                    out.put_nowait(
+                        speech_pb2.StreamingRecognizeResponse(
+                            speech_event_type=speech_pb2.SPEECH_ACTIVITY_END,
+                            speech_event_time=ev.end_s or 0.0,
+                        )
+                    )
                 elif ev.kind == "committed":
                     utterance(ev.item_id)
                     spans[ev.item_id] = (ev.start_s or 0.0, ev.end_s or 0.0)
                 elif ev.kind == "partial":
-                    out.put_nowait(speech_pb2.StreamingRecognizeResponse(
-                        result=speech_pb2.StreamingRecognitionResult(
-                            text=ev.text, stable_text=ev.stable, is_final=False,
-                            utterance_index=utterance(ev.item_id))))
+                    out.put_nowait(
+                        speech_pb2.StreamingRecognizeResponse(
+                            result=speech_pb2.StreamingRecognitionResult(
+                                text=ev.text,
+                                stable_text=ev.stable,
+                                is_final=False,
+                                utterance_index=utterance(ev.item_id),
+                            )
+                        )
+                    )
                 elif ev.kind == "completed":
                     t = ev.transcript
                     start, end = spans.get(ev.item_id, (0.0, 0.0))
                     assert t is not None
-                    out.put_nowait(speech_pb2.StreamingRecognizeResponse(
-                        result=speech_pb2.StreamingRecognitionResult(
-                            text=t.text, is_final=True, utterance_index=utterance(ev.item_id),
-                            start=start, end=end, language=t.language or "",
-                            segments=[
-                                speech_pb2.Segment(
-                                    id=s.id, start=s.start + start, end=s.end + start,
-                                    text=s.text, confidence=s.confidence,
-                                    no_speech_prob=s.no_speech_prob)
-                                for s in t.segments
-                            ],
-                            words=[
-                                speech_pb2.Word(word=w.word, start=w.start + start,
-                                                end=w.end + start, confidence=w.confidence)
-                                for w in t.words
-                            ])))
+                    out.put_nowait(
+                        speech_pb2.StreamingRecognizeResponse(
+                            result=speech_pb2.StreamingRecognitionResult(
+                                text=t.text,
+                                is_final=True,
+                                utterance_index=utterance(ev.item_id),
+                                start=start,
+                                end=end,
+                                language=t.language or "",
+                                segments=[
+                                    speech_pb2.Segment(
+                                        id=s.id,
+                                        start=s.start + start,
+                                        end=s.end + start,
+                                        text=s.text,
+                                        confidence=s.confidence,
+                                        no_speech_prob=s.no_speech_prob,
+                                    )
+                                    for s in t.segments
+                                ],
+                                words=[
+                                    speech_pb2.Word(
+                                        word=w.word,
+                                        start=w.start + start,
+                                        end=w.end + start,
+                                        confidence=w.confidence,
+                                    )
+                                    for w in t.words
+                                ],
+                            )
+                        )
+                    )
                 elif ev.kind == "failed":
                     out.put_nowait(ev.error)
 
@@ -252,9 +282,11 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
         except Exception as exc:  # noqa: BLE001 - every failure becomes a gRPC status
             if isinstance(exc, aio.AbortError):
                 raise
-            status = STATUS_FOR_HTTP.get(
-                getattr(exc, "http_status", 500), grpc.StatusCode.INTERNAL
-            ) if isinstance(exc, OASRError) else grpc.StatusCode.INTERNAL
+            status = (
+                STATUS_FOR_HTTP.get(getattr(exc, "http_status", 500), grpc.StatusCode.INTERNAL)
+                if isinstance(exc, OASRError)
+                else grpc.StatusCode.INTERNAL
+            )
             await self._fail(exc, context, "StreamingRecognize")
         finally:
             if feeder is not None and not feeder.done():

@@ -282,6 +282,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
         except Exception as exc:  # noqa: BLE001 - every failure becomes a gRPC status
             if isinstance(exc, aio.AbortError):
                 raise
+            from oasr_server.errors import TooManyStreamsError
+
+            if isinstance(exc, TooManyStreamsError):
+                state.metrics.streams_total.labels("grpc", "rejected").inc()
             status = (
                 STATUS_FOR_HTTP.get(getattr(exc, "http_status", 500), grpc.StatusCode.INTERNAL)
                 if isinstance(exc, OASRError)

@@ -1,0 +1,114 @@
+"""ASREngine on the real tiny.en: continuous batching gives the per-batch path's exact tokens;
+memory-bounded admission; per-request errors; service modes; thread-safe submission."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from oasr.engine import ASREngine, ServiceModeError
+from oasr.errors import BadAudioError, UnsupportedOptionError
+from oasr.scheduler import SchedulerConfig
+from oasr.types import DecodingOptions, EngineConfig
+
+
+def _tokens(t):
+    return [tok for s in t.segments for tok in s.tokens]
+
+
+def _engine(model, **kw):
+    sc = SchedulerConfig(**{"max_batch_size": 3, **kw})
+    return ASREngine(EngineConfig(max_batch_size=sc.max_batch_size), model=model, scheduler_config=sc)
+
+
+@pytest.mark.parametrize("opts", [
+    DecodingOptions(),
+    DecodingOptions(without_timestamps=True, condition_on_previous_text=False),
+], ids=["timestamps", "no_timestamps"])  # fmt: skip
+def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
+    eng = _engine(tiny_en)  # 3 rows for 5 inputs: rows are refilled as windows finish
+    outs = eng.transcribe_outputs(clips, decoding=opts)
+    ex = eng.scheduler.executor
+    assert type(ex).__name__ == "WhisperExecutor"
+    assert ex.stats["max_rows"] == 3
+    for audio, out in zip(clips, outs, strict=True):
+        assert out.ok, out.error
+        ref = tiny_en.transcribe([audio], opts)[0]
+        assert _tokens(out.transcript) == _tokens(ref)
+        assert out.transcript.text == ref.text
+        assert [(s.start, s.end) for s in out.transcript.segments] == [
+            (s.start, s.end) for s in ref.segments
+        ]
+    assert len(outs[3].transcript.segments) > 1  # the 35 s clip took several windows
+
+
+def test_small_memory_budget_queues_a_flood(tiny_en, clips):
+    from oasr_models_whisper.engine_adapter import WhisperExecutor
+
+    probe = WhisperExecutor(tiny_en, SchedulerConfig(max_batch_size=8))
+    per_row = probe.memory_bytes // 8  # cross K/V + a full context of blocks, one row
+    eng = _engine(tiny_en, max_batch_size=8, kv_cache_bytes=int(per_row * 1.5))
+    short = clips[0]
+    futs = [eng.submit(short) for _ in range(10)]
+    texts = {f.result(timeout=240).text for f in futs}
+    ex = eng.scheduler.executor
+    assert ex.max_rows == 1 and ex.stats["max_rows"] == 1
+    assert texts == {tiny_en.transcribe([short], DecodingOptions())[0].text}
+    eng.shutdown()
+
+
+def test_errors_are_isolated(tiny_en, clips):
+    eng = _engine(tiny_en)
+    bad_audio = np.full(16000, np.nan, np.float32)
+    outs = eng.transcribe_outputs([clips[0], bad_audio, clips[2]])
+    assert outs[0].ok and outs[2].ok
+    assert isinstance(outs[1].error, BadAudioError)
+    # an option the model refuses fails that request alone
+    f_bad = eng.submit(clips[0], DecodingOptions(language="de"))
+    f_ok = eng.submit(clips[2])
+    with pytest.raises(UnsupportedOptionError):
+        f_bad.result(timeout=120)
+    assert f_ok.result(timeout=120).text == outs[2].transcript.text
+    eng.shutdown()
+
+
+def test_threads_submit_together(tiny_en, clips):
+    eng = _engine(tiny_en, max_batch_size=4)
+    refs = [o.transcript.text for o in eng.transcribe_outputs(clips[:3])]
+    results: dict[tuple[int, int], str] = {}
+
+    def worker(t):
+        futs = [(k, eng.submit(clips[k])) for k in range(3)]
+        for k, f in futs:
+            results[(t, k)] = f.result(timeout=240).text
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results[(t, k)] == refs[k] for t in range(3) for k in range(3))
+    eng.shutdown()
+
+
+def test_beam_search_runs_on_the_batch_path(tiny_en, clips):
+    eng = _engine(tiny_en)
+    opts = DecodingOptions(beam_size=2)
+    out = eng.transcribe_outputs([clips[0]], decoding=opts)[0]
+    assert out.ok
+    assert out.transcript.text == tiny_en.transcribe([clips[0]], opts)[0].text
+
+
+def test_service_modes_are_typed(tiny_en, clips):
+    eng = _engine(tiny_en)
+    for call in (lambda: eng.add_streaming_request(), lambda: eng.feed_chunk("s1", clips[0]),
+                 lambda: eng.step(), lambda: eng.run(),
+                 lambda: eng.transcribe_outputs(clips[:1], streaming=True)):  # fmt: skip
+        with pytest.raises(ServiceModeError):
+            call()
+    with pytest.raises(UnsupportedOptionError):  # tiny.en cannot stream
+        ASREngine(EngineConfig(service_mode="streaming"), model=tiny_en)
+    # the existing direct API is unchanged
+    assert eng.transcribe_arrays([clips[0]])[0].text == tiny_en.transcribe([clips[0]], DecodingOptions())[0].text

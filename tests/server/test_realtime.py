@@ -389,3 +389,39 @@ def test_realtime_work_shares_the_engine_queue(client_for, kit) -> None:
     assert done["transcript"] == "hello world 1.00"
     assert [r.status_code for r in results] == [200, 200]
     assert model.batches[-2:] == [1, 2]  # the held call, then the turn with the 2nd request
+
+
+def test_not_ready_and_audio_limits(kit) -> None:
+    import threading
+
+    from oasr_server.app import create_app
+    from oasr_server.config import ServerConfig
+
+    release = threading.Event()
+    model = kit.FakeModel()
+
+    def factory():
+        assert release.wait(10)
+        return kit.make_engine(model)
+
+    app = create_app(
+        ServerConfig(max_audio_seconds=1.0, partial_interval_ms=0), engine_factory=factory
+    )
+    with TestClient(app) as client:
+        with client.websocket_connect("/v1/realtime") as ws:
+            assert ws.receive_json()["error"]["code"] == "model_not_ready"
+            with pytest.raises(WebSocketDisconnect) as closed:
+                ws.receive_json()
+            assert closed.value.code == 1013
+        release.set()
+        assert app.state.oasr.wait_loaded(10)
+        with client.websocket_connect("/v1/realtime") as ws:
+            ws.receive_json()
+            ws.send_json({"type": "session.update", "session": {"turn_detection": None}})
+            ws.receive_json()
+            append(ws, pcm16(np.zeros(36000, np.float32)), 36000)  # 1.5 s > 1 s
+            err = ws.receive_json()
+            assert err["type"] == "error" and err["error"]["code"] == "audio_too_long"
+            ws.send_json({"type": "input_audio_buffer.commit"})
+            done = receive_until(ws, "conversation.item.input_audio_transcription.completed")
+            assert done[-1]["transcript"] == "hello world 1.00"  # the newest second was kept

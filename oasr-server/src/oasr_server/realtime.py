@@ -501,6 +501,14 @@ class RealtimeSession:
                 await self._process(kind, payload, event_id)
             except OASRError as exc:
                 self.send_error(exc, event_id)
+            except Exception:  # noqa: BLE001 - a bug must not end the session silently
+                log.exception("realtime: failed to process %s", kind)
+                from oasr_server.errors import EngineFailureError
+
+                self.send_error(
+                    EngineFailureError("internal error; the details are in the server log"),
+                    event_id,
+                )
 
     async def _apply(self, cfg: SessionConfig) -> None:
         stream = self.stream

@@ -1,0 +1,39 @@
+"""CUDA-graph decoder steps give the eager steps' tokens (run on a GPU: pytest -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cuda_graphs_match_eager(dtype):
+    import numpy as np
+
+    from benchmarks.synthetic import build_models
+    from oasr.engine import ASREngine
+    from oasr.scheduler import SchedulerConfig
+    from oasr.types import DecodingOptions, EngineConfig
+
+    _, asr = build_models("tiny", "cuda", dtype, 8, seed=3)
+    tok = asr.tokenizer
+    rng = np.random.default_rng(0)
+    audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (30, 12, 30, 7, 20)]
+    opts = DecodingOptions(language="en", max_new_tokens=40, suppress_tokens=(tok.eot,),
+                           no_speech_threshold=None, logprob_threshold=None,
+                           compression_ratio_threshold=None)  # fmt: skip
+    texts = {}
+    for graphs in (False, True):
+        sc = SchedulerConfig(max_batch_size=3, cuda_graphs=graphs)
+        eng = ASREngine(EngineConfig(device="cuda", dtype=dtype, max_batch_size=3), model=asr,
+                        scheduler_config=sc)  # fmt: skip
+        outs = eng.transcribe_outputs(audios, decoding=opts)
+        ex = eng.scheduler.executor
+        assert (ex.stats["graph_replays"] > 0) == graphs
+        texts[graphs] = [[t for s in o.transcript.segments for t in s.tokens] for o in outs]
+        assert all(o.ok for o in outs)
+    assert texts[True] == texts[False]

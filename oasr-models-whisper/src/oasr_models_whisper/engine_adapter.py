@@ -26,6 +26,7 @@ batch per step for the requests that asked for it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
     from oasr_models_whisper.model import WhisperASR
 
 __all__ = ["WhisperExecutor", "make_executor"]
+
+_UIDS = itertools.count()
 
 
 def make_executor(model: Any, config: SchedulerConfig) -> WhisperExecutor | None:
@@ -98,12 +101,13 @@ class _Seq:
     temperature: float
     sample_len: int
     sampled: list[int] = field(default_factory=list)
-    sum_logprob: torch.Tensor | None = None  # 0-d float32
+    sum_logprob: Any = None  # np.float32
     no_speech_prob: float = math.nan
     suppress_mask: torch.Tensor | None = None  # (V,) bool
     blank_mask: torch.Tensor | None = None  # (V,) bool, or None
     timestamps: bool = True
     max_initial: int | None = None
+    uid: int = field(default_factory=lambda: next(_UIDS))
 
     @property
     def length(self) -> int:  # tokens in the cache after this step's write
@@ -179,6 +183,8 @@ class WhisperExecutor:
         if self.use_graphs and self.device.type != "cuda":
             self.use_graphs = False
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._sup_key: tuple | None = None
+        self._sup: torch.Tensor | None = None
         self._pool = None
         self._vocab = dims.n_vocab
         self._cols = torch.arange(self._vocab, device=self.device)
@@ -424,7 +430,7 @@ class WhisperExecutor:
                     s.no_speech_prob = float(p)
             last = logits[:, -1].float().clone()
             for s in seqs:
-                s.sum_logprob = torch.zeros((), dtype=torch.float32, device=self.device)
+                s.sum_logprob = np.float32(0.0)
             finished.extend(self._sample(seqs, idx, last))
         self._retire(finished, done)
 
@@ -568,11 +574,16 @@ class WhisperExecutor:
         n = torch.tensor([len(s.sampled) for s in seqs], device=dev)
         at_begin = n == 0
         neg = -math.inf
-        sup = torch.stack([s.suppress_mask for s in seqs])
         blank_rows = [i for i, s in enumerate(seqs) if s.blank_mask is not None and not s.sampled]
         if blank_rows:
+            sup = torch.stack([s.suppress_mask for s in seqs])
             br = torch.tensor(blank_rows, device=dev)
             sup[br] |= torch.stack([seqs[i].blank_mask for i in blank_rows])
+        else:  # the same rows as last step: reuse the stacked masks
+            key = tuple(s.uid for s in seqs)
+            if self._sup_key != key:
+                self._sup_key, self._sup = key, torch.stack([s.suppress_mask for s in seqs])
+            sup = self._sup
         logits.masked_fill_(sup, neg)
         ts_rows = [i for i, s in enumerate(seqs) if s.timestamps]
         if ts_rows:
@@ -588,9 +599,10 @@ class WhisperExecutor:
             next_tokens[hot] = torch.multinomial(probs, 1)[:, 0]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs[torch.arange(b, device=dev), next_tokens]
-        for i, s in enumerate(seqs):
-            s.sum_logprob = s.sum_logprob + picked[i]
         toks = next_tokens.tolist()
+        # float32 sums, added in the same order as the per-batch path's float32 tensor
+        for s, p in zip(seqs, picked.tolist(), strict=True):
+            s.sum_logprob = np.float32(s.sum_logprob) + np.float32(p)
         self.stats["tokens"] += len(toks)
         finished = []
         for i, (s, t) in enumerate(zip(seqs, toks, strict=True)):
@@ -680,7 +692,7 @@ class WhisperExecutor:
         body = seq.sampled
         toks = body[: body.index(eot)] if eot in body else list(body)
         text = self.tok.decode(toks).strip()
-        slp = float(seq.sum_logprob.item()) if seq.sum_logprob is not None else 0.0
+        slp = float(seq.sum_logprob) if seq.sum_logprob is not None else 0.0
         r = WindowResult(
             tokens=toks, text=text, sum_logprob=slp, avg_logprob=slp / (len(toks) + 1),
             no_speech_prob=float(seq.no_speech_prob), temperature=seq.temperature,

@@ -212,7 +212,8 @@ class WhisperExecutor:
             self.legacy.append(request)
             return True
         wave = torch.as_tensor(audio.astype(np.float32, copy=False)).flatten()
-        mel = whole_log_mel(wave, self.dims.n_mels)
+        # the log-mel on the network's device (no host round-trip on GPU; identical on CPU)
+        mel = whole_log_mel(wave.to(self.device), self.dims.n_mels)
         job = _Job(0, wave, mel, mel.shape[-1] - N_FRAMES, wave.shape[0] / SAMPLE_RATE)
         job.language = language
         multilingual = self.model.multilingual

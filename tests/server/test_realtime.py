@@ -131,9 +131,9 @@ def test_server_vad_two_turns_pcm16_24k(client_for) -> None:
             for e in of(events, "conversation.item.input_audio_transcription.delta")
             if e["item_id"] == item
         ]
-        # interim results arrived while the turn grew ("hello world" is stable across them)
-        assert len(deltas) >= 2 and deltas[0] == "hello world"
-        assert "".join(deltas) == done["transcript"]
+        # interim results (when they came in time: "hello world" is stable across them),
+        # then the rest with the final transcript
+        assert deltas and "".join(deltas) == done["transcript"]
         pos_delta = events.index(
             next(e for e in events if e.get("item_id") == item and e["type"].endswith(".delta"))
         )
@@ -198,6 +198,28 @@ def test_manual_commit_clear_and_16k(client_for) -> None:
         ws.send_json({"type": "input_audio_buffer.commit"})
         done = receive_until(ws, "conversation.item.input_audio_transcription.completed")[-1]
         assert done["transcript"] == "hello world 0.50"
+
+
+def test_interim_deltas_while_the_turn_grows(client_for) -> None:
+    client, app, model = client_for(partial_interval_ms=500)
+    with client.websocket_connect("/v1/realtime") as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"turn_detection": None}})
+        ws.receive_json()
+        # two interim hypotheses ("hello world 0.60", "hello world 1.20") agree on two words
+        append(ws, pcm16(np.zeros(14400, np.float32)), 14400)
+        append(ws, pcm16(np.zeros(14400, np.float32)), 14400)
+        first = receive_until(ws, "conversation.item.input_audio_transcription.delta")
+        assert first[-1]["delta"] == "hello world"
+        assert len(model.options) >= 3  # warm-up + two interim calls
+        interim = model.options[-1]
+        assert interim.temperature == 0.0  # greedy, no fallback, for interim results
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        events = receive_until(ws, "conversation.item.input_audio_transcription.completed")
+    deltas = [e["delta"] for e in first + events if e["type"].endswith(".delta")]
+    assert deltas == ["hello world", " 1.20"]
+    assert events[-1]["transcript"] == "hello world 1.20"
+    assert model.options[-1].temperature == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # the final
 
 
 @pytest.mark.parametrize("law,name", [("mulaw", "g711_ulaw"), ("alaw", "g711_alaw")])

@@ -400,10 +400,10 @@ class TurnStream:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - interim results are best effort
+            item.partial_task = None
             log.debug("interim transcription skipped: %s", exc)
             return
-        finally:
-            item.partial_task = None
+        item.partial_task = None
         if item.committed or self._closed:
             return
         tokens = _tokens(t.text)
@@ -419,6 +419,8 @@ class TurnStream:
             delta = stable_text[len(item.emitted) :]
             item.emitted = stable_text
         self.emit(StreamEvent("partial", item.id, text=t.text, stable=item.emitted, delta=delta))
+        if item is self.item:
+            self._maybe_partial()  # audio that arrived meanwhile may make the next one due
 
     async def _finalize(self) -> None:
         """Answer committed turns in commit order."""

@@ -204,7 +204,9 @@ _SEQ_TONE = pytest.mark.xfail(
 @pytest.mark.parametrize(
     ("mode", "name"),
     [
-        pytest.param(mode, name, marks=_SEQ_TONE if (mode, name) == ("sequential", "tone_440") else ())
+        pytest.param(
+            mode, name, marks=_SEQ_TONE if (mode, name) == ("sequential", "tone_440") else ()
+        )
         for mode in ("sequential", "vad")
         for name in ("silence", "silence_40s", "white_noise", "tone_440")
     ],

@@ -167,9 +167,7 @@ def _is_non_speech(r: WindowResult, o: DecodingOptions, tokenizer: WhisperTokeni
     return False
 
 
-def _segments_of_chunk(
-    tokenizer: WhisperTokenizer, chunk: Chunk, r: WindowResult
-) -> list[Segment]:
+def _segments_of_chunk(tokenizer: WhisperTokenizer, chunk: Chunk, r: WindowResult) -> list[Segment]:
     """Cut a chunk's tokens into segments at consecutive timestamp pairs; the whole output is
     used (text after the last timestamp ends at the chunk end). Times are absolute."""
     tb = tokenizer.timestamp_begin
@@ -315,7 +313,6 @@ def _decode_group(network, tokenizer, inputs: list[_Input], group: Sequence[Chun
         job.segments.extend(segs)
         out.append((c, segs))
     return out
-
 
 
 @torch.no_grad()

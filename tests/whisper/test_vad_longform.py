@@ -262,3 +262,58 @@ def test_progress_and_empty_input(model):
     assert outs[1].text
     assert seen and seen[-1][0] == seen[-1][1]
     assert all(0 <= d <= t for d, t in seen)
+
+
+# --------------------------------------------------------------------------- multilingual
+@pytest.fixture(scope="module")
+def random_multilingual(tmp_path_factory):
+    """A small random-weight multilingual Whisper (language detection, translate)."""
+    pytest.importorskip("whisper")
+    from fixtures_decoding import (
+        multilingual_tokenizer,
+        openai_state_to_oasr,
+        random_openai_model,
+    )
+
+    from oasr_models_whisper.checkpoints import LoadedWhisper
+    from oasr_models_whisper.model import WhisperASR
+    from oasr_models_whisper.network import WhisperDims
+
+    ref = random_openai_model(multilingual=True, seed=3)
+    tmp = tmp_path_factory.mktemp("rand_vad")
+    multilingual_tokenizer(tmp, 99)
+    d = ref.dims
+    dims = WhisperDims(**{f: getattr(d, f) for f in WhisperDims.__dataclass_fields__})
+    loaded = LoadedWhisper(
+        dims=dims,
+        state_dict=openai_state_to_oasr(ref),
+        alignment_heads=ref.alignment_heads.to_dense().nonzero(),
+        tokenizer_files={"tokenizer.json": tmp / "tokenizer.json"},
+        is_multilingual=True,
+        num_languages=99,
+    )
+    return WhisperASR.from_loaded(loaded)
+
+
+def test_language_per_input_from_its_first_chunk(random_multilingual):
+    pytest.importorskip("oasr_vad_silero")
+    from oasr_models_whisper.vad_longform import speech_chunks
+
+    model = random_multilingual
+    late_de = np.concatenate([np.zeros(8 * SR, np.float32), load_speech("de_fleurs_000.ogg")])
+    inputs = [load_speech(LONG_CLIP), late_de, np.zeros(3 * SR, np.float32)]
+    opts = DecodingOptions(long_form="vad", max_new_tokens=8, word_timestamps=True)
+    outs = model.transcribe(inputs, opts)
+    for a, t in zip(inputs[:2], outs[:2], strict=True):
+        first = speech_chunks(a)[0]
+        probs = model.detect_language([a[first.start : first.end]])[0]
+        assert t.language == max(probs, key=probs.get)
+        _check_timeline(t, len(a) / SR)
+    assert outs[2].language is None and outs[2].text == "" and outs[2].duration == 3.0
+    # a given language and task reach every chunk
+    (tr,) = model.transcribe(
+        [late_de],
+        DecodingOptions(long_form="vad", max_new_tokens=8, language="de", task="translate"),
+    )
+    assert tr.language == "de" and tr.task == "translate"
+    assert all(s.start >= 8.0 for s in tr.segments)

@@ -317,3 +317,26 @@ def test_language_per_input_from_its_first_chunk(random_multilingual):
     )
     assert tr.language == "de" and tr.task == "translate"
     assert all(s.start >= 8.0 for s in tr.segments)
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_long_form_option(model, monkeypatch):
+    from typer.testing import CliRunner
+
+    from oasr.cli.main import app
+    from oasr.engine import ASREngine
+
+    seen = []
+    real = ASREngine.transcribe_arrays
+
+    def spy(self, audios, decoding=None, progress=None):
+        seen.append(decoding.long_form)
+        return real(self, audios, decoding, progress)
+
+    monkeypatch.setattr(ASREngine, "transcribe_arrays", spy)
+    clip = str(Path(__file__).parents[1] / "data" / "speech" / "en_ls_2830-3980-0043.wav")
+    res = CliRunner().invoke(app, ["transcribe", "--long-form", "vad", "--threads", "1", clip])
+    assert res.exit_code == 0, res.output
+    assert "experience" in res.output.lower() and seen == ["vad"]
+    res = CliRunner().invoke(app, ["transcribe", "--long-form", "nope", clip])
+    assert res.exit_code != 0 and seen == ["vad"]

@@ -81,21 +81,30 @@ def test_streaming_recognize(kit, app_factory) -> None:
                         )
                     )
                 )
-                interim = await _collect(
-                    stub.StreamingRecognize(
-                        _requests(
-                            pb.StreamingRecognitionConfig(
-                                config=pb.RecognitionConfig(
-                                    encoding=pb.PCM_S16LE, sample_rate_hertz=8000
-                                ),
-                                interim_results=True,
-                                interim_interval_ms=1000,
+                # the client waits for each interim result before sending more audio, so two
+                # interim results come before the end of the stream whatever the machine's load
+                seen = asyncio.Queue()
+
+                async def paced():
+                    yield pb.StreamingRecognizeRequest(
+                        streaming_config=pb.StreamingRecognitionConfig(
+                            config=pb.RecognitionConfig(
+                                encoding=pb.PCM_S16LE, sample_rate_hertz=8000
                             ),
-                            tone,
-                            1600,
+                            interim_results=True,
+                            interim_interval_ms=1000,
                         )
                     )
-                )
+                    for part in (tone[:19200], tone[19200:38400]):  # 1.2 s each
+                        yield pb.StreamingRecognizeRequest(audio_content=part)
+                        await seen.get()
+                    yield pb.StreamingRecognizeRequest(audio_content=tone[38400:])
+
+                interim = []
+                async for r in stub.StreamingRecognize(paced()):
+                    interim.append(r)
+                    if not r.result.is_final:
+                        seen.put_nowait(r)
                 # (refused calls send one message: a client still writing when the server ends
                 # the call may see grpc's own INTERNAL instead of the status)
                 no_config = await _error(

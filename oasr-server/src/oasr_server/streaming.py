@@ -157,7 +157,6 @@ class TurnStream:
         self._vad_rate = 16000
         self._vad_resampler: Any = None
         self._vad_offset = 0  # absolute sample (model rate) of the endpointer's sample 0
-        self._vad_fed = 0  # samples (model rate) fed to the endpointer so far
         # turns
         self.item: _Item | None = None
         self.last_item_id: str | None = None
@@ -216,7 +215,6 @@ class TurnStream:
             end_silence_ms=vad.silence_duration_ms,
         )
         self._vad_offset = self.received
-        self._vad_fed = 0
         self.vad = vad
         if self.item is not None and not self.item.committed:
             # a manual-mode buffer becomes the prefix of whatever the VAD finds

@@ -155,3 +155,22 @@ def test_chunking_silence_and_invalid_values(kit, app_factory) -> None:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "chunking_strategy"
         assert r.json()["error"]["code"] == "invalid_request"
+
+
+def test_chunking_without_a_vad_plugin(kit, app_factory, monkeypatch) -> None:
+    import oasr.vad
+    from oasr.errors import MissingPluginError
+
+    def missing():
+        raise MissingPluginError("vad_detector", "silero", "oasr-vad-silero")
+
+    monkeypatch.setattr(oasr.vad, "default_detector", missing)
+    app, model = app_factory()
+
+    async def go():
+        async with kit.serving(app) as c:
+            return await kit.post_audio(c, fields={"chunking_strategy": "auto"})
+
+    r = kit.run(go())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "vad_unavailable"
+    assert "pip install oasr-vad-silero" in r.json()["error"]["message"]

@@ -117,9 +117,17 @@ class ServerState:
             self._vad_lock = asyncio.Lock()
         async with self._vad_lock:
             if self._vad is None:
+                from oasr.errors import MissingPluginError
                 from oasr.vad import default_detector
 
-                self._vad = await self.run_vad(default_detector)
+                try:
+                    self._vad = await self.run_vad(default_detector)
+                except MissingPluginError as exc:
+                    from oasr_server.errors import VADUnavailableError
+
+                    raise VADUnavailableError(
+                        f"voice activity detection is not available on this server: {exc.message}"
+                    ) from None
         return self._vad
 
     async def run_vad(self, fn: Callable[..., Any], *args: Any) -> Any:

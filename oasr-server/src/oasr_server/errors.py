@@ -15,6 +15,7 @@ __all__ = [
     "NotReadyError",
     "RequestTimeoutError",
     "TooManyStreamsError",
+    "VADUnavailableError",
     "UploadTooLargeError",
     "error_body",
 ]
@@ -83,6 +84,12 @@ class TooManyStreamsError(OASRError):
     http_status = 429
     code = "too_many_streams"
     error_type = "rate_limit_error"
+
+
+class VADUnavailableError(InvalidRequestError):
+    """Server VAD / ``chunking_strategy`` asked for, but no VAD plugin is installed."""
+
+    code = "vad_unavailable"
 
 
 def error_body(error: OASRError) -> dict[str, Any]:

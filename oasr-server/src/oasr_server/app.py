@@ -318,8 +318,14 @@ def _one_torch_thread() -> None:
         import torch
     except ImportError:  # a detector without torch
         return
-    # per thread for OpenMP; the engine worker pinned its own count when it started
+    # The count is per thread once a thread has used it, but set_num_threads also changes the
+    # process default that threads started later pick up: restore that default from a
+    # short-lived helper thread, so only the VAD threads run with one.
+    default = torch.get_num_threads()
     torch.set_num_threads(1)
+    helper = threading.Thread(target=torch.set_num_threads, args=(default,))
+    helper.start()
+    helper.join()
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -228,15 +228,16 @@ def test_g711_input(client_for, law: str, name: str) -> None:
     tone = 0.3 * np.sin(2 * np.pi * 300 * np.arange(12000) / 8000)  # 1.5 s at 8 kHz
     with client.websocket_connect("/v1/realtime?intent=transcription") as ws:
         ws.receive_json()
+        # two updates back to back: the second builds on the first
         ws.send_json(
-            {
-                "type": "transcription_session.update",
-                "session": {"input_audio_format": name, "turn_detection": None},
-            }
+            {"type": "transcription_session.update", "session": {"input_audio_format": name}}
         )
+        ws.send_json({"type": "transcription_session.update", "session": {"turn_detection": None}})
+        assert ws.receive_json()["type"] == "transcription_session.updated"
         updated = ws.receive_json()
         assert updated["type"] == "transcription_session.updated"
         assert updated["session"]["input_audio_format"] == name
+        assert updated["session"]["turn_detection"] is None
         append(ws, g711(tone, law), 800)
         ws.send_json({"type": "input_audio_buffer.commit"})
         done = receive_until(ws, "conversation.item.input_audio_transcription.completed")[-1]

@@ -370,7 +370,9 @@ class RealtimeSession:
         self.ws = websocket
         self.id = new_id("sess")
         self.transcription = websocket.query_params.get("intent") == "transcription"
+        #: the applied session, and the latest accepted one (updates queue behind audio)
         self.config = SessionConfig(state.config.served_model_name)
+        self.requested = self.config
         self.out: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         #: ordered work for the processor: (kind, payload, client event id)
         self.work: asyncio.Queue[tuple[str, Any, str | None]] = asyncio.Queue(maxsize=256)
@@ -567,7 +569,8 @@ class RealtimeSession:
         kind = event.get("type")
         try:
             if kind in ("transcription_session.update", "session.update"):
-                cfg = apply_update(self.state, self.config, event.get("session"))
+                cfg = apply_update(self.state, self.requested, event.get("session"))
+                self.requested = cfg
                 reply = kind.replace(".update", ".updated")
                 await self.work.put(("update", (cfg, reply), event_id))
             elif kind == "input_audio_buffer.append":

@@ -177,7 +177,7 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
                 engine = ASREngine(EngineConfig(device=device, dtype=dtype, max_batch_size=batch_size),
                                    model=asr, scheduler_config=sc)  # fmt: skip
 
-            def run_engine(xs: list) -> tuple[list[str], list[float], int]:
+            def run_engine(xs: list, name: str = name, engine: Any = engine) -> tuple[list[str], list[float], int]:
                 t0 = time.perf_counter()
                 if name == "oasr_batch":
                     outs = engine.transcribe_arrays(xs, options)
@@ -208,7 +208,7 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
             )  # fmt: skip
             hf.generation_config = gen
 
-            def run_hf(xs: list) -> tuple[list[str], list[float], int]:
+            def run_hf(xs: list, fe: Any = fe, gen: Any = gen) -> tuple[list[str], list[float], int]:
                 t0 = time.perf_counter()
                 lat: list[float] = []
                 texts: list[str] = []

@@ -9,7 +9,14 @@ import pytest
 
 from oasr.engine import ASREngine, ServiceModeError
 from oasr.model import StreamingUpdate
-from oasr.types import DecodeFamily, DecodingOptions, EngineConfig, FeatureSpec, ModelCapabilities, Transcript
+from oasr.types import (
+    DecodeFamily,
+    DecodingOptions,
+    EngineConfig,
+    FeatureSpec,
+    ModelCapabilities,
+    Transcript,
+)
 
 
 @dataclass

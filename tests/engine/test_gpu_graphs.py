@@ -39,6 +39,6 @@ def test_cuda_graphs_match_eager(dtype):
     if dtype == "float32":
         assert texts[True] == texts[False]
     else:  # fp16: other GEMM shapes (padded batch, bucketed key length) may round differently
-        pairs = [(a, b) for x, y in zip(texts[True], texts[False], strict=True) for a, b in zip(x, y)]
+        pairs = [(a, b) for x, y in zip(texts[True], texts[False], strict=True) for a, b in zip(x, y, strict=False)]
         same = sum(a == b for a, b in pairs) / max(1, len(pairs))
         assert texts[True][0][:5] == texts[False][0][:5] and same >= 0.9, same

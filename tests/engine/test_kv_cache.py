@@ -25,7 +25,7 @@ def test_paged_write_gather_matches_dense():
     lens = [5, 9]
     tables = [c.allocator.allocate(blocks_for(n, 4)) for n in lens]
     dense = [torch.randn(n, 2, 3) for n in lens]
-    for t, d in zip(tables, dense):
+    for t, d in zip(tables, dense, strict=False):
         slots = torch.tensor([t[p // 4] * 4 + p % 4 for p in range(d.shape[0])])
         c.write(0, slots, d, -d)
     nb = 3

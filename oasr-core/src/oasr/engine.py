@@ -156,7 +156,7 @@ class ASREngine:
         sched = self._offline("transcribe_outputs")
         t0 = time.perf_counter()
         futures: list[Future | BaseException] = []
-        for k, x in enumerate(inputs):
+        for x in inputs:
             try:
                 options.check_supported(self.model.capabilities, self.model.name)
                 futures.append(sched.submit(self.load_audio(x), options))

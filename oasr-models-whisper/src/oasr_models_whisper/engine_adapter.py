@@ -571,7 +571,7 @@ class WhisperExecutor:
         rows (indices into ``self.rows``) that finished."""
         b, v = logits.shape
         dev = self.device
-        tb, eot = self.tok.timestamp_begin, self.tok.eot
+        _tb, eot = self.tok.timestamp_begin, self.tok.eot
         n = torch.tensor([len(s.sampled) for s in seqs], device=dev)
         at_begin = n == 0
         neg = -math.inf

@@ -112,3 +112,34 @@ def test_service_modes_are_typed(tiny_en, clips):
         ASREngine(EngineConfig(service_mode="streaming"), model=tiny_en)
     # the existing direct API is unchanged
     assert eng.transcribe_arrays([clips[0]])[0].text == tiny_en.transcribe([clips[0]], DecodingOptions())[0].text
+
+
+def test_word_timestamps_and_prompt_match(tiny_en, clips):
+    eng = _engine(tiny_en)
+    opts = DecodingOptions(word_timestamps=True, prompt="Numbers and names.")
+    outs = eng.transcribe_outputs([clips[0], clips[4]], decoding=opts)
+    for audio, out in zip([clips[0], clips[4]], outs, strict=True):
+        ref = tiny_en.transcribe([audio], opts)[0]
+        assert out.ok and _tokens(out.transcript) == _tokens(ref)
+        assert [(w.word, w.start, w.end) for w in out.transcript.words] == [
+            (w.word, w.start, w.end) for w in ref.words
+        ]
+
+
+def test_abort_a_running_request(tiny_en, clips):
+    from oasr.scheduler import RequestAbortedError
+
+    eng = _engine(tiny_en, max_batch_size=2)
+    sched = eng._offline("test")
+    fa = sched.submit(clips[3], DecodingOptions())  # the 35 s clip: several windows
+    fb = sched.submit(clips[0], DecodingOptions())
+    sched.step()
+    sched.step()
+    assert eng.abort(fa.rid)
+    sched.run_until_idle()
+    with pytest.raises(RequestAbortedError):
+        fa.result(timeout=1)
+    assert fb.result(timeout=1).text
+    ex = sched.executor
+    assert not ex.rows and not ex.states
+    assert ex.cache.allocator.num_free == ex.cache.allocator.capacity  # every block came back

@@ -170,7 +170,7 @@ class ASREngine:
                 continue
             rid = getattr(f, "rid", str(k))
             exc = f.exception()
-            lat = time.perf_counter() - t0
+            lat = getattr(f, "finish_time", time.perf_counter()) - t0
             out.append(RequestOutput(rid, None if exc else f.result(), exc, lat))
         return out
 

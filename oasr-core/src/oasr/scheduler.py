@@ -317,6 +317,7 @@ class Scheduler:
 
     def _finish(self, r: Request, result: Transcript | BaseException) -> None:
         r.finish_time = time.perf_counter()
+        r.future.finish_time = r.finish_time  # type: ignore[attr-defined]
         if r.future.done():
             return
         if isinstance(result, BaseException):

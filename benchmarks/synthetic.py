@@ -18,6 +18,7 @@ Backends:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,7 +126,11 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
                   requests: int = 4, batch_size: int = 2, tokens: int = 10,
                   backends: tuple[str, ...] = ("oasr_engine", "transformers"),
                   seconds: float = 30.0, cuda_graphs: bool | None = None, seed: int = 0,
-                  warmup: bool = True) -> dict[str, Any]:  # fmt: skip
+                  warmup: bool = True, varied: bool = False) -> dict[str, Any]:  # fmt: skip
+    """``varied``: request ``i`` decodes ``targets[i]`` tokens, drawn uniformly from
+    [tokens/4, 7*tokens/4] (mean ``tokens``), instead of ``tokens`` each. ``transformers`` then
+    stops each row at its length (a per-row stopping criterion) but keeps the batch until its
+    longest row ends; OASR refills finished rows."""
     import numpy as np
     import torch
 
@@ -140,6 +145,11 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
     n_samples = int(seconds * 16000)
     audios = [(0.1 * rng.standard_normal(n_samples)).astype(np.float32) for _ in range(requests)]
     audio_s = requests * seconds
+    if varied:
+        lo, hi = max(1, tokens // 4), min(224, 7 * tokens // 4)
+        targets = [int(x) for x in rng.integers(lo, hi + 1, size=requests)]
+    else:
+        targets = [tokens] * requests
     suppress = resolve_suppress_tokens(tok, (tok.eot,), None)
     options = DecodingOptions(
         language="en", without_timestamps=True, max_new_tokens=tokens, suppress_tokens=(tok.eot,),
@@ -180,7 +190,9 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
             def run_engine(xs: list, name: str = name, engine: Any = engine) -> tuple[list[str], list[float], int]:
                 t0 = time.perf_counter()
                 if name == "oasr_batch":
-                    outs = engine.transcribe_arrays(xs, options)
+                    if varied:
+                        raise ValueError("oasr_batch needs one options set per call: not with varied")
+                    outs = engine.transcribe_arrays([audios[i] for i in xs], options)
                     sync()
                     t1 = time.perf_counter() - t0
                     return [o.text for o in outs], [t1] * len(xs), len(xs) * tokens  # forced length
@@ -188,8 +200,9 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
                 before = ex.stats.get("tokens", 0)
                 lat: list[float] = [0.0] * len(xs)
                 futs = []
-                for k, a in enumerate(xs):
-                    f = engine.submit(a, options)
+                for k, i in enumerate(xs):
+                    o = options if not varied else dataclasses.replace(options, max_new_tokens=targets[i])
+                    f = engine.submit(audios[i], o)
                     f.add_done_callback(lambda _f, k=k: lat.__setitem__(k, time.perf_counter() - t0))
                     futs.append(f)
                 outs = [f.result() for f in futs]
@@ -197,12 +210,12 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
 
             runner = run_engine
         elif name == "transformers":
-            from transformers import GenerationConfig, WhisperFeatureExtractor
+            from transformers import GenerationConfig, StoppingCriteriaList, WhisperFeatureExtractor
             from transformers.generation.utils import GenerationMixin
 
             fe = WhisperFeatureExtractor(feature_size=asr.network.dims.n_mels)
             gen = GenerationConfig(
-                max_new_tokens=tokens, do_sample=False, num_beams=1, suppress_tokens=list(suppress),
+                max_new_tokens=max(targets), do_sample=False, num_beams=1, suppress_tokens=list(suppress),
                 eos_token_id=tok.eot, pad_token_id=tok.eot, decoder_start_token_id=tok.sot,
                 use_cache=True,
             )  # fmt: skip
@@ -214,20 +227,27 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
                 texts: list[str] = []
                 ntok = 0
                 for k in range(0, len(xs), batch_size):
-                    chunk = xs[k : k + batch_size]
+                    ids = xs[k : k + batch_size]
+                    chunk = [audios[i] for i in ids]
+                    want = [targets[i] for i in ids]
                     kw = {"device": device} if cuda else {}
+                    extra = {}
+                    if varied:
+                        extra["stopping_criteria"] = StoppingCriteriaList([_RowLength(want, len(init), device)])
+                        extra["max_new_tokens"] = max(want)
                     feats = fe(chunk, sampling_rate=16000, return_tensors="pt", **kw).input_features
                     feats = feats.to(device=device, dtype=hf.dtype)
                     dec = torch.tensor([init] * len(chunk), device=device)
                     with torch.inference_mode():
                         out = GenerationMixin.generate(hf, input_features=feats, decoder_input_ids=dec,
                                                        decoder_attention_mask=torch.ones_like(dec),
-                                                       generation_config=gen)  # fmt: skip
+                                                       generation_config=gen, **extra)  # fmt: skip
                     rows = out[:, len(init) :].tolist()
                     sync()
                     now = time.perf_counter() - t0
-                    for row in rows:
+                    for row, n in zip(rows, want, strict=True):
                         body = row[: row.index(tok.eot)] if tok.eot in row else row
+                        body = body[:n]
                         ntok += len(body)
                         texts.append(tok.decode(body).strip())
                         lat.append(now)
@@ -238,13 +258,14 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
             raise ValueError(f"unknown synthetic backend {name!r}")
 
         base = mem_start()  # peak over warm-up and run, above the weights: caches, graphs, activations
+        everything = list(range(requests))
         if warmup:
-            runner(audios[: min(len(audios), batch_size)])
+            runner(everything[:batch_size])
             if name == "oasr_engine":
-                runner(audios)  # every graph bucket this workload meets
+                runner(everything)  # every graph bucket this workload meets
         sync()
         start = time.perf_counter()
-        texts, lat, ntok = runner(audios)
+        texts, lat, ntok = runner(everything)
         sync()
         wall = time.perf_counter() - start
         results.append(SynthResult(
@@ -273,17 +294,35 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
         "requests": requests,
         "batch_size": batch_size,
         "tokens_per_request": tokens,
+        "varied": varied,
+        "tokens_total": sum(targets),
         "audio_seconds_each": seconds,
         "text_agreement_with_transformers": agreement,
         "results": [asdict(r) for r in results],
     }
 
 
+def _RowLength(want: list[int], start: int, device: str):  # noqa: N802 - a class factory
+    """transformers StoppingCriteria: row i is done once it has ``want[i]`` new tokens."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class RowLength(StoppingCriteria):
+        def __init__(self) -> None:
+            self.want = torch.tensor(want, device=device)
+
+        def __call__(self, input_ids, scores, **kwargs):  # noqa: ANN001
+            return (input_ids.shape[1] - start) >= self.want
+
+    return RowLength()
+
+
 def print_table(report: dict[str, Any]) -> None:
     rows = report["results"]
     base = rows[0]["wall_s"] if rows else 1.0
     print(f"synthetic {report['shape']} {report['device']} {report['dtype']}: {report['requests']} x "
-          f"{report['audio_seconds_each']:.0f} s, {report['tokens_per_request']} tokens each, "
+          f"{report['audio_seconds_each']:.0f} s, "
+          f"{'varied lengths, mean ' if report.get('varied') else ''}{report['tokens_per_request']} tokens each, "
           f"batch {report['batch_size']}")  # fmt: skip
     print(f"{'backend':14} {'wall s':>8} {'RTFx':>8} {'tok/s':>9} {'p50 s':>7} {'p90 s':>7} "
           f"{'p99 s':>7} {'peak GiB':>9} {'time/' + rows[0]['backend']:>18}")  # fmt: skip

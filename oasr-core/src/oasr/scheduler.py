@@ -88,6 +88,9 @@ class SchedulerConfig:
     cuda_graphs: bool | None = None
     #: most windows per encoder call (None: max_batch_size)
     max_encoder_batch: int | None = None
+    #: continuous executors: while requests run, admit new ones only when this many rows are
+    #: free (None: max_batch_size // 8, at least 1); 1 = refill every freed row at once
+    min_admit_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

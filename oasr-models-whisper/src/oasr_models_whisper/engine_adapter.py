@@ -167,6 +167,11 @@ class WhisperExecutor:
         self.max_rows = max(1, rows)
         #: the most requests holding state at once (preparing or decoding)
         self.max_requests = config.max_batch_size
+        #: while requests run, admit only once this many can join at once (amortises the
+        #: encoder call and the eager prefill over several windows)
+        group = config.min_admit_group
+        self.min_admit_group = max(1, self.max_rows // 8) if group is None else max(1, int(group))
+        self._group_open = False
         self.cache = PagedKVCache(self.n_layer, int(num_blocks), self.block_size, self.n_head,
                                   self.head_dim, device=self.device, dtype=self.dtype)  # fmt: skip
         shape = (self.max_rows, self.n_head, dims.n_audio_ctx, self.head_dim)
@@ -199,8 +204,11 @@ class WhisperExecutor:
         return len(self.states) + len(self.legacy)
 
     def try_admit(self, request: Request) -> bool:
-        if self.num_running >= self.max_requests:
+        free = self.max_requests - self.num_running
+        if free <= 0:
             return False
+        if self.states and not self._group_open and free < self.min_admit_group:
+            return False  # refill in groups: one encoder batch + one prefill for several windows
         options = request.options
         language = self.model._check(options)  # typed errors for bad options: this request only
         audio = np.asarray(request.audio)
@@ -208,6 +216,7 @@ class WhisperExecutor:
             raise BadAudioError(f"audio must be a mono 1-D waveform, got shape {audio.shape}")
         if not np.isfinite(audio).all():
             raise BadAudioError("audio contains NaN or infinite samples")
+        self._group_open = True  # the rest of this admission round joins the group
         if options.beam_size > 1 and options.temperatures[0] == 0:
             self.legacy.append(request)
             return True
@@ -252,6 +261,7 @@ class WhisperExecutor:
 
     def step(self) -> list[tuple[Request, Transcript | BaseException]]:
         done: list[tuple[Request, Transcript | BaseException]] = []
+        self._group_open = False
         self.stats["steps"] += 1
         if self.legacy:
             done.extend(self._run_legacy())

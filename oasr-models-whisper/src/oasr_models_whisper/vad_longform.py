@@ -219,15 +219,19 @@ class _Input:
 
 
 def _chunk_mel(wave: torch.Tensor, chunk: Chunk, n_mels: int) -> tuple[torch.Tensor, int]:
-    """(n_mels, N_FRAMES) log-mel of the chunk's audio (normalised over the chunk, zero padded
-    to one window) and its number of content frames."""
+    """(n_mels, N_FRAMES) log-mel of the chunk's audio and its number of content frames.
+
+    As sequential mode does with a recording: the log-mel of the audio followed by 30 s of
+    silence, normalised over both, keeps the chunk's frames and pads them with zeros to one
+    window (so a whole clip of up to 30 s gets exactly the features sequential mode gives it).
+    """
     x = wave[chunk.start : chunk.end]
     mel = log_mel_spectrogram(x, n_mels, padding=N_SAMPLES)
-    content = min(N_FRAMES, mel.shape[-1] - N_FRAMES)
-    mel = mel[:, :N_FRAMES]
+    content = max(0, min(N_FRAMES, mel.shape[-1] - N_FRAMES))
+    mel = mel[:, :content]
     if mel.shape[-1] < N_FRAMES:
         mel = torch.nn.functional.pad(mel, (0, N_FRAMES - mel.shape[-1]))
-    return mel, max(content, 0)
+    return mel, content
 
 
 def _is_non_speech(r: WindowResult, o: DecodingOptions, tokenizer: WhisperTokenizer) -> bool:
@@ -317,26 +321,27 @@ def _covered(segs: Sequence[Segment]) -> list[tuple[float, float]]:
 
 def _uncovered(chunk: Chunk, segs: Sequence[Segment], min_seconds: float,
                tolerance: float = 0.3) -> list[Chunk]:  # fmt: skip
-    """Parts of the chunk's VAD segments that none of its decoded segments covers (each
-    covered span widened by ``tolerance`` s), as chunks to decode again; a part shorter than
-    ``min_seconds`` is ignored (Whisper's segment times are only roughly aligned)."""
+    """Parts of the chunk's VAD segments that none of its decoded segments (or their words)
+    covers, as chunks to decode again. A part counts only if it is at least ``min_seconds``
+    long after giving ``tolerance`` s to each decoded span it borders (Whisper's segment times
+    are only roughly aligned); the chunk itself still starts right where the decoded span
+    ends, so a word just after it is not cut."""
     spans = _covered(segs)
     out: list[SpeechSegment] = []
     for vs in chunk.segments:
         a, b = vs.start_s, vs.end_s
-        cur = a
+        cur, cur_covered = a, False
         pieces = []
         for s0, s1 in spans:
-            s0, s1 = s0 - tolerance, s1 + tolerance
             if s1 <= cur or s0 >= b:
                 continue
             if s0 > cur:
-                pieces.append((cur, s0))
-            cur = max(cur, s1)
+                pieces.append((cur, s0, cur_covered, True))
+            cur, cur_covered = max(cur, s1), True
         if cur < b:
-            pieces.append((cur, b))
-        for p0, p1 in pieces:
-            if p1 - p0 >= min_seconds:
+            pieces.append((cur, b, cur_covered, False))
+        for p0, p1, left, right in pieces:
+            if p1 - p0 - tolerance * (left + right) >= min_seconds:
                 out.append(SpeechSegment(round(p0 * SAMPLE_RATE), round(p1 * SAMPLE_RATE),
                                          SAMPLE_RATE))  # fmt: skip
     if not out or (len(out) == 1 and out[0].start <= chunk.start and out[0].end >= chunk.end):
@@ -407,12 +412,17 @@ def transcribe_vad(
     vad_options: SegmentationOptions | None = None,
     repair_rounds: int = 2,
     min_uncovered: float = 0.5,
+    whole_short_inputs: bool = True,
 ) -> list[Transcript]:
     """Transcribe (or translate) 16 kHz mono waveforms: VAD chunks of all inputs, one batch.
 
     Arguments as :func:`oasr_models_whisper.transcribe.transcribe`; ``detector`` defaults to
     the Silero detector on the network's device (:func:`detector_for`), ``vad_options`` to
     :data:`DEFAULT_SEGMENTATION`.
+
+    An input of at most 30 s in which the VAD finds speech is decoded whole, as one chunk
+    (``whole_short_inputs``; it then gets the features and the single window sequential mode
+    gives it); the VAD only gates it.
 
     Whisper sometimes ends a window early or jumps over a sentence; VAD speech of a decoded
     chunk that no decoded segment covers (at least ``min_uncovered`` seconds of one VAD segment)
@@ -431,7 +441,12 @@ def transcribe_vad(
         inputs.append(_Input(i, wave, wave.shape[0] / SAMPLE_RATE))
     speech = speech_segments_batch([j.wave.numpy() for j in inputs], detector, vad_opts)
     for j, segs in zip(inputs, speech, strict=True):
-        j.chunks = merge_segments(segs, j.index)
+        n = j.wave.shape[0]
+        if segs and n <= N_SAMPLES and whole_short_inputs:
+            # the whole input fits one window: decode all of it, as sequential mode would
+            j.chunks = [Chunk(j.index, 0, n, tuple(segs))]
+        else:
+            j.chunks = merge_segments(segs, j.index)
 
     chunks = [c for j in inputs for c in j.chunks]
     total = float(sum(c.end - c.start for c in chunks)) or 1.0

@@ -365,12 +365,6 @@ def test_short_input_is_decoded_whole(random_multilingual):
     assert [(s.start, s.end) for s in vad[0].segments] == [(0.0, len(a) / SR)] or not vad[0].text
 
 
-@pytest.mark.xfail(
-    reason="the engine's WhisperExecutor (engine_adapter.py, scheduler path of "
-    "ASREngine.submit) decodes every request sequentially and ignores long_form; only "
-    "beam-search requests reach WhisperASR.transcribe there",
-    strict=False,
-)
 def test_engine_submit_honours_long_form(model):
     from oasr.defaults import default_checkpoint
     from oasr.engine import ASREngine

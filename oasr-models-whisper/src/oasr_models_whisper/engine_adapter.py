@@ -20,8 +20,8 @@ decoder batch. A *sequence* is one window being decoded; it owns one decoder row
 Greedy decoding (any temperature schedule whose first temperature is 0 and whose windows do not
 fall back) gives the same tokens as ``WhisperASR.transcribe``: same filters (suppress blank,
 suppress tokens, timestamp rules, per row), same float32 log-probability sums, same seeking.
-Beam search (``beam_size > 1``) runs on the per-batch path (``WhisperASR.transcribe``), one
-batch per step for the requests that asked for it.
+Beam search (``beam_size > 1``) and VAD-batched long-form (``long_form="vad"``) run on the
+per-batch path (``WhisperASR.transcribe``), one batch per step for the requests that asked for it.
 """
 
 from __future__ import annotations
@@ -217,7 +217,8 @@ class WhisperExecutor:
         if not np.isfinite(audio).all():
             raise BadAudioError("audio contains NaN or infinite samples")
         self._group_open = True  # the rest of this admission round joins the group
-        if options.beam_size > 1 and options.temperatures[0] == 0:
+        if (options.beam_size > 1 and options.temperatures[0] == 0) or options.long_form == "vad":
+            # beam search and VAD-batched long-form run whole on the per-batch path
             self.legacy.append(request)
             return True
         wave = torch.as_tensor(audio.astype(np.float32, copy=False)).flatten()

@@ -10,8 +10,9 @@ For machines that cannot build or download (the GPU box): writes a ``*.dist-info
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = ["oasr-core", "oasr-models-whisper", "oasr-models-wenet", "oasr-vad-silero", "oasr-server"]

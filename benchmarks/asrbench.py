@@ -7,9 +7,13 @@
     python -m benchmarks.asrbench --workload synthetic --shape large-v3 --device cuda \
         --dtype float16 --batch-size 64 --requests 128 --tokens 100             # GPU
 
+    python -m benchmarks.asrbench --workload streaming --profile smoke        # CPU, < 30 s
+    python -m benchmarks.asrbench --workload streaming --find-max --json out.json
+
 The synthetic workload (``benchmarks/synthetic.py``) compares OASR's engine with
 ``transformers`` on random weights and a forced decode length, so both sides do identical work:
-RTFx, latency p50/p90/p99, tokens/s and peak GPU memory.
+RTFx, latency p50/p90/p99, tokens/s and peak GPU memory. The streaming workload
+(``benchmarks/streambench.py``) feeds N WeNet streams at real time into a streaming engine.
 
 Backends:
   oasr_engine     OASR's in-process ASREngine (the same path `oasr transcribe` takes)
@@ -109,8 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--workload", choices=["speech", "synthetic"], default="speech")
-    parser.add_argument("--shape", default=None, help="synthetic: smoke | tiny | large-v3")
+    parser.add_argument("--workload", choices=["speech", "synthetic", "streaming"], default="speech")
+    parser.add_argument("--shape", default=None,
+                        help="synthetic: smoke | tiny | large-v3; streaming: small | medium")
     parser.add_argument("--dtype", default=None, help="synthetic: float32 | float16 | bfloat16")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--requests", type=int, default=None)
@@ -118,7 +123,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--varied", action="store_true",
                         help="synthetic: per-request decode lengths in [tokens/4, 7*tokens/4]")
+    stream = parser.add_argument_group("streaming workload (benchmarks/streambench.py)")
+    stream.add_argument("--streams", default=None, help="comma-separated stream counts (default 1,2,4,8)")
+    stream.add_argument("--chunk-ms", type=float, default=640.0)
+    stream.add_argument("--seconds", type=float, default=None, help="audio per stream (default 10)")
+    stream.add_argument("--find-max", action="store_true", help="double N until streams fall behind")
+    stream.add_argument("--beam", type=int, default=1, help="1: CTC greedy; > 1: prefix beam + rescoring")
+    stream.add_argument("--left-chunks", type=int, default=-1, help="attention history in chunks (-1: all)")
+    stream.add_argument("--aligned", action="store_true", help="all streams release chunks at once")
     args = parser.parse_args(argv)
+    if args.workload == "streaming":
+        from benchmarks.streambench import main_streaming
+
+        return main_streaming(args)
     if args.workload == "synthetic":
         return _synthetic(args)
 

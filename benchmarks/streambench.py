@@ -1,0 +1,468 @@
+"""Streaming workload: N live streams fed at real time into one streaming ``ASREngine``.
+
+    python -m benchmarks.asrbench --workload streaming --profile smoke          # CPU, < 30 s
+    python -m benchmarks.asrbench --workload streaming --streams 1,2,4,8 --seconds 10
+    python -m benchmarks.asrbench --workload streaming --find-max --json out.json
+    python -m benchmarks.asrbench --workload streaming --shape medium --device cuda --find-max
+
+Model: a WeNet Conformer trained with chunk masks (causal convolution, dynamic chunk). ``small``
+is the bundled random-weight ``tests/data/wenet/u2pp_conformer`` (d=48, 2 blocks), loaded from
+WeNet's released layout exactly as the tests load it; ``medium`` scales that config to WeNet's
+usual recipe size (d=256, 4 heads, FFN 2048, 12 blocks, decoders 3 + 3 blocks) and fills it with
+seeded random weights (same recipe as the test checkpoints: uniform fan-in weights, LayerNorm
+gains 1 + 0.2 N, peaky CTC). ``--ckpt-dir`` loads any streaming-capable WeNet directory instead.
+
+Workload: every stream gets its own stretch of real speech (``tests/data/speech`` clips,
+resampled to 16 kHz, concatenated and looped to ``--seconds``). One thread runs the loop: it
+releases each stream's next ``--chunk-ms`` chunk when its wall-clock time comes (chunk k of a
+stream is released at ``start + (k + 1) * chunk``; streams start at evenly spread phases of one
+chunk unless ``--aligned``), and calls ``engine.step()`` whenever a stream is ready, which
+batches every ready stream into one model call. Chunks due during a step are released right
+after it, but their latency still counts from their scheduled time, so a loop that falls behind
+shows it.
+
+Reported per stream count:
+  chunk latency   release of chunk k -> the update whose consumed audio covers the chunk's last
+                  sample (WeNet's chunk needs ``right_context`` frames (~65 ms at x4) past its
+                  end, so with chunk-sized feeding a mid-stream chunk is covered one chunk later:
+                  about one chunk duration + queueing + compute)
+  step latency    release of the chunk that made the stream ready -> its update (queueing +
+                  compute only)
+  last latency    release of the last chunk -> the final transcript (max over streams)
+  held            every stream's last latency < 2 x chunk duration (the lag did not grow)
+  rtf             engine busy time (sum of non-empty ``step()`` calls) / audio seconds of all
+                  streams; ``load`` = busy time / wall time of one stream
+  mean batch      streams per non-empty step
+  text = offline  share of streams whose final text equals ``model.transcribe`` of the same
+                  audio (full attention, the model's offline default), and with the same chunk
+                  mask as the stream (``offline_chunk_size = chunk``), which a causal model must
+                  reproduce
+``--find-max`` doubles N from 1 until a count is not held and reports the largest held count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SPEECH = REPO / "tests" / "data" / "speech"
+DEFAULT_CKPT = REPO / "tests" / "data" / "wenet" / "u2pp_conformer"
+CLIPS = (
+    "zh_aishell_BAC009S0764W0121.wav", "zh_aishell_BAC009S0724W0121.wav",
+    "zh_aishell_BAC009S0764W0122.wav", "en_ls_1089-134686-0001.wav",
+    "en_ls_1221-135766-0002.wav", "en_ls_1272-128104-0000.wav",
+)  # fmt: skip
+MEDIUM = {"output_size": 256, "attention_heads": 4, "linear_units": 2048, "num_blocks": 12,
+          "decoder_heads": 4, "decoder_linear_units": 2048, "decoder_blocks": 3}  # fmt: skip
+
+
+@dataclass
+class StreamResult:
+    streams: int
+    seconds: float
+    chunk_ms: float
+    wall_s: float
+    busy_s: float
+    rtf: float
+    load: float
+    steps: int
+    mean_batch: float
+    chunk_latency_p50_ms: float
+    chunk_latency_p90_ms: float
+    chunk_latency_p99_ms: float
+    step_latency_p50_ms: float
+    step_latency_p90_ms: float
+    step_latency_p99_ms: float
+    last_latency_max_ms: float
+    held: bool
+    finished: int
+    text_equal_offline: float
+    text_equal_offline_chunked: float
+    texts: list[str] = field(default_factory=list)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
+
+
+# -- model -----------------------------------------------------------------------------------------
+def _init_state(
+    expected: dict[str, Any], cmvn: dict[str, Any], blank: int, seed: int
+) -> dict[str, Any]:
+    """Seeded random weights for every tensor of a WeNet network (OASR names)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, meta in expected.items():
+        shape = tuple(meta.shape)
+        if name.endswith("num_batches_tracked"):
+            continue
+        if name.startswith("encoder.global_cmvn."):
+            state[name] = cmvn[name].clone()
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        parent = name.rsplit(".", 1)[0]
+        if leaf == "running_mean":
+            t = 0.1 * torch.randn(shape, generator=g)
+        elif leaf == "running_var":
+            t = 0.5 + torch.rand(shape, generator=g)
+        elif "pos_bias" in leaf:
+            t = 0.3 * torch.randn(shape, generator=g)
+        elif "norm" in parent.rsplit(".", 1)[-1] and leaf == "weight":
+            t = 1.0 + 0.2 * torch.randn(shape, generator=g)
+        elif "norm" in parent.rsplit(".", 1)[-1] and leaf == "bias":
+            t = 0.1 * torch.randn(shape, generator=g)
+        elif leaf == "bias":
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif parent.endswith("decoder.embed"):
+            t = torch.randn(shape, generator=g)
+        else:
+            fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+            bound = 1.0 / math.sqrt(max(fan_in, 1))
+            t = (torch.rand(shape, generator=g) * 2 - 1) * bound
+        if name == "ctc_lo.weight":
+            t = t * 6.0
+        elif name == "ctc_lo.bias":
+            t[blank] += 2.0
+        elif name.endswith("output_layer.weight"):
+            t = t * 4.0
+        state[name] = t.to(meta.dtype)
+    return state
+
+
+def load_stream_model(
+    ckpt_dir: str | None, shape: str, device: str, dtype: str | None, seed: int = 1234
+):
+    """A streaming-capable WeNet model: a checkpoint directory, the bundled ``small`` one, or the
+    ``medium`` random-weight scale-up of it."""
+    from oasr.checkpoint import load_model
+    from oasr.types import EngineConfig
+
+    ec = EngineConfig(ckpt_dir=str(ckpt_dir or DEFAULT_CKPT), device=device, dtype=dtype or "auto")
+    if ckpt_dir or shape == "small":
+        return load_model(ec)
+    if shape != "medium":
+        raise ValueError(f"--shape must be small or medium, not {shape!r}")
+    import copy
+
+    import torch
+
+    from oasr_models_wenet.checkpoints import load_wenet
+    from oasr_models_wenet.config import WenetConfig
+    from oasr_models_wenet.model import WenetASR
+    from oasr_models_wenet.nn import WenetNet
+
+    _, small_state, units = load_wenet(DEFAULT_CKPT)
+    raw = copy.deepcopy(read_train_yaml(DEFAULT_CKPT))
+    enc, dec = raw["encoder_conf"], raw["decoder_conf"]
+    enc.update(
+        output_size=MEDIUM["output_size"],
+        attention_heads=MEDIUM["attention_heads"],
+        linear_units=MEDIUM["linear_units"],
+        num_blocks=MEDIUM["num_blocks"],
+    )
+    dec.update(
+        attention_heads=MEDIUM["decoder_heads"],
+        linear_units=MEDIUM["decoder_linear_units"],
+        num_blocks=MEDIUM["decoder_blocks"],
+        r_num_blocks=MEDIUM["decoder_blocks"],
+    )
+    cfg = WenetConfig.from_yaml_dict(raw, vocab_size=len(units))
+    with torch.device("meta"):
+        expected = WenetNet(cfg).state_dict()
+    state = _init_state(expected, small_state, cfg.blank_id, seed)
+    return WenetASR._build(cfg, state, units, ec, "wenet", None)
+
+
+def read_train_yaml(path: Path) -> dict:
+    from oasr_models_wenet.config import read_yaml
+
+    return read_yaml(path / "train.yaml")
+
+
+# -- audio -----------------------------------------------------------------------------------------
+_POOL: np.ndarray | None = None
+
+
+def speech_pool(sr: int = 16000) -> np.ndarray:
+    """The speech clips, resampled to ``sr`` and concatenated (cached)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = np.concatenate([_load(SPEECH / n, sr) for n in CLIPS]).astype(np.float32)
+    return _POOL
+
+
+def _load(path: Path, sr: int) -> np.ndarray:
+    from oasr.audio import load_audio
+    from oasr.errors import BadAudioError
+
+    try:
+        return load_audio(path, sr)
+    except BadAudioError:  # no decoder installed (bare GPU hosts): 16-bit mono WAV at ``sr`` only
+        import wave
+
+        with wave.open(str(path), "rb") as w:
+            if w.getframerate() != sr or w.getnchannels() != 1 or w.getsampwidth() != 2:
+                raise
+            return np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+
+
+def stream_audio(i: int, seconds: float, sr: int = 16000) -> np.ndarray:
+    """Stream ``i``'s audio: ``seconds`` of the looped pool from its own offset."""
+    pool = speech_pool(sr)
+    n = int(round(seconds * sr))
+    start = int((i * 3.7 * sr) % len(pool))
+    idx = (start + np.arange(n)) % len(pool)
+    return pool[idx]
+
+
+# -- one run ---------------------------------------------------------------------------------------
+def run_streams(
+    model,
+    n: int,
+    seconds: float,
+    chunk_ms: float,
+    *,
+    device: str,
+    threads: int,
+    beam: int = 1,
+    aligned: bool = False,
+    keep_texts: bool = False,
+) -> StreamResult:
+    from oasr.engine import ASREngine
+    from oasr.types import DecodingOptions, EngineConfig
+
+    sr = model.feature_spec.sample_rate
+    engine = ASREngine(
+        EngineConfig(
+            service_mode="streaming", device=device, max_batch_size=max(n, 1), num_threads=threads
+        ),
+        model=model,
+    )
+    options = DecodingOptions(beam_size=beam)
+    audios = [stream_audio(i, seconds, sr) for i in range(n)]
+    csz = int(round(chunk_ms * sr / 1000))
+    d = csz / sr
+    # per stream: chunk boundaries (end sample) and scheduled release offsets
+    ends = [list(range(csz, len(a), csz)) + [len(a)] for a in audios]
+    phase = [0.0 if aligned else d * i / max(n, 1) for i in range(n)]
+    rids = [engine.add_streaming_request(options, request_id=f"s{i}") for i in range(n)]
+    nxt = [0] * n  # next chunk to release
+    covered = [0] * n  # chunks whose latency is recorded
+    rel: list[list[float]] = [[0.0] * len(e) for e in ends]
+    chunk_lat: list[float] = []
+    step_lat: list[float] = []
+    last_lat = [float("nan")] * n
+    finals: list[str | None] = [None] * n
+    batch_sizes: list[int] = []
+    busy = 0.0
+    t0 = time.perf_counter() + 0.01
+    while any(f is None for f in finals):
+        now = time.perf_counter()
+        for i in range(n):
+            while nxt[i] < len(ends[i]):
+                k = nxt[i]
+                due = t0 + phase[i] + ends[i][k] / sr
+                if due > now:
+                    break
+                lo = ends[i][k - 1] if k else 0
+                last = k == len(ends[i]) - 1
+                engine.feed_chunk(rids[i], audios[i][lo : ends[i][k]], is_last=last)
+                rel[i][k] = due
+                nxt[i] += 1
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        if not outs:
+            pending = [
+                t0 + phase[i] + ends[i][nxt[i]] / sr for i in range(n) if nxt[i] < len(ends[i])
+            ]
+            if pending:
+                time.sleep(max(0.0, min(min(pending) - time.perf_counter(), 0.005)))
+            continue
+        busy += te - ts
+        batch_sizes.append(len(outs))
+        for o in outs:
+            i = int(o.request_id[1:])
+            if o.is_final:
+                consumed = len(audios[i])
+                finals[i] = o.text
+                last_lat[i] = te - rel[i][-1]
+            else:
+                info = engine.streaming.info(o.request_id)
+                consumed = info.samples_in - info.buffered_samples
+            # the chunk that made the stream ready: the first whose end reaches the consumed audio
+            k_ready = next((k for k in range(nxt[i]) if ends[i][k] >= consumed), nxt[i] - 1)
+            step_lat.append(te - rel[i][k_ready])
+            while covered[i] < nxt[i] and ends[i][covered[i]] <= consumed:
+                chunk_lat.append(te - rel[i][covered[i]])
+                covered[i] += 1
+    wall = time.perf_counter() - t0
+    for rid in rids:
+        engine.streaming.release(rid)
+
+    # offline references: full attention (the model's default) and the stream's chunk mask
+    offline = [t.text for t in model.transcribe(audios, options)]
+    saved = (model.offline_chunk_size, model.offline_left_chunks)
+    model.offline_chunk_size, model.offline_left_chunks = model.chunk_size, model.num_left_chunks
+    try:
+        chunked = [t.text for t in model.transcribe(audios, options)]
+    finally:
+        model.offline_chunk_size, model.offline_left_chunks = saved
+    texts = [f or "" for f in finals]
+    ms = 1000.0
+    return StreamResult(
+        streams=n, seconds=seconds, chunk_ms=d * 1000, wall_s=wall, busy_s=busy,
+        rtf=busy / (n * seconds), load=busy / seconds, steps=len(batch_sizes),
+        mean_batch=float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+        chunk_latency_p50_ms=_pct(chunk_lat, 50) * ms, chunk_latency_p90_ms=_pct(chunk_lat, 90) * ms,
+        chunk_latency_p99_ms=_pct(chunk_lat, 99) * ms,
+        step_latency_p50_ms=_pct(step_lat, 50) * ms, step_latency_p90_ms=_pct(step_lat, 90) * ms,
+        step_latency_p99_ms=_pct(step_lat, 99) * ms,
+        last_latency_max_ms=float(np.max(last_lat)) * ms,
+        held=bool(np.max(last_lat) < 2 * d),
+        finished=sum(f is not None for f in finals),
+        text_equal_offline=float(np.mean([a == b for a, b in zip(texts, offline, strict=True)])),
+        text_equal_offline_chunked=float(np.mean([a == b for a, b in zip(texts, chunked, strict=True)])),
+        texts=texts if keep_texts else [],
+    )  # fmt: skip
+
+
+def run_streaming(
+    *,
+    ckpt_dir: str | None = None,
+    shape: str = "small",
+    streams: list[int] = (1,),
+    chunk_ms: float = 640.0,
+    seconds: float = 10.0,
+    device: str = "cpu",
+    dtype: str | None = None,
+    threads: int = 2,
+    beam: int = 1,
+    left_chunks: int = -1,
+    find_max: bool = False,
+    max_streams: int = 1024,
+    aligned: bool = False,
+    keep_texts: bool = False,
+) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    model = load_stream_model(ckpt_dir, shape, device, dtype)
+    if not model.capabilities.streaming:
+        raise SystemExit(f"{model.name} was not trained with chunk masks; it cannot stream")
+    sr = model.feature_spec.sample_rate
+    frame_ms = model.frame_shift * 1000  # encoder frame (subsampling x hop)
+    frames = max(1, round(chunk_ms / frame_ms))
+    model.chunk_size, model.num_left_chunks = frames, left_chunks
+    chunk_ms = frames * frame_ms
+    # warm-up: one short stream through the same path
+    run_streams(
+        model,
+        1,
+        min(seconds, 2 * chunk_ms / 1000 + 0.2),
+        chunk_ms,
+        device=device,
+        threads=threads,
+        beam=beam,
+    )
+    results: list[StreamResult] = []
+    max_held = None
+    print(HEADER, flush=True)
+    if find_max:
+        n = 1
+        while n <= max_streams:
+            r = run_streams(
+                model,
+                n,
+                seconds,
+                chunk_ms,
+                device=device,
+                threads=threads,
+                beam=beam,
+                aligned=aligned,
+                keep_texts=keep_texts,
+            )
+            results.append(r)
+            _print_row(r)
+            if not r.held:
+                break
+            max_held = n
+            n *= 2
+    else:
+        for n in streams:
+            r = run_streams(
+                model,
+                n,
+                seconds,
+                chunk_ms,
+                device=device,
+                threads=threads,
+                beam=beam,
+                aligned=aligned,
+                keep_texts=keep_texts,
+            )
+            results.append(r)
+            _print_row(r)
+        held = [r.streams for r in results if r.held]
+        max_held = max(held) if held else None
+    params = sum(p.numel() for p in model.net.parameters())
+    return {
+        "workload": "streaming", "model": model.name, "shape": "ckpt" if ckpt_dir else shape,
+        "ckpt_dir": str(ckpt_dir or (DEFAULT_CKPT if shape == "small" else "")), "params": params,
+        "device": device, "dtype": str(model.net.dtype).replace("torch.", ""), "threads": threads,
+        "chunk_ms": chunk_ms, "chunk_frames": frames, "left_chunks": left_chunks, "seconds": seconds,
+        "beam_size": beam, "sample_rate": sr, "aligned": aligned, "find_max": find_max,
+        "max_streams_held": max_held, "results": [asdict(r) for r in results],
+    }  # fmt: skip
+
+
+HEADER = (
+    f"{'N':>4} {'chunk p50':>9} {'p90':>7} {'p99':>7} {'step p50':>9} {'p99':>7} {'last max':>9} "
+    f"{'RTF':>6} {'load':>6} {'batch':>6} {'held':>5} {'=off':>5} {'=chunk':>6}"
+)
+
+
+def _print_row(r: StreamResult) -> None:
+    print(
+        f"{r.streams:4d} {r.chunk_latency_p50_ms:9.0f} {r.chunk_latency_p90_ms:7.0f} "
+        f"{r.chunk_latency_p99_ms:7.0f} {r.step_latency_p50_ms:9.1f} {r.step_latency_p99_ms:7.1f} "
+        f"{r.last_latency_max_ms:9.0f} {r.rtf:6.3f} {r.load:6.2f} {r.mean_batch:6.2f} "
+        f"{'yes' if r.held else 'NO':>5} {r.text_equal_offline:5.2f} {r.text_equal_offline_chunked:6.2f}",
+        flush=True,
+    )
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"\n{report['model']} ({report['params'] / 1e6:.2f} M params), {report['device']} "
+        f"{report['dtype']}, {report['threads']} threads, chunk {report['chunk_ms']:.0f} ms, "
+        f"{report['seconds']:.0f} s per stream, beam {report['beam_size']}; latencies in ms"
+    )
+    print(HEADER)
+    for r in report["results"]:
+        _print_row(StreamResult(**r))
+    print(f"max streams held at real time: {report['max_streams_held']}")
+
+
+def main_streaming(args) -> dict:  # noqa: ANN001 - argparse namespace from asrbench
+    smoke = args.profile == "smoke"
+    streams = [int(x) for x in (args.streams or ("1,2" if smoke else "1,2,4,8")).split(",")]
+    report = run_streaming(
+        ckpt_dir=args.ckpt_dir, shape=args.shape or "small", streams=streams,
+        chunk_ms=args.chunk_ms, seconds=args.seconds or (3.0 if smoke else 10.0), device=args.device,
+        dtype=args.dtype, threads=args.threads, beam=args.beam, left_chunks=args.left_chunks,
+        find_max=args.find_max, aligned=args.aligned, keep_texts=smoke,
+    )  # fmt: skip
+    print_table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    return report

@@ -177,6 +177,12 @@ class ServerState:
                 max_queue=self.config.max_queue,
                 max_batch_size=self.config.max_batch_size,
                 on_batch=self.metrics.on_batch,
+                max_concurrency=self.config.max_concurrency,
+            )
+            log.info(
+                "engine worker: %s mode (max %d requests in the engine)",
+                worker.mode,
+                worker.max_concurrency,
             )
             with self._ready_lock:
                 if self._closed:  # the app shut down while the model was loading
@@ -221,6 +227,12 @@ class ServerState:
         self.metrics.ready.set(0)
         if worker is not None:
             worker.stop()
+        engine = self.engine
+        if engine is not None and hasattr(engine, "shutdown"):
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001
+                log.debug("engine shutdown failed", exc_info=True)
         if self._vad_executor is not None:
             self._vad_executor.shutdown(wait=False, cancel_futures=True)
 
@@ -289,7 +301,6 @@ class ServerState:
             while not job.future.done():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    job.abandoned = True
                     raise RequestTimeoutError(
                         f"the request was not answered within {self.config.request_timeout:g} s "
                         "(--request-timeout); the server is overloaded or the audio is very long"
@@ -300,15 +311,14 @@ class ServerState:
                     and is_disconnected is not None
                     and await is_disconnected()
                 ):
-                    job.abandoned = True
                     raise ClientDisconnectedError("the client closed the connection")
             result = job.future.result()
         except asyncio.CancelledError:
-            job.abandoned = True
+            worker.abandon(job)
             raise
         finally:
             if not job.future.done():
-                job.abandoned = True  # timed out or the client went away: skip the work
+                worker.abandon(job)  # timed out or the client went away: skip the work
         self.metrics.queue_wait.observe(time.monotonic() - job.enqueued_at)
         return result
 

@@ -44,6 +44,12 @@ class ServerConfig:
     #: Interim results: a turn still growing is re-transcribed after every this many ms of new
     #: audio (0: no interim results, only the final transcript of each turn).
     partial_interval_ms: int = 1000
+    #: Most requests in the engine at once when it runs its continuous-batching scheduler
+    #: (None: ``max_batch_size``, else the engine's); the others wait in the queue.
+    max_concurrency: int | None = None
+    #: Seconds a realtime WebSocket / gRPC stream may stay silent (no message from the client)
+    #: before the server closes it (0: no limit).
+    realtime_idle_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes < 1:
@@ -61,6 +67,12 @@ class ServerConfig:
         if self.partial_interval_ms < 0:
             raise InvalidRequestError(
                 "partial_interval_ms must be >= 0", param="partial_interval_ms"
+            )
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise InvalidRequestError("max_concurrency must be >= 1", param="max_concurrency")
+        if self.realtime_idle_timeout < 0:
+            raise InvalidRequestError(
+                "realtime_idle_timeout must be >= 0", param="realtime_idle_timeout"
             )
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

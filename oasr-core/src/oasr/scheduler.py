@@ -16,7 +16,7 @@ runs by one unit of work, then resolves the futures of the requests that finishe
 
 Two executors exist: :class:`BatchExecutor` here (any :class:`oasr.model.ASRModel`: one
 ``model.transcribe`` call per admitted batch) and model plugins' continuous-batching executors
-(Whisper: ``oasr_models_whisper.engine_adapter``), found by :func:`executor_for`.
+(Whisper: ``WhisperASR.make_executor``), found by :func:`executor_for`.
 
 Thread-safety: :meth:`Scheduler.submit` and :meth:`Scheduler.abort` may be called from any thread;
 steps run in one thread (the scheduler thread started by :meth:`Scheduler.start`, or the caller of
@@ -25,7 +25,6 @@ steps run in one thread (the scheduler thread started by :meth:`Scheduler.start`
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import threading
 import time
@@ -185,23 +184,12 @@ class BatchExecutor:
 
 
 def executor_for(model: ASRModel, config: SchedulerConfig) -> Any:
-    """The model's continuous-batching executor when its plugin has one, else BatchExecutor.
+    """The model's continuous-batching executor when it offers one, else :class:`BatchExecutor`.
 
-    Convention: a plugin package may expose ``<package>.engine_adapter.make_executor(model,
-    config)``, returning an executor or None (None: this model/config is not supported)."""
+    A model opts in with a ``make_executor(config)`` method returning an executor, or None when
+    this model/config is not supported (Whisper: ``WhisperASR.make_executor``)."""
     factory = getattr(model, "make_executor", None)
-    if factory is None:
-        package = type(model).__module__.split(".")[0]
-        try:
-            module = importlib.import_module(f"{package}.engine_adapter")
-        except ImportError:
-            module = None
-        factory = getattr(module, "make_executor", None) if module is not None else None
-        if factory is not None:
-            made = factory(model, config)
-            if made is not None:
-                return made
-    else:
+    if factory is not None:
         made = factory(config)
         if made is not None:
             return made

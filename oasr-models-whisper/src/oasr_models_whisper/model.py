@@ -124,6 +124,12 @@ class WhisperASR:
 
         return cls.from_loaded(load_native(Path(path), body), config)
 
+    def make_executor(self, config: Any) -> Any:
+        """The engine scheduler's continuous-batching executor for this model (or None)."""
+        from oasr_models_whisper.engine_adapter import make_executor
+
+        return make_executor(self, config)
+
     def save_native(self, dst: str | Path) -> str:
         """Write OASR's native format (safetensors + json + tokenizer assets); returns "whisper"."""
         from oasr_models_whisper.checkpoints import save_native

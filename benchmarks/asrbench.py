@@ -10,6 +10,9 @@
     python -m benchmarks.asrbench --workload streaming --profile smoke        # CPU, < 30 s
     python -m benchmarks.asrbench --workload streaming --find-max --json out.json
 
+    python -m benchmarks.asrbench --backend oasr_server --profile smoke      # server, < 20 s
+    python -m benchmarks.asrbench --backend oasr_server    # 64 uploads at c=16 + 2 realtime streams
+
 The synthetic workload (``benchmarks/synthetic.py``) compares OASR's engine with
 ``transformers`` on random weights and a forced decode length, so both sides do identical work:
 RTFx, latency p50/p90/p99, tokens/s and peak GPU memory. The streaming workload
@@ -131,7 +134,16 @@ def main(argv: list[str] | None = None) -> dict:
     stream.add_argument("--beam", type=int, default=1, help="1: CTC greedy; > 1: prefix beam + rescoring")
     stream.add_argument("--left-chunks", type=int, default=-1, help="attention history in chunks (-1: all)")
     stream.add_argument("--aligned", action="store_true", help="all streams release chunks at once")
+    server = parser.add_argument_group("server load test (benchmarks/serverbench.py)")
+    server.add_argument("--backend", choices=["oasr_server"], default=None,
+                        help="oasr_server: load-test the real oasr-server process (--requests, "
+                             "--concurrency, --streams N)")
+    server.add_argument("--concurrency", type=int, default=None, help="oasr_server: uploads in flight")
     args = parser.parse_args(argv)
+    if args.backend == "oasr_server":
+        from benchmarks.serverbench import main as server_main
+
+        return server_main(args)
     if args.workload == "streaming":
         from benchmarks.streambench import main_streaming
 

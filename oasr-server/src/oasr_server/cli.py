@@ -94,6 +94,32 @@ def serve_command(
             "results (0: finals only).",
         ),
     ] = 1000,
+    service_mode: Annotated[
+        str,
+        typer.Option(
+            "--service-mode",
+            help="offline: requests join the engine scheduler's continuous batch (models with an "
+            "executor); streaming: pin the engine to streaming mode (models that can stream only).",
+        ),
+    ] = "offline",
+    max_concurrency: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--max-concurrency",
+            min=1,
+            help="Most requests in the engine at once (the rest wait in the queue). "
+            "Default: --max-batch-size.",
+        ),
+    ] = None,
+    realtime_idle_timeout: Annotated[
+        float,
+        typer.Option(
+            "--realtime-idle-timeout",
+            min=0,
+            help="Close a /v1/realtime WebSocket after this many seconds without a client event "
+            "(0: never).",
+        ),
+    ] = 300.0,
     served_model_name: Annotated[
         str,
         typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field."),
@@ -115,6 +141,10 @@ def serve_command(
     from oasr_server.config import ServerConfig
 
     host, port = parse_bind(http_bind)
+    if service_mode not in ("offline", "streaming"):
+        raise typer.BadParameter(
+            f"expected offline or streaming, not {service_mode!r}", param_hint="--service-mode"
+        )
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -129,6 +159,7 @@ def serve_command(
             max_batch_size=max_batch_size,
             max_audio_seconds=max_audio_seconds,
             num_threads=threads,
+            service_mode=service_mode,
         )
         config = ServerConfig(
             max_upload_bytes=max_upload_bytes,
@@ -144,6 +175,8 @@ def serve_command(
             grpc_bind=grpc_bind,
             max_streams=max_streams,
             partial_interval_ms=partial_interval_ms,
+            max_concurrency=max_concurrency,
+            realtime_idle_timeout=realtime_idle_timeout,
         )
     except OASRError as exc:
         typer.echo(f"error: {exc.message}", err=True)
@@ -171,6 +204,13 @@ def serve_command(
     server.run()
     if failed:
         exc = failed[0]
+        if getattr(exc, "param", None) == "service_mode":
+            typer.echo(
+                f"error: --service-mode {service_mode}: {exc.message} "  # type: ignore[attr-defined]
+                "(serve it with --service-mode offline)",
+                err=True,
+            )
+            raise typer.Exit(2)
         message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
         typer.echo(f"error: the model failed to load: {message}", err=True)
         raise typer.Exit(1)

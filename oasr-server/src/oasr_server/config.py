@@ -47,8 +47,8 @@ class ServerConfig:
     #: Most requests in the engine at once when it runs its continuous-batching scheduler
     #: (None: ``max_batch_size``, else the engine's); the others wait in the queue.
     max_concurrency: int | None = None
-    #: Seconds a realtime WebSocket / gRPC stream may stay silent (no message from the client)
-    #: before the server closes it (0: no limit).
+    #: Seconds a ``/v1/realtime`` WebSocket may stay silent (no message from the client) before
+    #: the server sends an ``idle_timeout`` error and closes it with code 1008 (0: no limit).
     realtime_idle_timeout: float = 300.0
 
     def __post_init__(self) -> None:

@@ -602,6 +602,22 @@ class RealtimeSession:
         except OASRError as exc:
             self.send_error(exc, event_id)
 
+    async def _close_idle(self, idle: float, writer: asyncio.Task[Any]) -> None:
+        error = RealtimeError(
+            f"No client event for {idle:g} s (--realtime-idle-timeout); closing the session.",
+            code="idle_timeout",
+        )
+        self.send_error(error)  # counted in oasr_errors_total like every error event
+        await self.out.put(None)
+        try:  # let the writer flush the error event, then close
+            await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            pass
+        try:
+            await self.ws.close(code=CLOSE_POLICY, reason="idle_timeout")
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self.stream = TurnStream(
@@ -621,9 +637,16 @@ class RealtimeSession:
         try:
             while True:
                 reader = loop.create_task(self.ws.receive())
+                idle = self.state.config.realtime_idle_timeout
                 done, _ = await asyncio.wait(
-                    {reader, writer, processor}, return_when=asyncio.FIRST_COMPLETED
+                    {reader, writer, processor},
+                    timeout=idle if idle > 0 else None,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
+                if not done:  # the client sent nothing for --realtime-idle-timeout seconds
+                    reader.cancel()
+                    await self._close_idle(idle, writer)
+                    break
                 if reader not in done:  # the writer or processor died: end the session
                     reader.cancel()
                     for task in (writer, processor):

@@ -98,6 +98,7 @@ class EngineWorker:
         self.mode = "scheduler" if use_scheduler else "batch"
         self._slots = threading.Condition()
         self._engine_active = 0
+        self._inputs_finished = 0
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._on_batch = on_batch
         self._thread: threading.Thread | None = None
@@ -183,11 +184,14 @@ class EngineWorker:
         except Exception:  # noqa: BLE001
             return
         last = [time.monotonic()]
+        seen = [0]
         on_batch = self._on_batch
 
         def on_step(s: Any) -> None:
+            # the requests in the engine during this step: still running + finished by it
             now = time.monotonic()
-            running = s.executor.num_running
+            finished, seen[0] = self._inputs_finished - seen[0], self._inputs_finished
+            running = s.executor.num_running + finished
             try:
                 if running:
                     on_batch(running, now - last[0])
@@ -249,6 +253,7 @@ class EngineWorker:
 
         def on_done(k: int, fut: Any) -> None:
             exc = fut.exception()
+            self._inputs_finished += 1  # read by the step metrics (same scheduler thread)
             with lock:
                 if exc is not None:
                     errors.append(exc)

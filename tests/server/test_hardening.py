@@ -237,7 +237,7 @@ def test_bad_uploads_get_their_errors(kit, live) -> None:
     # malformed multipart: a boundary that never appears / a truncated body
     r = httpx.post(
         url,
-        content=b"--zzz\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc",
+        content=b'--zzz\r\nContent-Disposition: form-data; name="file"\r\n\r\nabc',
         headers={"content-type": "multipart/form-data; boundary=zzz"},
     )
     assert r.status_code == 400, r.text
@@ -273,7 +273,7 @@ def test_client_gone_mid_upload_and_mid_sse(kit, live) -> None:
     body = kit.wav_bytes(2.0)
     boundary = "b0undary"
     head = (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
         "Content-Type: audio/wav\r\n\r\n"
     ).encode()
     tail = f"\r\n--{boundary}--\r\n".encode()
@@ -292,7 +292,7 @@ def test_client_gone_mid_upload_and_mid_sse(kit, live) -> None:
     # mid-SSE: ask for a stream, read the first bytes, hang up
     stream_body = full.replace(
         tail,
-        f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"stream\"\r\n\r\ntrue"
+        f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="stream"\r\n\r\ntrue'
         f"\r\n--{boundary}--\r\n".encode(),
     )
     for _ in range(3):

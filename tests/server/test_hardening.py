@@ -344,3 +344,30 @@ def test_realtime_garbage_and_idle_timeout(kit, live) -> None:
         ws.socket.close()
     settled(base)
     still_serving(base, kit)
+
+
+def test_streaming_mode_serves_a_streaming_model(kit) -> None:
+    """``--service-mode streaming`` with a model that can stream (the bundled random-weight
+    WeNet U2++ test checkpoint): ready, and uploads answered through the batch path."""
+    from pathlib import Path
+
+    pytest.importorskip("oasr_models_wenet")
+    from oasr.types import EngineConfig
+    from oasr_server.app import create_app
+    from oasr_server.config import ServerConfig
+
+    ckpt = Path(__file__).resolve().parents[1] / "data" / "wenet" / "u2pp_conformer"
+    app = create_app(
+        ServerConfig(),
+        engine_config=EngineConfig(ckpt_dir=str(ckpt), service_mode="streaming"),
+    )
+
+    async def go() -> None:
+        async with kit.serving(app) as client:
+            assert app.state.oasr.engine.config.service_mode == "streaming"
+            assert app.state.oasr.worker.mode == "batch"
+            r = await kit.post_audio(client, audio=kit.wav_bytes(1.0))
+            assert r.status_code == 200, r.text
+            assert isinstance(r.json()["text"], str)
+
+    kit.run(go())

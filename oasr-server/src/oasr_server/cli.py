@@ -206,8 +206,8 @@ def serve_command(
         exc = failed[0]
         if getattr(exc, "param", None) == "service_mode":
             typer.echo(
-                f"error: --service-mode {service_mode}: {exc.message} "  # type: ignore[attr-defined]
-                "(serve it with --service-mode offline)",
+                f"error: --service-mode {service_mode}: "
+                f"{exc.message.split(';')[0]}; serve it with --service-mode offline",  # type: ignore[attr-defined]
                 err=True,
             )
             raise typer.Exit(2)

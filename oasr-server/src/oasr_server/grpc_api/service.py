@@ -82,7 +82,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
         context.set_trailing_metadata(tuple(trailing))
         await context.abort(status, exc.message)
 
-    def _stream_options(self, cfg: Any, engine: Any) -> Any:
+    def _config_options(self, cfg: Any, engine: Any) -> Any:
+        """Validated DecodingOptions from a RecognitionConfig (unary and streaming alike)."""
         from oasr_server.routes import _options
 
         self.state.check_model(cfg.model or None)
@@ -127,7 +128,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
                 )
             sc = first.streaming_config
             cfg = sc.config
-            options = self._stream_options(cfg, engine)
+            options = self._config_options(cfg, engine)
             if cfg.encoding not in _ENCODINGS:
                 raise InvalidRequestError(
                     "streaming needs headerless audio: set config.encoding (PCM_S16LE, MULAW, "
@@ -307,7 +308,6 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
     async def Recognize(  # noqa: N802 - gRPC method name
         self, request: speech_pb2.RecognizeRequest, context: aio.ServicerContext
     ) -> speech_pb2.RecognizeResponse:
-        from oasr_server.routes import _options
 
         state = self.state
         started = time.perf_counter()
@@ -316,22 +316,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             self._check_auth(context)
             engine, worker = state.require_ready()
             cfg = request.config
-            state.check_model(cfg.model or None)
-            if not 0.0 <= cfg.temperature <= 1.0:
-                raise InvalidRequestError(
-                    "temperature must be between 0 and 1", param="temperature"
-                )
-            if cfg.beam_size < 0 or cfg.beam_size > 64:
-                raise InvalidRequestError("beam_size must be between 0 and 64", param="beam_size")
-            options = _options(
-                task="translate" if cfg.task == speech_pb2.TRANSLATE else "transcribe",
-                language=cfg.language or None,
-                prompt=cfg.prompt or None,
-                temperature=float(cfg.temperature),
-                words=cfg.word_timestamps,
-                beam_size=cfg.beam_size or 1,
-            )
-            options.check_supported(engine.model.capabilities, engine.model.name)
+            options = self._config_options(cfg, engine)
             raw_format = None
             if cfg.encoding != speech_pb2.ENCODING_UNSPECIFIED:
                 from oasr.audio import RawPCMFormat

@@ -377,41 +377,25 @@ def run_streaming(
     results: list[StreamResult] = []
     max_held = None
     print(HEADER, flush=True)
+
+    def measure(n: int) -> StreamResult:
+        r = run_streams(model, n, seconds, chunk_ms, device=device, threads=threads, beam=beam,
+                        aligned=aligned, keep_texts=keep_texts)  # fmt: skip
+        results.append(r)
+        _print_row(r)
+        return r
+
     if find_max:
         n = 1
         while n <= max_streams:
-            r = run_streams(
-                model,
-                n,
-                seconds,
-                chunk_ms,
-                device=device,
-                threads=threads,
-                beam=beam,
-                aligned=aligned,
-                keep_texts=keep_texts,
-            )
-            results.append(r)
-            _print_row(r)
+            r = measure(n)
             if not r.held:
                 break
             max_held = n
             n *= 2
     else:
         for n in streams:
-            r = run_streams(
-                model,
-                n,
-                seconds,
-                chunk_ms,
-                device=device,
-                threads=threads,
-                beam=beam,
-                aligned=aligned,
-                keep_texts=keep_texts,
-            )
-            results.append(r)
-            _print_row(r)
+            measure(n)
         held = [r.streams for r in results if r.held]
         max_held = max(held) if held else None
     params = sum(p.numel() for p in model.net.parameters())

@@ -95,6 +95,12 @@ class DecodingOptions:
     #: conditioned on previous text, as openai-whisper does) or "vad" (cut at speech segments
     #: found by a VAD and decode the segments as one batch: faster, no cross-window context).
     long_form: Literal["sequential", "vad"] = "sequential"
+    #: Whisper, sequential long-form: before decoding, a voice activity detector scans each
+    #: input, and an input without any speech gets an empty transcript instead of being decoded
+    #: (Whisper invents words on music, tones and noise). Needs a ``vad_detector`` plugin
+    #: (oasr-vad-silero); skipped with a warning without one, and off when
+    #: ``no_speech_threshold`` is None. ``long_form="vad"`` always runs the VAD.
+    vad_gate: bool = True
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
@@ -111,6 +117,10 @@ class DecodingOptions:
         if self.long_form not in ("sequential", "vad"):
             raise InvalidRequestError(
                 f"long_form must be 'sequential' or 'vad', not {self.long_form!r}", param="long_form"
+            )
+        if not isinstance(self.vad_gate, bool):
+            raise InvalidRequestError(
+                f"vad_gate must be true or false, not {self.vad_gate!r}", param="vad_gate"
             )
         if self.hotwords:
             raise UnsupportedOptionError(

@@ -26,6 +26,7 @@ from oasr.types import (
 )
 from oasr_models_whisper.decoding import resolve_suppress_tokens
 from oasr_models_whisper.network import WhisperNetwork
+from oasr_models_whisper.speech_gate import empty_transcript, speech_gate
 from oasr_models_whisper.tokenizer import LANGUAGES, WhisperTokenizer, normalize_language
 from oasr_models_whisper.transcribe import transcribe as _transcribe
 
@@ -214,17 +215,28 @@ class WhisperASR:
                                    multilingual=self.multilingual, language=language,
                                    suppress=suppress, max_batch_size=self.max_batch_size,
                                    progress=progress)  # fmt: skip
-        return _transcribe(
-            self.network,
-            self.tokenizer,
-            waves,
-            options,
-            multilingual=self.multilingual,
-            language=language,
-            suppress=suppress,
-            max_batch_size=self.max_batch_size,
-            progress=progress,
-        )
+        # inputs in which the VAD finds no speech are not decoded (Whisper invents words there)
+        decode = speech_gate(waves, options, self.network.device)
+        todo = [w for w, d in zip(waves, decode, strict=True) if d]
+        if not todo:
+            if progress is not None:
+                progress(1.0, 1.0)
+            decoded: list[Transcript] = []
+        else:
+            decoded = _transcribe(
+                self.network,
+                self.tokenizer,
+                todo,
+                options,
+                multilingual=self.multilingual,
+                language=language,
+                suppress=suppress,
+                max_batch_size=self.max_batch_size,
+                progress=progress,
+            )
+        results = iter(decoded)
+        return [next(results) if d else empty_transcript(len(w), options, language)
+                for w, d in zip(waves, decode, strict=True)]  # fmt: skip
 
     def detect_language(self, audios: Sequence[np.ndarray]) -> list[dict[str, float]]:
         """Language probabilities from the first 30 s of each waveform (multilingual models)."""

@@ -1,0 +1,126 @@
+"""Voice-activity gate of sequential long-form Whisper (``DecodingOptions.vad_gate``).
+
+Whisper writes text on inputs that hold no speech at all, and openai-whisper's no-speech rules
+(no-speech probability + average logprob) do not catch every case: tiny.en writes "A" on a pure
+440 Hz tone. Before sequential decoding, the default voice activity detector (Silero, through
+the ``vad_detector`` registry) scans each input with the segmentation of ``long_form="vad"``
+(:data:`~oasr_models_whisper.vad_longform.DEFAULT_SEGMENTATION`); an input in which it finds no
+speech segment gets :func:`empty_transcript` and is never decoded. An input with any speech is
+decoded whole, exactly as without the gate (no window is cut or skipped by the VAD), so
+timestamps and text of speech are unchanged.
+
+The gate is on when ``options.vad_gate`` is set, ``options.no_speech_threshold`` is not None (the
+gate is a no-speech rule: ``no_speech_threshold=None`` turns all of them off, like the
+digital-silence skip) and ``options.long_form == "sequential"`` (the VAD mode runs the VAD
+itself). Without an installed detector it is skipped with one logged warning per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from oasr.errors import CheckpointError, MissingPluginError, PluginLoadError
+from oasr.features.whisper import N_SAMPLES, SAMPLE_RATE
+from oasr.types import DecodingOptions, Transcript
+from oasr.vad import SegmentationOptions, StreamingSegmenter, VoiceActivityDetector
+
+__all__ = ["empty_transcript", "gate_detector", "gate_enabled", "has_speech", "speech_gate"]
+
+log = logging.getLogger(__name__)
+_warned_no_detector = False
+
+
+def gate_enabled(options: DecodingOptions) -> bool:
+    """Whether ``options`` ask for the gate (see the module docstring)."""
+    return (
+        options.vad_gate
+        and options.no_speech_threshold is not None
+        and options.long_form == "sequential"
+    )
+
+
+def gate_detector(device: torch.device | str = "cpu") -> VoiceActivityDetector | None:
+    """The default detector on ``device``, or None (logged once per process) when none is
+    installed: no ``vad_detector`` plugin, a plugin that failed to load, or missing weights."""
+    global _warned_no_detector
+    from oasr_models_whisper.vad_longform import detector_for
+
+    try:
+        return detector_for(device)
+    except (MissingPluginError, PluginLoadError, CheckpointError) as exc:
+        if not _warned_no_detector:
+            _warned_no_detector = True
+            log.warning(
+                "vad_gate: no voice activity detector is available (%s); Whisper decodes every "
+                "input, so non-speech may produce invented text. Install oasr-vad-silero, or "
+                "pass vad_gate=False to silence this warning.",
+                exc,
+            )
+        return None
+
+
+def has_speech(
+    audio: np.ndarray | torch.Tensor,
+    detector: VoiceActivityDetector,
+    options: SegmentationOptions | None = None,
+    piece: int = N_SAMPLES,
+) -> bool:
+    """Whether ``detector`` finds a speech segment in a 16 kHz input.
+
+    The input is scored ``piece`` samples at a time through the detector's streaming state and
+    the scan stops at the first final segment, so speech is usually found in the first seconds
+    of a long recording; only inputs without speech are scanned to the end. The decision equals
+    ``bool(get_speech_segments(audio, 16000, detector, options))`` (streaming and offline
+    probabilities agree to float rounding)."""
+    from oasr.vad import get_speech_segments
+    from oasr_models_whisper.vad_longform import DEFAULT_SEGMENTATION
+
+    opts = options or DEFAULT_SEGMENTATION
+    x = np.asarray(audio, dtype=np.float32).reshape(-1)
+    if len(x) == 0:
+        return False
+    if SAMPLE_RATE not in tuple(detector.sample_rates):  # it needs resampling: offline path
+        return bool(get_speech_segments(x, SAMPLE_RATE, detector, opts))
+    state = detector.new_state(SAMPLE_RATE)
+    segmenter = StreamingSegmenter(SAMPLE_RATE, detector.window_size(SAMPLE_RATE), opts)
+    for start in range(0, len(x), piece):
+        last = start + piece >= len(x)
+        if segmenter.push(detector.step(state, x[start : start + piece], final=last)):
+            return True
+    return bool(segmenter.finish(len(x)))
+
+
+def speech_gate(
+    audios: Sequence[np.ndarray],
+    options: DecodingOptions,
+    device: torch.device | str = "cpu",
+    detector: VoiceActivityDetector | None = None,
+) -> list[bool]:
+    """Per input, whether to decode it: False only when the gate is on and the detector finds
+    no speech in it (give it :func:`empty_transcript`). All True when the gate is off or no
+    detector is available. ``detector`` defaults to the default detector on ``device``."""
+    if not gate_enabled(options) or not audios:
+        return [True] * len(audios)
+    det = detector if detector is not None else gate_detector(device)
+    if det is None:
+        return [True] * len(audios)
+    on_cpu = str(getattr(det, "device", "cpu")).startswith("cpu")
+    if len(audios) > 1 and hasattr(det, "speech_probs_batch") and not on_cpu:
+        # on an accelerator one batched scan of all inputs beats early exits one by one (the
+        # per-window LSTM steps are launch-bound; see docs/vad.md)
+        from oasr_models_whisper.vad_longform import speech_segments_batch
+
+        return [bool(s) for s in speech_segments_batch(list(audios), det)]
+    return [has_speech(a, det) for a in audios]
+
+
+def empty_transcript(n_samples: int, options: DecodingOptions, language: str | None) -> Transcript:
+    """The transcript of an input without speech: no text, no segments, its duration, and the
+    given language ("en" on English-only models; None when a multilingual model would have had
+    to detect it, as ``long_form="vad"`` does)."""
+    return Transcript(text="", language=language, duration=n_samples / SAMPLE_RATE, segments=[],
+                      task=options.task)  # fmt: skip

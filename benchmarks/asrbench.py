@@ -22,8 +22,9 @@ Backends:
   oasr_engine     OASR's in-process ASREngine (the same path `oasr transcribe` takes)
   faster_whisper  faster-whisper (CTranslate2) on the same CTranslate2 weights
 Each backend transcribes every clip from its file (decode + resample + recognise), greedy,
-temperature 0, no VAD, after one warm-up clip. Reported: wall seconds, RTFx (audio seconds per
-second), corpus WER (Whisper English normalisation) and each backend's time relative to OASR.
+temperature 0, no VAD (OASR: ``vad_gate=False``), after one warm-up clip. Reported: wall
+seconds, RTFx (audio seconds per second), corpus WER (Whisper English normalisation) and each
+backend's time relative to OASR.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def oasr_backend(ckpt: str, device: str, threads: int) -> Callable[[list[Path]],
     from oasr.types import DecodingOptions, EngineConfig
 
     engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads))
-    options = DecodingOptions(beam_size=1, temperature=0.0)
+    # faster-whisper runs without VAD (vad_filter=False): OASR's VAD gate is off too, so both
+    # sides run the same decoding (on these speech clips the gate would pass everything anyway)
+    options = DecodingOptions(beam_size=1, temperature=0.0, vad_gate=False)
 
     def run(paths: list[Path]) -> list[str]:
         return [t.text for t in engine.transcribe_offline(paths, options)]

@@ -53,6 +53,7 @@ def _run(
     server: str | None = None,
     api_key: str | None = None,
     long_form: str = "sequential",
+    vad_gate: bool = True,
 ) -> None:
     if server:
         _run_remote(files, task=task, server=server, api_key=api_key, language=language,
@@ -78,6 +79,7 @@ def _run(
             prompt=prompt,
             word_timestamps="word" in grains,
             long_form=long_form,  # type: ignore[arg-type]
+            vad_gate=vad_gate,
         )
         ckpt = ckpt_dir or str(default_checkpoint())
         with err_console.status(f"loading model from {ckpt}"):
@@ -207,6 +209,11 @@ LongFormOpt = Annotated[
     typer.Option("--long-form", help="Audio over 30 s: sequential (window by window, conditioned "
                  "on previous text) or vad (VAD speech chunks decoded as one batch)."),
 ]
+VadGateOpt = Annotated[
+    bool,
+    typer.Option("--vad-gate/--no-vad-gate", help="Sequential long-form: give an input in which "
+                 "the VAD finds no speech an empty transcript instead of decoding it."),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -227,6 +234,7 @@ def register(app: typer.Typer) -> None:
         server: ServerOpt = None,
         api_key: ApiKeyOpt = None,
         long_form: LongFormOpt = LongForm.sequential,
+        vad_gate: VadGateOpt = True,
     ) -> None:
         """Transcribe audio files (in-process, or on a server with --server)."""
         if task not in ("transcribe", "translate"):
@@ -235,7 +243,7 @@ def register(app: typer.Typer) -> None:
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
              device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value)
+             long_form=long_form.value, vad_gate=vad_gate)
 
     @app.command("translate")
     def translate(
@@ -253,13 +261,14 @@ def register(app: typer.Typer) -> None:
         server: ServerOpt = None,
         api_key: ApiKeyOpt = None,
         long_form: LongFormOpt = LongForm.sequential,
+        vad_gate: VadGateOpt = True,
     ) -> None:
         """Translate speech in audio files into English text."""
         _run(files, task="translate", ckpt_dir=ckpt_dir, language=language,
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
              device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value)
+             long_form=long_form.value, vad_gate=vad_gate)
 
     @app.command("convert")
     def convert(

@@ -210,8 +210,8 @@ def test_non_speech_gives_empty_transcripts(non_speech, mode, name):
 
 
 def test_vad_mode_drops_a_loud_tone(model):
-    """A loud tone (-6 dBFS peak): sequential tiny.en hallucinates a word on it, the VAD finds
-    no speech, so the VAD mode decodes nothing."""
+    """A loud tone (-6 dBFS peak): sequential tiny.en without the VAD gate writes a word on it;
+    the VAD finds no speech, so the VAD mode decodes nothing."""
     t = np.arange(10 * SR) / SR
     tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
     (vad,) = model.transcribe([tone], DecodingOptions(temperature=FALLBACK, long_form="vad"))
@@ -358,7 +358,7 @@ def test_engine_submit_honours_long_form(model):
 
     engine = ASREngine(EngineConfig(ckpt_dir=str(default_checkpoint())))
     t = np.arange(10 * SR) / SR
-    tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)  # sequential writes "A"
+    tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)  # ungated sequential writes "A"
     opts = DecodingOptions(temperature=FALLBACK, long_form="vad")
     try:
         assert engine.transcribe_arrays([tone], opts)[0].text == ""

@@ -55,9 +55,9 @@ def gate_detector(device: torch.device | str = "cpu") -> VoiceActivityDetector |
         if not _warned_no_detector:
             _warned_no_detector = True
             log.warning(
-                "vad_gate: no voice activity detector is available (%s); Whisper decodes every "
-                "input, so non-speech may produce invented text. Install oasr-vad-silero, or "
-                "pass vad_gate=False to silence this warning.",
+                "vad_gate: no voice activity detector is available (%s); every input is "
+                "decoded without the gate, so non-speech may get invented text. "
+                "Pass vad_gate=False to skip the gate.",
                 exc,
             )
         return None

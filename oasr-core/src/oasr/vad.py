@@ -484,6 +484,17 @@ class Endpointer:
     def in_speech(self) -> bool:
         return self._turn.active
 
+    @property
+    def earliest_end(self) -> int:
+        """The earliest sample a later ``speech_end`` of the current turn can report: the start
+        of the silence now running, else the first sample not scored yet. Audio before it
+        belongs to the current turn whatever the detector says next (a live recogniser may be
+        fed up to here without overshooting the turn)."""
+        turn = self._turn
+        if turn.active and turn.silence_since is not None:
+            return turn.silence_since
+        return self.window * self._windows
+
     def _window(self, p: float, decided_at: int, events: list[VADEvent]) -> None:
         cur = self.window * self._windows
         self._windows += 1

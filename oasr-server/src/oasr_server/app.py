@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from oasr.engine import ASREngine
     from oasr.types import DecodingOptions, EngineConfig
+    from oasr_server.stream_worker import StreamingEngineLoop
 
 log = logging.getLogger("oasr_server")
 
@@ -75,6 +76,8 @@ class ServerState:
         self.engine_factory = engine_factory
         self.on_load_failure = on_load_failure
         self.worker: EngineWorker | None = None
+        #: streaming service mode: the thread that feeds stream turns to the engine
+        self.stream_engine: StreamingEngineLoop | None = None
         self.metrics = ServerMetrics()
         self.ready = False
         self.load_error: str | None = None
@@ -184,14 +187,25 @@ class ServerState:
                 worker.mode,
                 worker.max_concurrency,
             )
+            stream_engine = None
+            if getattr(getattr(engine, "config", None), "service_mode", "offline") == "streaming":
+                from oasr_server.stream_worker import StreamingEngineLoop
+
+                stream_engine = StreamingEngineLoop(engine, on_batch=self.metrics.on_batch)
+                log.info("streams: turns are fed to the engine as audio arrives (feed_chunk/step)")
             with self._ready_lock:
                 if self._closed:  # the app shut down while the model was loading
                     return
                 worker.start()
                 self.worker = worker
+                if stream_engine is not None:
+                    stream_engine.start()
+                    self.stream_engine = stream_engine
                 self.ready = True
                 listeners = list(self._ready_listeners)
             self.metrics.bind_worker(lambda: worker.depth, lambda: worker.in_flight)
+            if stream_engine is not None:
+                self.metrics.bind_engine_streams(lambda: stream_engine.open_streams)
             self.metrics.ready.set(1)
             for listener in listeners:
                 listener()
@@ -223,8 +237,11 @@ class ServerState:
         with self._ready_lock:
             self._closed = True
             worker, self.worker = self.worker, None
+            stream_engine, self.stream_engine = self.stream_engine, None
             self.ready = False
         self.metrics.ready.set(0)
+        if stream_engine is not None:
+            stream_engine.stop()
         if worker is not None:
             worker.stop()
         engine = self.engine

@@ -99,6 +99,12 @@ class ServerMetrics:
             ["api", "outcome"],
             registry=r,
         )
+        self.engine_streams = Gauge(
+            "oasr_engine_streams",
+            "Streaming requests the engine holds (--service-mode streaming: one per turn being "
+            "recognised).",
+            registry=r,
+        )
         self.stream_turns = Counter(
             "oasr_stream_turns",
             "Turns (utterances) committed on streams, by API.",
@@ -112,6 +118,9 @@ class ServerMetrics:
     def bind_worker(self, depth: Callable[[], float], in_flight: Callable[[], float]) -> None:
         self.queue_depth.set_function(depth)
         self.in_flight.set_function(in_flight)
+
+    def bind_engine_streams(self, count: Callable[[], float]) -> None:
+        self.engine_streams.set_function(count)
 
     def on_batch(self, size: int, seconds: float) -> None:
         self.batch_size.observe(size)

@@ -10,22 +10,31 @@ model's rate, keeps the *input buffer*, optionally runs server VAD (an
   silence kept;
 * without VAD, the caller commits (``commit()``); the whole buffer is the turn.
 
-Every transcription goes through the server's :class:`~oasr_server.worker.EngineWorker` queue,
-so streams share the engine (and its batches) with HTTP requests.
+How a turn becomes text is the stream's *turn recogniser*, chosen by the engine's service mode:
 
-**Interim results.** While a turn grows, it is re-transcribed after every
-``partial_interval_ms`` of new audio (one interim job per stream at a time; greedy decoding
-without temperature fallback; best effort: a full queue or a failure just skips it). Each
-hypothesis is compared with the previous one and the words both agree on (a common word prefix:
-"local agreement") are the *stable* text; the part of it not sent before is the *delta*. Deltas
-therefore only ever append. When the turn's final transcript arrives and starts with the text
-already sent, the rest is sent as a last delta, so the deltas of a turn concatenate to its final
-transcript; when the final transcript revised the stable words (rare), no last delta is sent and
-the final transcript is what counts.
+* :class:`Retranscribe` (offline engines, e.g. Whisper): every transcription goes through the
+  server's :class:`~oasr_server.worker.EngineWorker` queue, so streams share the engine (and its
+  batches) with HTTP requests. While a turn grows, it is re-transcribed after every
+  ``partial_interval_ms`` of new audio (one interim job per stream at a time; greedy decoding
+  without temperature fallback; best effort: a full queue or a failure just skips it). Each
+  hypothesis is compared with the previous one and the words both agree on (a common word
+  prefix: "local agreement") are the *stable* text.
+* :class:`EngineStreaming` (streaming engines, e.g. WeNet): each turn is one engine streaming
+  request (:class:`~oasr_server.stream_worker.StreamingEngineLoop`), fed as the audio arrives;
+  the model's partial hypothesis after each of its chunks is the stable text, its final result
+  the transcript. With server VAD, audio is fed only up to where the turn can still end
+  (``Endpointer.earliest_end`` plus ``END_PAD_MS``), so the engine gets exactly the turn's audio.
+
+Either way the part of the stable text not sent before is the *delta*, and only a stable text
+that extends what was sent yields one: deltas only ever append. When the turn's final transcript
+arrives and starts with the text already sent, the rest is sent as a last delta, so the deltas
+of a turn concatenate to its final transcript; when the final transcript revised the sent text
+(rare: Whisper re-decoding, WeNet attention rescoring or a beam search changing its mind), no
+last delta is sent and the final transcript is what counts.
 
 Heavy work never runs on the event loop: decoding, resampling and VAD run in a thread
-(``state.run_vad``), the model in the engine worker. Calls into one ``TurnStream`` must be
-sequential (each transport drives it from one task).
+(``state.run_vad``), the model in the engine worker or the streaming engine loop. Calls into one
+``TurnStream`` must be sequential (each transport drives it from one task).
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -46,6 +56,7 @@ from oasr.errors import InvalidRequestError, OASRError
 if TYPE_CHECKING:
     from oasr.types import DecodingOptions, Transcript
     from oasr_server.app import ServerState
+    from oasr_server.stream_worker import EngineStream, StreamingEngineLoop
 
 log = logging.getLogger("oasr_server.streaming")
 
@@ -105,10 +116,20 @@ class _Item:
     id: str
     start: int  # absolute sample (model rate) where the turn's audio starts
     committed: bool = False
+    answered: bool = False  # completed or failed was emitted
     emitted: str = ""  # stable text sent as deltas
+    hypothesis: str = ""  # the last interim hypothesis
+    # Retranscribe
     prev_tokens: list[str] = field(default_factory=list)
     partial_len: int = 0  # turn length (samples) at the last interim job
     partial_task: asyncio.Task[None] | None = None
+    # EngineStreaming
+    engine: EngineStream | None = None
+    fed: int = -1  # absolute sample up to which the turn's audio went to the engine
+
+    def __post_init__(self) -> None:
+        if self.fed < 0:
+            self.fed = self.start
 
 
 def _tokens(text: str) -> list[str]:
@@ -164,6 +185,11 @@ class TurnStream:
         self._current: asyncio.Task[Any] | None = None
         self._finalizer = asyncio.get_running_loop().create_task(self._finalize())
         self._closed = False
+        self.recognizer: TurnRecognizer = (
+            EngineStreaming(self, state.stream_engine)
+            if state.stream_engine is not None
+            else Retranscribe(self)
+        )
 
     # -- configuration -----------------------------------------------------------------------
     def _set_format(self, fmt: InputFormat) -> None:
@@ -218,15 +244,29 @@ class TurnStream:
         self.vad = vad
         if self.item is not None and not self.item.committed:
             # a manual-mode buffer becomes the prefix of whatever the VAD finds
+            self.recognizer.discard(self.item)
             self.item = None
 
     # -- buffer ------------------------------------------------------------------------------
     def _slice(self, start: int, end: int) -> np.ndarray:
-        audio = np.concatenate(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
-        self._chunks = [audio] if len(audio) else []
-        a = max(0, start - self.buf_start)
-        b = max(a, end - self.buf_start)
-        return audio[a:b].copy()
+        """A copy of the buffered audio ``[start, end)`` (absolute samples, clipped to the
+        buffer). Walks back from the newest chunk, so recent audio is cheap however long the
+        buffer is (a streaming recogniser takes every new chunk of a long turn)."""
+        start = max(start, self.buf_start)
+        end = min(end, self.received)
+        parts: list[np.ndarray] = []
+        chunk_end = self.received
+        for chunk in reversed(self._chunks):
+            if chunk_end <= start:
+                break
+            chunk_start = chunk_end - len(chunk)
+            if chunk_start < end:
+                parts.append(chunk[max(0, start - chunk_start) : end - chunk_start])
+            chunk_end = chunk_start
+        if not parts:
+            return np.zeros(0, np.float32)
+        parts.reverse()
+        return np.concatenate(parts)
 
     def _drop_before(self, pos: int) -> None:
         if pos <= self.buf_start:
@@ -279,17 +319,21 @@ class TurnStream:
         for ev in events:
             self._on_vad(ev)
         max_len = int(self.state.config.max_audio_seconds * self.rate)
-        if self.vad is not None:
-            item = self.item
-            if item is None:
-                # keep what a turn starting in the next chunk may need as prefix padding
-                keep = int(self.rate * (self.vad.prefix_padding_ms + 2 * 32 + 100) / 1000)
-                self._drop_before(self.received - keep)
-            elif self.received - item.start >= max_len:
-                # a turn may not outgrow --max-audio-seconds: commit, keep listening
-                self._commit(item, item.start, self.received)
-                self.item = _Item(new_id("item"), self.received)
-        elif self.received - self.buf_start > max_len:
+        item = self.item
+        if self.vad is not None and item is None:
+            # keep what a turn starting in the next chunk may need as prefix padding
+            keep = int(self.rate * (self.vad.prefix_padding_ms + 2 * 32 + 100) / 1000)
+            self._drop_before(self.received - keep)
+        elif (
+            item is not None
+            and (self.vad is not None or self.recognizer.incremental)
+            and self.received - item.start >= max_len
+        ):
+            # a turn may not outgrow --max-audio-seconds: commit, keep listening (a streaming
+            # recogniser has the audio already: a manual-mode turn cannot drop its head)
+            self._commit(item, item.start, self.received)
+            self.item = _Item(new_id("item"), self.received) if self.vad is not None else None
+        elif self.vad is None and self.received - self.buf_start > max_len:
             from oasr.errors import AudioTooLongError
 
             self._drop_before(self.received - max_len)
@@ -299,7 +343,22 @@ class TurnStream:
             )
         if self.vad is None and self.item is None and self.received > self.buf_start:
             self.item = _Item(new_id("item"), self.buf_start)
-        self._maybe_partial()
+        self._advance()
+
+    def _advance(self) -> None:
+        item = self.item
+        if item is not None and not item.committed:
+            self.recognizer.advance(item)
+
+    def turn_safe_end(self) -> int:
+        """Audio of the open turn before this sample is the turn's whatever comes next: all
+        that arrived without VAD; with VAD, up to ``END_PAD_MS`` after the earliest sample the
+        turn can still end at."""
+        ep = self._endpointer
+        if self.vad is None or ep is None:
+            return self.received
+        pad = int(self.rate * END_PAD_MS / 1000)
+        return min(self.received, self._abs(ep.earliest_end) + pad)
 
     def _on_vad(self, ev: Any) -> None:
         if ev.kind == "speech_start":
@@ -341,8 +400,8 @@ class TurnStream:
     def clear(self) -> None:
         """Drop the buffered audio (and the open turn's interim state)."""
         item = self.item
-        if item is not None and item.partial_task is not None:
-            item.partial_task.cancel()
+        if item is not None:
+            self.recognizer.discard(item)
         self._drop_before(self.received)
         in_turn = (
             self.vad is not None and self._endpointer is not None and self._endpointer.in_speech
@@ -350,10 +409,8 @@ class TurnStream:
         self.item = _Item(item.id, self.received) if (in_turn and item is not None) else None
 
     def _commit(self, item: _Item, start: int, end: int) -> None:
-        audio = self._slice(start, end)
         item.committed = True
-        if item.partial_task is not None:
-            item.partial_task.cancel()
+        final = self.recognizer.final(item, start, end)  # takes the audio before it is dropped
         self.emit(
             StreamEvent(
                 "committed",
@@ -366,59 +423,20 @@ class TurnStream:
         self.last_item_id = item.id
         self._drop_before(end)
         self.state.metrics.stream_turns.labels(self.api).inc()
-        task = asyncio.get_running_loop().create_task(self._run(audio, self.options))
+        task = asyncio.get_running_loop().create_task(final)
         self._finals.put_nowait((item, task))
 
-    async def _run(self, audio: np.ndarray, options: DecodingOptions) -> Transcript:
-        _, worker = self.state.require_ready()
-        deadline = time.monotonic() + self.state.config.request_timeout
-        return await self.state.transcribe(worker, audio, options, deadline)
-
-    def _maybe_partial(self) -> None:
-        item = self.item
-        if item is None or item.committed or self.partial_interval <= 0:
+    def _interim(self, item: _Item, text: str, stable: str) -> None:
+        """A new interim hypothesis ``text`` of a turn, of which ``stable`` will not change:
+        the part of ``stable`` that extends what was sent goes out as the delta."""
+        if self._closed or item.answered or self.partial_interval <= 0:
             return
-        if item.partial_task is not None:
-            return
-        length = self.received - max(item.start, self.buf_start)
-        if length < self.rate * MIN_PARTIAL_MS / 1000:
-            return
-        if length - item.partial_len < self.partial_interval:
-            return
-        item.partial_len = length
-        audio = self._slice(item.start, self.received)
-        options = replace(self.options, temperature=0.0, word_timestamps=False)
-        item.partial_task = asyncio.get_running_loop().create_task(
-            self._partial(item, audio, options)
-        )
-
-    async def _partial(self, item: _Item, audio: np.ndarray, options: DecodingOptions) -> None:
-        try:
-            t = await self._run(audio, options)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - interim results are best effort
-            item.partial_task = None
-            log.debug("interim transcription skipped: %s", exc)
-            return
-        item.partial_task = None
-        if item.committed or self._closed:
-            return
-        tokens = _tokens(t.text)
-        stable: list[str] = []
-        for a, b in zip(item.prev_tokens, tokens, strict=False):
-            if a != b:
-                break
-            stable.append(a)
-        item.prev_tokens = tokens
-        stable_text = "".join(stable)
+        item.hypothesis = text
         delta = ""
-        if len(stable_text) > len(item.emitted) and stable_text.startswith(item.emitted):
-            delta = stable_text[len(item.emitted) :]
-            item.emitted = stable_text
-        self.emit(StreamEvent("partial", item.id, text=t.text, stable=item.emitted, delta=delta))
-        if item is self.item:
-            self._maybe_partial()  # audio that arrived meanwhile may make the next one due
+        if len(stable) > len(item.emitted) and stable.startswith(item.emitted):
+            delta = stable[len(item.emitted) :]
+            item.emitted = stable
+        self.emit(StreamEvent("partial", item.id, text=text, stable=item.emitted, delta=delta))
 
     async def _finalize(self) -> None:
         """Answer committed turns in commit order."""
@@ -441,9 +459,11 @@ class TurnStream:
 
                     exc = EngineFailureError("internal error; the details are in the server log")
                 self.state.metrics_error(exc)
+                item.answered = True
                 self.emit(StreamEvent("failed", item.id, error=exc))
                 continue
             rest = t.text[len(item.emitted) :] if t.text.startswith(item.emitted) else ""
+            item.answered = True
             self.emit(StreamEvent("completed", item.id, transcript=t, text=t.text, delta=rest))
 
     # -- end ---------------------------------------------------------------------------------
@@ -462,8 +482,8 @@ class TurnStream:
             start = max(item.start, self.buf_start)
             if (self.received - start) / self.rate * 1000 >= MIN_COMMIT_MS:
                 self._commit(item, start, self.received)
-            elif item.partial_task is not None:
-                item.partial_task.cancel()
+            else:
+                self.recognizer.discard(item)
             self.item = None
         self._finals.put_nowait(None)
         await self._finalizer
@@ -473,8 +493,7 @@ class TurnStream:
         jobs are skipped). Returns the cancelled tasks (await them to be sure they ended)."""
         self._closed = True
         tasks: list[asyncio.Task[Any]] = [self._finalizer]
-        if self.item is not None and self.item.partial_task is not None:
-            tasks.append(self.item.partial_task)
+        tasks.extend(self.recognizer.close())
         if self._current is not None:
             tasks.append(self._current)
         while not self._finals.empty():
@@ -487,3 +506,162 @@ class TurnStream:
 
     async def aclose(self) -> None:
         await asyncio.gather(*self.abort(), return_exceptions=True)
+
+
+# -- turn recognisers ------------------------------------------------------------------------------
+
+
+class TurnRecognizer(Protocol):
+    """How a :class:`TurnStream` turns a turn's audio into interim and final transcripts."""
+
+    #: True when the turn's audio is consumed as it arrives (it cannot be dropped later)
+    incremental: bool
+
+    def advance(self, item: _Item) -> None:
+        """The open turn ``item`` grew (event loop; must not block)."""
+
+    def final(self, item: _Item, start: int, end: int) -> Awaitable[Transcript]:
+        """``item`` was committed as the audio ``[start, end)`` (still buffered during this
+        call): start its final transcription."""
+        ...
+
+    def discard(self, item: _Item) -> None:
+        """Drop the interim work of a turn that will not be committed (clear, VAD switched)."""
+
+    def close(self) -> list[asyncio.Task[Any]]:
+        """The stream ends now: stop all work; returns the cancelled tasks."""
+        ...
+
+
+class Retranscribe:
+    """Offline engines: interim results re-transcribe the growing turn through the engine
+    worker queue (local agreement), the final transcribes the committed turn once."""
+
+    incremental = False
+
+    def __init__(self, stream: TurnStream) -> None:
+        self.stream = stream
+
+    async def _transcribe(self, audio: np.ndarray, options: DecodingOptions) -> Transcript:
+        state = self.stream.state
+        _, worker = state.require_ready()
+        deadline = time.monotonic() + state.config.request_timeout
+        return await state.transcribe(worker, audio, options, deadline)
+
+    def advance(self, item: _Item) -> None:
+        st = self.stream
+        if st.partial_interval <= 0 or item.partial_task is not None:
+            return
+        length = st.received - max(item.start, st.buf_start)
+        if length < st.rate * MIN_PARTIAL_MS / 1000:
+            return
+        if length - item.partial_len < st.partial_interval:
+            return
+        item.partial_len = length
+        audio = st._slice(item.start, st.received)
+        options = replace(st.options, temperature=0.0, word_timestamps=False)
+        item.partial_task = asyncio.get_running_loop().create_task(
+            self._partial(item, audio, options)
+        )
+
+    async def _partial(self, item: _Item, audio: np.ndarray, options: DecodingOptions) -> None:
+        try:
+            t = await self._transcribe(audio, options)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - interim results are best effort
+            item.partial_task = None
+            log.debug("interim transcription skipped: %s", exc)
+            return
+        item.partial_task = None
+        if item.committed:
+            return
+        tokens = _tokens(t.text)
+        stable: list[str] = []
+        for a, b in zip(item.prev_tokens, tokens, strict=False):
+            if a != b:
+                break
+            stable.append(a)
+        item.prev_tokens = tokens
+        self.stream._interim(item, t.text, "".join(stable))
+        if item is self.stream.item and not self.stream._closed:
+            self.advance(item)  # audio that arrived meanwhile may make the next one due
+
+    def final(self, item: _Item, start: int, end: int) -> Awaitable[Transcript]:
+        self.discard(item)
+        return self._transcribe(self.stream._slice(start, end), self.stream.options)
+
+    def discard(self, item: _Item) -> None:
+        if item.partial_task is not None:
+            item.partial_task.cancel()
+
+    def close(self) -> list[asyncio.Task[Any]]:
+        item = self.stream.item
+        if item is None or item.partial_task is None:
+            return []
+        item.partial_task.cancel()
+        return [item.partial_task]
+
+
+class EngineStreaming:
+    """Streaming engines: each turn is one engine streaming request, fed as its audio arrives;
+    the model's partial hypotheses are the interim results (each one is stable: it is the
+    model's own incremental output), its final result is the transcript."""
+
+    incremental = True
+
+    def __init__(self, stream: TurnStream, engines: StreamingEngineLoop) -> None:
+        self.stream = stream
+        self.engines = engines
+        #: engine streams of this TurnStream not answered yet
+        self._open: set[EngineStream] = set()
+
+    def _feed(self, item: _Item, upto: int, is_last: bool) -> None:
+        st = self.stream
+        if item.engine is None:
+            item.engine = self.engines.open(st.options, partial(self._on_partial, item))
+            self._open.add(item.engine)
+            item.engine.final.add_done_callback(lambda _f, e=item.engine: self._open.discard(e))
+        if upto > item.fed:
+            self.engines.feed(item.engine, st._slice(item.fed, upto), is_last)
+            item.fed = upto
+        elif is_last:
+            self.engines.feed(item.engine, None, True)
+
+    def _on_partial(self, item: _Item, text: str) -> None:
+        if text != item.hypothesis:
+            self.stream._interim(item, text, text)
+
+    def advance(self, item: _Item) -> None:
+        self._feed(item, self.stream.turn_safe_end(), False)
+
+    def final(self, item: _Item, start: int, end: int) -> Awaitable[Transcript]:
+        self._feed(item, end, True)
+        assert item.engine is not None
+        return self._await_final(item.engine)
+
+    async def _await_final(self, engine_stream: EngineStream) -> Transcript:
+        timeout = self.stream.state.config.request_timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(engine_stream.final), timeout)
+        except asyncio.TimeoutError:
+            from oasr_server.errors import RequestTimeoutError
+
+            raise RequestTimeoutError(
+                f"the turn's final result did not come within {timeout:g} s "
+                "(--request-timeout); the server is overloaded"
+            ) from None
+        finally:
+            if not engine_stream.final.done():  # cancelled or timed out
+                self.engines.abort(engine_stream)
+
+    def discard(self, item: _Item) -> None:
+        if item.engine is not None:
+            self._open.discard(item.engine)
+            self.engines.abort(item.engine)
+
+    def close(self) -> list[asyncio.Task[Any]]:
+        for engine_stream in list(self._open):
+            self.engines.abort(engine_stream)
+        self._open.clear()
+        return []

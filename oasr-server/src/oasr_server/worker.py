@@ -247,7 +247,7 @@ class EngineWorker:
         def finish() -> None:
             self._release(n)
             if errors:
-                _deliver(job, error=_as_oasr_error(errors[0]))
+                _deliver(job, error=as_oasr_error(errors[0]))
             else:
                 _deliver(job, result=results if job.multi else results[0])
 
@@ -291,14 +291,7 @@ class EngineWorker:
 
     # -- worker thread: batch mode -----------------------------------------------------------
     def _run(self) -> None:
-        torch = sys.modules.get("torch")
-        if torch is not None and hasattr(torch, "get_num_threads"):
-            # fix this thread's intra-op thread count now, from the process setting (threads
-            # started later, e.g. the VAD threads, may run with another count)
-            try:
-                torch.get_num_threads()
-            except Exception:  # noqa: BLE001 - only an optimisation
-                pass
+        fix_torch_threads()
         stopping = False
         while not stopping:
             item = self._queue.get()
@@ -390,7 +383,18 @@ def scheduler_available(engine: Any) -> bool:
     return not isinstance(sched.executor, BatchExecutor)
 
 
-def _as_oasr_error(exc: BaseException) -> BaseException:
+def fix_torch_threads() -> None:
+    """Fix the calling (model) thread's torch intra-op thread count now, from the process
+    setting: threads started later (the VAD threads) may change the default they pick up."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        try:
+            torch.get_num_threads()
+        except Exception:  # noqa: BLE001 - only an optimisation
+            pass
+
+
+def as_oasr_error(exc: BaseException) -> BaseException:
     if isinstance(exc, OASRError):
         return exc
     log.error("engine failed on a request: %s: %s", type(exc).__name__, exc)

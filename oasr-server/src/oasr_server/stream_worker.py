@@ -1,0 +1,259 @@
+"""The streaming engine loop: in ``--service-mode streaming`` one thread drives the engine's
+streaming API for every live stream of the server.
+
+Each turn of a realtime WebSocket or gRPC ``StreamingRecognize`` call is one engine streaming
+request (:meth:`StreamingEngineLoop.open`). The event loop only posts commands (open, feed,
+abort) and never waits; the loop thread applies them in order, then calls ``engine.step()``
+while any stream has work. One step advances the ready chunks of all streams in one batched
+model call, so concurrent streams share the model's batch. Every ``StreamOutput`` goes back to
+its stream's event loop with ``loop.call_soon_threadsafe``: partial hypotheses to the stream's
+``on_partial`` callback, the final transcript (or an error) to its ``final`` future.
+
+All streaming engine calls (``add_streaming_request``, ``feed_chunk``, ``step``, ``abort``) are
+made from this one thread: whatever the engine promises about threads, nothing here needs it.
+A stream leaves the engine when its final result arrives, when it is aborted (the client
+cleared the turn, went away, was cancelled) and when the loop stops; ``open_streams`` counts
+the streams the engine holds (``oasr_engine_streams`` in ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from oasr_server.worker import BatchCallback, as_oasr_error, fix_torch_threads
+
+if TYPE_CHECKING:
+    from oasr.engine import ASREngine, StreamOutput
+    from oasr.types import DecodingOptions, Transcript
+
+log = logging.getLogger("oasr_server.streams")
+
+
+@dataclass(eq=False)
+class EngineStream:
+    """One engine streaming request as its event loop sees it. ``final`` resolves to the
+    final :class:`~oasr.types.Transcript` (or the stream's error); ``on_partial(text)`` gets
+    every partial hypothesis before that, on the event loop."""
+
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    on_partial: Callable[[str], None]
+    final: asyncio.Future[Transcript] = field(repr=False)
+    #: event-loop side: aborted or answered; outputs still in flight are dropped
+    closed: bool = False
+
+    def _deliver(self, out: StreamOutput) -> None:
+        if self.closed:
+            return
+        if not out.is_final:
+            self.on_partial(out.text)
+            return
+        self.closed = True
+        if not self.final.done():
+            from oasr.types import Transcript
+
+            transcript = out.transcript or Transcript(text=out.text, language=None, duration=0.0)
+            self.final.set_result(transcript)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.final.done():
+            self.final.set_exception(error)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # a stream dropped before its turn was committed never awaits its final: mark the error seen
+    if not future.cancelled():
+        future.exception()
+
+
+class StreamingEngineLoop:
+    def __init__(self, engine: ASREngine, *, on_batch: BatchCallback | None = None) -> None:
+        self.engine = engine
+        self._on_batch = on_batch
+        self._cond = threading.Condition()
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        #: loop thread only: the streams the engine holds, by request id
+        self._live: dict[str, EngineStream] = {}
+        self._ids = itertools.count(1)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="oasr-stream-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort every stream (their finals fail with ``model_not_ready``) and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def open_streams(self) -> int:
+        """Streaming requests the engine holds now."""
+        return len(self._live)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- event-loop side (never blocks) ------------------------------------------------------
+    def open(self, options: DecodingOptions, on_partial: Callable[[str], None]) -> EngineStream:
+        loop = asyncio.get_running_loop()
+        final: asyncio.Future[Transcript] = loop.create_future()
+        final.add_done_callback(_retrieve)
+        stream = EngineStream(f"rt{next(self._ids)}", loop, on_partial, final)
+        self._post(stream, ("open", stream, options))
+        return stream
+
+    def feed(self, stream: EngineStream, audio: Any, is_last: bool = False) -> None:
+        """Append model-rate float32 samples (``audio`` may be None with ``is_last``)."""
+        self._post(stream, ("feed", stream, audio, is_last))
+
+    def abort(self, stream: EngineStream) -> None:
+        """Drop the stream (idempotent); its final is never delivered."""
+        if stream.closed and stream.final.done():
+            return  # answered: the loop already released it
+        stream.closed = True
+        self._post(stream, ("abort", stream))
+
+    def _post(self, stream: EngineStream, command: tuple[Any, ...]) -> None:
+        with self._cond:
+            if not self._stopping:
+                self._commands.append(command)
+                self._cond.notify()
+                return
+        from oasr_server.errors import NotReadyError
+
+        stream._fail(NotReadyError("the server is shutting down; retry on another instance"))
+
+    # -- loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        fix_torch_threads()
+        busy = False
+        while True:
+            with self._cond:
+                while not self._commands and not busy and not self._stopping:
+                    self._cond.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            for command in commands:
+                try:
+                    self._apply(*command)
+                except BaseException:  # noqa: BLE001 - never let the loop die
+                    log.exception("streaming engine loop: command %s failed", command[0])
+            if stopping:
+                break
+            try:
+                busy = self._step()
+            except BaseException:  # noqa: BLE001
+                log.exception("streaming engine loop: unexpected failure")
+                busy = False
+        from oasr_server.errors import NotReadyError
+
+        for stream in list(self._live.values()):
+            self._release(stream)
+            self._send(stream, error=NotReadyError("the server is shutting down"))
+
+    def _apply(self, kind: str, stream: EngineStream, *args: Any) -> None:
+        if kind == "open":
+            (options,) = args
+            try:
+                self.engine.add_streaming_request(options, request_id=stream.rid)
+            except BaseException as exc:  # noqa: BLE001 - this stream fails alone
+                self._send(stream, error=exc)
+                return
+            self._live[stream.rid] = stream
+        elif kind == "feed":
+            audio, is_last = args
+            if stream.rid not in self._live:  # aborted, or its open failed
+                return
+            try:
+                self.engine.feed_chunk(stream.rid, audio, is_last)
+            except BaseException as exc:  # noqa: BLE001
+                self._release(stream)
+                self._send(stream, error=exc)
+        elif kind == "abort":
+            if stream.rid in self._live:
+                self._release(stream)
+
+    def _release(self, stream: EngineStream) -> None:
+        self._live.pop(stream.rid, None)
+        try:
+            self.engine.abort(stream.rid)  # also forgets a finished stream's transcript
+        except Exception:  # noqa: BLE001 - best effort
+            log.debug("abort of %s failed", stream.rid, exc_info=True)
+
+    def _step(self) -> bool:
+        """One engine step; True when it advanced any stream (step again at once)."""
+        if not self._live:
+            return False
+        started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except BaseException as exc:  # noqa: BLE001 - fail the streams of that batch
+            self._step_failed(exc)
+            return bool(self._live)
+        if outputs and self._on_batch is not None:
+            try:
+                self._on_batch(len(outputs), time.monotonic() - started)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                log.exception("batch metrics callback failed")
+        for out in outputs:
+            stream = self._live.get(out.request_id)
+            if stream is None:
+                continue
+            if out.is_final:
+                self._release(stream)
+            self._send(stream, output=out)
+        return bool(outputs)
+
+    def _step_failed(self, exc: BaseException) -> None:
+        # the engine ends the streams whose chunk was in the failed call; the others go on (if it
+        # ended none, end them all rather than fail the same step forever)
+        error = as_oasr_error(exc)
+        scheduler = getattr(self.engine, "streaming", None)
+        dropped = []
+        for stream in self._live.values():
+            try:
+                scheduler.info(stream.rid)  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - unknown to the engine now
+                dropped.append(stream)
+        for stream in dropped or list(self._live.values()):
+            self._release(stream)
+            self._send(stream, error=error)
+
+    def _send(
+        self,
+        stream: EngineStream,
+        *,
+        output: StreamOutput | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        if error is not None:
+            callback, arg = stream._fail, as_oasr_error(error)
+        else:
+            callback, arg = stream._deliver, output
+        try:
+            stream.loop.call_soon_threadsafe(callback, arg)
+        except RuntimeError:  # its event loop is closed: nobody is listening
+            if stream.rid in self._live:
+                self._release(stream)

@@ -38,7 +38,7 @@ import torch
 from oasr.errors import BadAudioError, InvalidRequestError
 from oasr.features.whisper import HOP_LENGTH, N_FRAMES, SAMPLE_RATE
 from oasr.kv_cache import PagedKVCache, blocks_for
-from oasr.layers.attention import attention
+from oasr.layers.attention import attention, fixed_shape_attention
 from oasr.types import DecodingOptions, Transcript
 from oasr_models_whisper.decoding import (
     CHUNK_SECONDS,
@@ -174,10 +174,15 @@ class WhisperExecutor:
         self._group_open = False
         self.cache = PagedKVCache(self.n_layer, int(num_blocks), self.block_size, self.n_head,
                                   self.head_dim, device=self.device, dtype=self.dtype)  # fmt: skip
-        shape = (self.max_rows, self.n_head, dims.n_audio_ctx, self.head_dim)
+        # (rows, frames, d): the projection's own layout, so a window's K/V lands with one
+        # contiguous copy; attention reads it as a (rows, heads, frames, head_dim) view
+        shape = (self.max_rows, dims.n_audio_ctx, dims.n_text_state)
         self.cross_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layer)]
         self.cross_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layer)]
         self.memory_bytes = self.cache.nbytes + 2 * sum(t.numel() * esize for t in self.cross_k)
+        self._fused_qkv = self._fuse_self_qkv() if self.device.type == "cuda" else None
+        if self._fused_qkv is not None:
+            self.memory_bytes += sum(w.numel() * esize for w, _ in self._fused_qkv)
         self.rows: list[_Seq] = []  # decoding, dense: row i uses cross slot i
         self.states: dict[str, _ReqState] = {}  # admitted requests
         self.to_encode: list[_ReqState] = []
@@ -197,6 +202,23 @@ class WhisperExecutor:
                                          if b < self.max_rows} | {self.max_rows})  # fmt: skip
         self.stats = {"steps": 0, "graph_replays": 0, "eager_steps": 0, "max_rows": 0,
                       "tokens": 0}
+
+    def _fuse_self_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """One (3d, d) weight per decoder layer for the self-attention q/k/v projections: one
+        GEMM instead of three per layer and step (at batch 1 each costs a kernel's latency, not
+        its bytes). Only for plain :class:`Linear` layers; a quantized or replaced projection
+        keeps the three calls."""
+        from oasr.layers.basic import Linear
+
+        fused = []
+        for block in self.net.decoder.layers:
+            att = block.self_attn
+            projs = (att.q_proj, att.k_proj, att.v_proj)
+            if any(type(p) is not Linear or p.weight.dtype != self.dtype for p in projs):
+                return None
+            bias = [p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0]) for p in projs]
+            fused.append((torch.cat([p.weight for p in projs]).contiguous(), torch.cat(bias).contiguous()))
+        return fused
 
     # ------------------------------------------------------------------ Executor protocol
     @property
@@ -416,9 +438,9 @@ class WhisperExecutor:
         base = len(self.rows)
         feats = torch.cat([s.st.feats for s in starting]).to(self.device, self.dtype)
         for li, block in enumerate(self.net.decoder.layers):
-            k, v = block.cross_attn.project_kv(feats)
-            self.cross_k[li][base : base + len(starting)] = k
-            self.cross_v[li][base : base + len(starting)] = v
+            att = block.cross_attn
+            self.cross_k[li][base : base + len(starting)].copy_(att.k_proj(feats))
+            self.cross_v[li][base : base + len(starting)].copy_(att.v_proj(feats))
         self.rows.extend(starting)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(self.rows))
         # prefill, grouped by initial length
@@ -491,9 +513,15 @@ class WhisperExecutor:
         for li, block in enumerate(dec.layers):
             att = block.self_attn
             h = block.self_attn_norm(x)
-            q = att._split(att.q_proj(h))
-            k = att.k_proj(h).reshape(b * t, self.n_head, self.head_dim)
-            v = att.v_proj(h).reshape(b * t, self.n_head, self.head_dim)
+            if self._fused_qkv is not None:
+                w, bias = self._fused_qkv[li]
+                q, k, v = torch.nn.functional.linear(h, w, bias).split(att.embed_dim, dim=-1)
+                q = att._split(q)
+            else:
+                q = att._split(att.q_proj(h))
+                k, v = att.k_proj(h), att.v_proj(h)
+            k = k.reshape(b * t, self.n_head, self.head_dim)
+            v = v.reshape(b * t, self.n_head, self.head_dim)
             self.cache.write(li, flat_slots, k, v)
             kk, vv = self.cache.gather(li, tables)
             out = attention(q, kk, vv, mask)
@@ -502,10 +530,23 @@ class WhisperExecutor:
                 ck, cv = self.cross_k[li][:rows], self.cross_v[li][:rows]
             else:
                 ck, cv = self.cross_k[li].index_select(0, rows), self.cross_v[li].index_select(0, rows)
-            x = x + block.cross_attn(block.cross_attn_norm(x), static_kv=(ck, cv))
+            x = x + self._cross_attention(block, x, ck, cv)
             x = x + block.mlp(block.mlp_norm(x))
         x = dec.final_norm(x)
         return dec.embed_tokens.unembed(x).float()
+
+    def _cross_attention(self, block, x: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
+        """Cross-attention of ``x`` (B, T, d) over pooled K/V (B, frames, d)."""
+        att = block.cross_attn
+        b, t, _ = x.shape
+        q = att._split(att.q_proj(block.cross_attn_norm(x)))
+        ck, cv = att._split(ck), att._split(cv)
+        # the key length is always the encoder's: cuDNN's kernel streams the K/V of a large
+        # batch about twice as fast as flash (see fixed_shape_attention), and this read is
+        # most of a large model's decode step
+        with fixed_shape_attention():
+            out = attention(q, ck, cv)
+        return att.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _decode_step(self, done: list) -> None:
         # rows that were prefilled this step already sampled; every row advances by one token
@@ -583,8 +624,6 @@ class WhisperExecutor:
         b, v = logits.shape
         dev = self.device
         _tb, eot = self.tok.timestamp_begin, self.tok.eot
-        n = torch.tensor([len(s.sampled) for s in seqs], device=dev)
-        at_begin = n == 0
         neg = -math.inf
         blank_rows = [i for i, s in enumerate(seqs) if s.blank_mask is not None and not s.sampled]
         if blank_rows:
@@ -599,7 +638,8 @@ class WhisperExecutor:
         logits.masked_fill_(sup, neg)
         ts_rows = [i for i, s in enumerate(seqs) if s.timestamps]
         if ts_rows:
-            self._timestamp_rules(logits, seqs, ts_rows, n, at_begin)
+            n = torch.tensor([len(s.sampled) for s in seqs], device=dev)
+            self._timestamp_rules(logits, seqs, ts_rows, n, n == 0)
         temps = [s.temperature for s in seqs]
         if all(t == 0 for t in temps):
             next_tokens = logits.argmax(dim=-1)
@@ -611,9 +651,12 @@ class WhisperExecutor:
             next_tokens[hot] = torch.multinomial(probs, 1)[:, 0]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs[torch.arange(b, device=dev), next_tokens]
-        toks = next_tokens.tolist()
+        # one device-to-host sync per step: token ids (< 2**24) and float32 log-probs are both
+        # exact in float64
+        toks_f, picked_f = torch.stack((next_tokens.double(), picked.double())).tolist()
+        toks = [int(t) for t in toks_f]
         # float32 sums, added in the same order as the per-batch path's float32 tensor
-        for s, p in zip(seqs, picked.tolist(), strict=True):
+        for s, p in zip(seqs, picked_f, strict=True):
             s.sum_logprob = np.float32(s.sum_logprob) + np.float32(p)
         self.stats["tokens"] += len(toks)
         finished = []

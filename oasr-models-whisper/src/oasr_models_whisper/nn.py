@@ -45,6 +45,7 @@ from oasr.layers import (
     gelu,
     sinusoids,
 )
+from oasr.layers.attention import fixed_shape_attention
 from oasr_models_whisper.network import WhisperDims
 
 if TYPE_CHECKING:
@@ -191,7 +192,8 @@ class WhisperNet(nn.Module):
             mel = mel.unsqueeze(0)
         if mel.shape[1] != self.dims.n_mels:
             raise ValueError(f"this model takes {self.dims.n_mels} mel bins, got {mel.shape[1]}")
-        return self.encoder(mel.to(self.device))
+        with fixed_shape_attention():  # always 1500 frames: cuDNN's attention is the faster one
+            return self.encoder(mel.to(self.device))
 
     @torch.no_grad()
     def new_cache(self, audio_features: torch.Tensor) -> WhisperDecoderCache:
@@ -213,7 +215,8 @@ class WhisperNet(nn.Module):
         x = dec.embed_tokens(tokens) + dec.positional_embedding[offset : offset + t]
         for i, block in enumerate(dec.layers):
             x = x + block.self_attn(block.self_attn_norm(x), cache=cache.self_kv[i], causal=True)
-            x = x + block.cross_attn(block.cross_attn_norm(x), static_kv=cache.cross_kv[i])
+            with fixed_shape_attention():  # keys: always the encoder's 1500 frames
+                x = x + block.cross_attn(block.cross_attn_norm(x), static_kv=cache.cross_kv[i])
             x = x + block.mlp(block.mlp_norm(x))
         cache._length = offset + t
         x = dec.final_norm(x)

@@ -53,6 +53,7 @@ from oasr.layers.attention import (
     attention_with_weights,
     build_mask,
     causal_mask,
+    fixed_shape_attention,
 )
 from oasr.layers.basic import (
     GELUMLP,
@@ -79,6 +80,7 @@ __all__ = [
     "SinusoidalPositionalEmbedding",
     "attention",
     "attention_with_weights",
+    "fixed_shape_attention",
     "build_mask",
     "call_op",
     "causal_mask",

@@ -14,6 +14,10 @@ are requested (word alignment) the core is computed explicitly instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,14 +29,17 @@ _ATTENTION = declare_op("attention")
 
 
 _CUDA_BACKENDS: list | None = None
+_CUDNN_FIRST: list | None = None
+_PREFER_CUDNN: ContextVar[bool] = ContextVar("oasr_attention_prefer_cudnn", default=False)
 
 
 def _cuda_backends() -> list:
     # cuDNN's SDPA builds a new execution plan for every new key length, which costs
     # milliseconds of CPU per call during incremental decoding (seen: 6.5 ms per call with
     # torch 2.11 on an H200 against 10 us of GPU work). The native op therefore lets PyTorch
-    # pick among flash, memory-efficient and math only; a kernel provider may override.
-    global _CUDA_BACKENDS
+    # pick among flash, memory-efficient and math only, unless the caller declares fixed shapes
+    # (:func:`fixed_shape_attention`); a kernel provider may override.
+    global _CUDA_BACKENDS, _CUDNN_FIRST
     if _CUDA_BACKENDS is None:
         from torch.nn.attention import SDPBackend
 
@@ -41,7 +48,25 @@ def _cuda_backends() -> list:
             SDPBackend.EFFICIENT_ATTENTION,
             SDPBackend.MATH,
         ]
-    return _CUDA_BACKENDS
+        _CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, *_CUDA_BACKENDS]
+    return _CUDNN_FIRST if _PREFER_CUDNN.get() else _CUDA_BACKENDS
+
+
+@contextmanager
+def fixed_shape_attention() -> Iterator[None]:
+    """Inside this block the native CUDA attention tries cuDNN's SDPA kernel first.
+
+    For callers whose key length does not change from call to call: an encoder over a fixed
+    window, cross-attention over that encoder's output, a step captured in a CUDA graph. There
+    cuDNN's one-off planning cost is paid once per shape, and its kernel is faster on Hopper
+    (H200, torch 2.11, fp16: 1500-frame cross-attention of 64 rows x 20 heads in 120 us against
+    252 us for flash; 1500x1500 self-attention of the same batch in 1.86 ms against 2.55 ms).
+    Shapes cuDNN refuses fall through to flash, memory-efficient and math, in that order."""
+    token = _PREFER_CUDNN.set(True)
+    try:
+        yield
+    finally:
+        _PREFER_CUDNN.reset(token)
 
 
 def _attention_native(
@@ -55,7 +80,7 @@ def _attention_native(
     if q.is_cuda:
         from torch.nn.attention import sdpa_kernel
 
-        with sdpa_kernel(_cuda_backends()):
+        with sdpa_kernel(_cuda_backends(), set_priority=True):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale
             )

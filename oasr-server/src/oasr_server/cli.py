@@ -91,7 +91,8 @@ def serve_command(
             "--partial-interval-ms",
             min=0,
             help="Streams: re-transcribe a growing turn after this much new audio for interim "
-            "results (0: finals only).",
+            "results (offline mode; in streaming mode they follow the model's chunks). "
+            "0: finals only.",
         ),
     ] = 1000,
     service_mode: Annotated[
@@ -99,7 +100,8 @@ def serve_command(
         typer.Option(
             "--service-mode",
             help="offline: requests join the engine scheduler's continuous batch (models with an "
-            "executor); streaming: pin the engine to streaming mode (models that can stream only).",
+            "executor); streaming: pin the engine to streaming mode and feed realtime / gRPC "
+            "streams to it as audio arrives (models that can stream only).",
         ),
     ] = "offline",
     max_concurrency: Annotated[

@@ -42,7 +42,8 @@ class ServerConfig:
     #: more is refused (WebSocket close code 1013, gRPC ``RESOURCE_EXHAUSTED``).
     max_streams: int = 64
     #: Interim results: a turn still growing is re-transcribed after every this many ms of new
-    #: audio (0: no interim results, only the final transcript of each turn).
+    #: audio (offline mode; a streaming engine's partials follow its chunks instead). 0: no
+    #: interim results, only the final transcript of each turn.
     partial_interval_ms: int = 1000
     #: Most requests in the engine at once when it runs its continuous-batching scheduler
     #: (None: ``max_batch_size``, else the engine's); the others wait in the queue.

@@ -339,15 +339,18 @@ def test_engine_per_batch_path_is_gated(engine):
     assert out.ok and out.transcript.text == ""
 
 
-@pytest.mark.xfail(strict=True, reason="executor not wired yet: WhisperExecutor.try_admit must "
-                   "run speech_gate and complete a request without speech at once")  # fmt: skip
 def test_engine_continuous_batching_is_gated(engine):
-    """The scheduler's continuous-batching executor (greedy requests) must gate like
-    ``WhisperASR.transcribe``: today it decodes the tone and writes a word ("A")."""
+    """The scheduler's continuous-batching executor (greedy requests) gates like
+    ``WhisperASR.transcribe``: ungated, it decodes the tone and writes a word ("A")."""
     tone = _tone()
+    executor = engine._offline("submit").executor
+    decoded_before = executor.stats["tokens"]
     (out,) = engine.transcribe_outputs([tone])
     assert out.ok, out.error
     assert out.transcript.text == "" and out.transcript.segments == []
     assert out.transcript.duration == pytest.approx(len(tone) / SR)
     assert out.transcript.language == "en"
     assert engine.submit(tone).result(timeout=120).text == ""
+    assert executor.stats["tokens"] == decoded_before  # never reached the decoder
+    engine.submit(tone, DecodingOptions(vad_gate=False)).result(timeout=120)
+    assert executor.stats["tokens"] > decoded_before  # the same executor decodes it ungated

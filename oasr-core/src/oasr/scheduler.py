@@ -90,6 +90,10 @@ class SchedulerConfig:
     #: continuous executors: while requests run, admit new ones only when this many rows are
     #: free (None: max_batch_size // 8, at least 1); 1 = refill every freed row at once
     min_admit_group: int | None = None
+    #: continuous executors: windows encoded ahead of a free decoder row, so the next group's
+    #: encoder runs while the current rows decode (None: max_batch_size on CUDA, where the
+    #: encoder runs on a second stream beside the decode steps; 0 on CPU)
+    encoder_lookahead: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

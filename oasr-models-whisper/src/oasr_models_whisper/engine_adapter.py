@@ -48,6 +48,7 @@ from oasr_models_whisper.decoding import (
     initial_tokens,
     resolve_suppress_tokens,
 )
+from oasr_models_whisper.speech_gate import empty_transcript, speech_gate
 from oasr_models_whisper.transcribe import (
     _advance,
     _is_silent,
@@ -165,8 +166,14 @@ class WhisperExecutor:
             num_blocks = (budget - rows * cross_bytes) // block_bytes + 1
             num_blocks = min(num_blocks, rows * self.max_blocks + 1)
         self.max_rows = max(1, rows)
-        #: the most requests holding state at once (preparing or decoding)
-        self.max_requests = config.max_batch_size
+        #: windows encoded ahead while every row is busy (CUDA: on a second stream, so the
+        #: compute-bound encoder overlaps the memory-bound decode steps)
+        lookahead = config.encoder_lookahead
+        if lookahead is None:
+            lookahead = self.max_rows if self.device.type == "cuda" else 0
+        self.encoder_lookahead = max(0, int(lookahead))
+        #: the most requests holding state at once (preparing, encoded and waiting, decoding)
+        self.max_requests = config.max_batch_size + self.encoder_lookahead
         #: while requests run, admit only once this many can join at once (amortises the
         #: encoder call and the eager prefill over several windows)
         group = config.min_admit_group
@@ -188,6 +195,11 @@ class WhisperExecutor:
         self.to_encode: list[_ReqState] = []
         self.ready: list[_ReqState] = []  # encoded, waiting for a row and KV blocks
         self.legacy: list[Request] = []  # beam search: per-batch path
+        self.gated: list[tuple[Request, Transcript]] = []  # no speech: complete next step
+        # an encoder batch running on the side stream: (done event, its states, features)
+        self._encoding: tuple[Any, list[_ReqState], torch.Tensor] | None = None
+        self._enc_stream = (torch.cuda.Stream(self.device)
+                            if self.device.type == "cuda" and self.encoder_lookahead else None)  # fmt: skip
         use_graphs = config.cuda_graphs
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
         if self.use_graphs and self.device.type != "cuda":
@@ -223,7 +235,7 @@ class WhisperExecutor:
     # ------------------------------------------------------------------ Executor protocol
     @property
     def num_running(self) -> int:
-        return len(self.states) + len(self.legacy)
+        return len(self.states) + len(self.legacy) + len(self.gated)
 
     def try_admit(self, request: Request) -> bool:
         free = self.max_requests - self.num_running
@@ -242,6 +254,10 @@ class WhisperExecutor:
         if (options.beam_size > 1 and options.temperatures[0] == 0) or options.long_form == "vad":
             # beam search and VAD-batched long-form run whole on the per-batch path
             self.legacy.append(request)
+            return True
+        if not speech_gate([audio], options, self.device)[0]:
+            # no speech at all: the empty transcript, as WhisperASR.transcribe gives it
+            self.gated.append((request, empty_transcript(len(audio), options, language)))
             return True
         wave = torch.as_tensor(audio.astype(np.float32, copy=False)).flatten()
         # the log-mel on the network's device (no host round-trip on GPU; identical on CPU)
@@ -269,6 +285,10 @@ class WhisperExecutor:
         if request in self.legacy:
             self.legacy.remove(request)
             return True
+        for k, (r, _) in enumerate(self.gated):
+            if r is request:
+                del self.gated[k]
+                return True
         st = self.states.pop(request.rid, None)
         if st is None:
             return False
@@ -286,9 +306,13 @@ class WhisperExecutor:
         done: list[tuple[Request, Transcript | BaseException]] = []
         self._group_open = False
         self.stats["steps"] += 1
+        if self.gated:
+            done.extend(self.gated)
+            self.gated = []
         if self.legacy:
             done.extend(self._run_legacy())
         with torch.inference_mode():
+            self._collect_encoded(done)
             self._encode_pending(done)
             self._start_ready(done)
             if self.rows:
@@ -357,10 +381,13 @@ class WhisperExecutor:
 
     # ------------------------------------------------------------------ encoder
     def _encode_pending(self, done: list) -> None:
-        if not self.to_encode:
+        if not self.to_encode or self._encoding is not None:
             return
         limit = self.config.max_encoder_batch or self.config.max_batch_size
         batch, self.to_encode = self.to_encode[:limit], self.to_encode[limit:]
+        # while rows decode, encode on the side stream and pick the result up in a later step;
+        # with no row running there is nothing to overlap with
+        overlap = self._enc_stream is not None and bool(self.rows)
         try:
             mels = []
             for st in batch:
@@ -368,7 +395,20 @@ class WhisperExecutor:
                     mels.append(st.job.mel[:, :N_FRAMES])
                 else:
                     mels.append(_window_mel(st.job.mel, st.job.seek, st.size))
-            feats = self.net.encode(torch.stack(mels).to(self.device, self.dtype))
+            mel = torch.stack(mels).to(self.device, self.dtype)
+            if overlap:
+                main = torch.cuda.current_stream(self.device)
+                self._enc_stream.wait_stream(main)  # the log-mels come from the main stream
+                with torch.cuda.stream(self._enc_stream):
+                    feats = self.net.encode(mel)
+                    event = torch.cuda.Event()
+                    event.record()
+                # tell the allocator which stream uses what, so no block is reused early
+                mel.record_stream(self._enc_stream)
+                feats.record_stream(main)
+                self._encoding = (event, batch, feats)
+                return
+            feats = self.net.encode(mel)
         except Exception:  # noqa: BLE001 - isolate: encode one by one
             for st in batch:
                 try:
@@ -378,6 +418,23 @@ class WhisperExecutor:
                 except Exception as exc:  # noqa: BLE001
                     self._complete(st, done, exc)
             return
+        self._encoded(batch, feats, done)
+
+    def _collect_encoded(self, done: list) -> None:
+        """Take the side stream's encoder batch once it is done; wait for it only when nothing
+        else is left to run."""
+        if self._encoding is None:
+            return
+        event, batch, feats = self._encoding
+        if not event.query() and (self.rows or self.ready):
+            return
+        self._encoding = None
+        torch.cuda.current_stream(self.device).wait_event(event)
+        live = [k for k, st in enumerate(batch) if st.request.rid in self.states]  # not aborted
+        if live:
+            self._encoded([batch[k] for k in live], feats[live] if len(live) < len(batch) else feats, done)
+
+    def _encoded(self, batch: list[_ReqState], feats: torch.Tensor, done: list) -> None:
         detect = [k for k, st in enumerate(batch) if st.detecting]
         if detect:
             codes, _ = detect_language(self.net, self.tok, feats[detect])

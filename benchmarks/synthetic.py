@@ -31,6 +31,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "smoke": {"d": 64, "enc": 2, "dec": 2, "heads": 4, "mels": 80, "vocab": 51865},
     "tiny": {"d": 384, "enc": 4, "dec": 4, "heads": 6, "mels": 80, "vocab": 51865},
     "large-v3": {"d": 1280, "enc": 32, "dec": 32, "heads": 20, "mels": 128, "vocab": 51866},
+    "large-v3-turbo": {"d": 1280, "enc": 32, "dec": 4, "heads": 20, "mels": 128, "vocab": 51866},
 }
 
 

@@ -281,8 +281,11 @@ class Scheduler:
         admitted: list[Request] = []
         failed: list[tuple[Request, BaseException]] = []
         blocked = False
+        # a continuous executor may hold more requests than it decodes at once (windows
+        # encoded ahead of a free row); it says how many through ``max_requests``
+        capacity = getattr(self.executor, "max_requests", None) or self.config.max_batch_size
         for r in (*starved, *fresh):
-            if len(self._running) + len(admitted) >= self.config.max_batch_size:
+            if len(self._running) + len(admitted) >= capacity:
                 break
             starving = now - r.arrival_step >= bound
             try:

@@ -213,7 +213,7 @@ class WhisperExecutor:
         self.graph_batch_sizes = sorted({b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
                                          if b < self.max_rows} | {self.max_rows})  # fmt: skip
         self.stats = {"steps": 0, "graph_replays": 0, "eager_steps": 0, "max_rows": 0,
-                      "tokens": 0}
+                      "tokens": 0, "overlapped_encodes": 0}
 
     def _fuse_self_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """One (3d, d) weight per decoder layer for the self-attention q/k/v projections: one
@@ -407,6 +407,7 @@ class WhisperExecutor:
                 mel.record_stream(self._enc_stream)
                 feats.record_stream(main)
                 self._encoding = (event, batch, feats)
+                self.stats["overlapped_encodes"] += 1
                 return
             feats = self.net.encode(mel)
         except Exception:  # noqa: BLE001 - isolate: encode one by one

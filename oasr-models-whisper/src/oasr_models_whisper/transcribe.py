@@ -82,7 +82,7 @@ def whole_log_mel(wave: torch.Tensor, n_mels: int, piece_frames: int = _PIECE_FR
 class _Job:
     index: int
     wave: torch.Tensor  # (samples,)
-    mel: torch.Tensor  # (n_mels, frames + N_FRAMES of padding)
+    mel: torch.Tensor | None  # (n_mels, frames + N_FRAMES of padding); the engine fills it late
     content_frames: int
     duration: float
     language: str | None = None

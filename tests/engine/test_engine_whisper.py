@@ -44,6 +44,20 @@ def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
     assert len(outs[3].transcript.segments) > 1  # the 35 s clip took several windows
 
 
+def test_encoder_lookahead_matches_transcribe(tiny_en, clips):
+    """Windows encoded ahead of a free row (on the CPU: in the same stream, earlier) wait with
+    their features and decode to the same tokens; the executor holds more requests than rows."""
+    eng = _engine(tiny_en, max_batch_size=2, encoder_lookahead=2, min_admit_group=1)
+    outs = eng.transcribe_outputs(clips)
+    ex = eng.scheduler.executor
+    assert ex.max_requests == 4
+    assert eng.scheduler.stats["max_running"] == 4
+    assert ex.stats["max_rows"] == 2
+    for audio, out in zip(clips, outs, strict=True):
+        assert out.ok, out.error
+        assert _tokens(out.transcript) == _tokens(tiny_en.transcribe([audio], DecodingOptions())[0])
+
+
 def test_small_memory_budget_queues_a_flood(tiny_en, clips):
     from oasr_models_whisper.engine_adapter import WhisperExecutor
 

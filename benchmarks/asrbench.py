@@ -3,6 +3,8 @@
     python -m benchmarks.asrbench                       # English clips, tiny.en, CPU, 2 threads
     python -m benchmarks.asrbench --profile smoke       # two short clips, for a quick check
     python -m benchmarks.asrbench --json out.json
+    python -m benchmarks.asrbench --backends oasr_engine,transformers_pipeline \
+        --device cuda --ckpt-dir DIR                                      # GPU, vs the HF pipeline
     python -m benchmarks.asrbench --workload synthetic --profile smoke        # CPU, < 2 min
     python -m benchmarks.asrbench --workload synthetic --shape large-v3 --device cuda \
         --dtype float16 --batch-size 64 --requests 128 --tokens 100             # GPU
@@ -19,12 +21,15 @@ RTFx, latency p50/p90/p99, tokens/s and peak GPU memory. The streaming workload
 (``benchmarks/streambench.py``) feeds N WeNet streams at real time into a streaming engine.
 
 Backends:
-  oasr_engine     OASR's in-process ASREngine (the same path `oasr transcribe` takes)
-  faster_whisper  faster-whisper (CTranslate2) on the same CTranslate2 weights
+  oasr_engine            OASR's in-process ASREngine (the same path `oasr transcribe` takes)
+  faster_whisper         faster-whisper (CTranslate2) on the same CTranslate2 weights
+  transformers_pipeline  transformers' ASR pipeline on the same weights, converted in memory
+                         (benchmarks/hf_pipeline.py; files decoded by OASR's PyAV loader)
 Each backend transcribes every clip from its file (decode + resample + recognise), greedy,
 temperature 0, no VAD (OASR: ``vad_gate=False``), after one warm-up clip. Reported: wall
 seconds, RTFx (audio seconds per second), corpus WER (Whisper English normalisation) and each
-backend's time relative to OASR.
+backend's time relative to OASR. ``--dtype`` (default: fp32 on CPU, fp16 on CUDA) and
+``--batch-size`` (default 16) apply to every backend that has them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from benchmarks.hf_pipeline import transformers_pipeline_backend  # imports transformers lazily
 
 REPO = Path(__file__).resolve().parents[1]
 SPEECH = REPO / "tests" / "data" / "speech"
@@ -65,21 +72,49 @@ def english_clips(profile: str) -> list[Clip]:
     return clips
 
 
+def english_normalizer() -> tuple[Callable[[str], str], str]:
+    """Whisper's English normaliser and where it came from. openai-whisper's when installed; else
+    the copy in transformers, without openai's British->American spelling table (the GPU image
+    has transformers but not openai-whisper)."""
+    try:
+        from whisper.normalizers import EnglishTextNormalizer
+
+        return EnglishTextNormalizer(), "openai-whisper"
+    except ImportError:
+        from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+        return EnglishTextNormalizer({}), "transformers (no spelling map)"
+
+
+def _word_errors(ref: list[str], hyp: list[str]) -> int:
+    """Levenshtein distance over words (substitutions + deletions + insertions)."""
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1]
+
+
 def corpus_wer(refs: list[str], hyps: list[str]) -> float:
-    import jiwer
-    from whisper.normalizers import EnglishTextNormalizer
+    """Corpus WER in %: all word errors over all reference words (what jiwer.wer gives for lists;
+    computed here so the GPU image needs no jiwer)."""
+    norm, _ = english_normalizer()
+    pairs = [(norm(r).split(), norm(h).split()) for r, h in zip(refs, hyps, strict=True)]
+    pairs = [(r, h) for r, h in pairs if r]
+    return 100.0 * sum(_word_errors(r, h) for r, h in pairs) / sum(len(r) for r, _ in pairs)
 
-    norm = EnglishTextNormalizer()
-    pairs = [(norm(r), norm(h)) for r, h in zip(refs, hyps, strict=True)]
-    pairs = [(r, h) for r, h in pairs if r.strip()]
-    return 100.0 * jiwer.wer([r for r, _ in pairs], [h for _, h in pairs])
 
-
-def oasr_backend(ckpt: str, device: str, threads: int) -> Callable[[list[Path]], list[str]]:
+def oasr_backend(ckpt: str, device: str, threads: int, dtype: str | None = None,
+                 batch_size: int | None = None) -> Callable[[list[Path]], list[str]]:  # fmt: skip
     from oasr.engine import ASREngine
     from oasr.types import DecodingOptions, EngineConfig
 
-    engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads))
+    # transcribe_offline decodes the files one by one, then runs them through the model in
+    # batches of max_batch_size (shortest first)
+    engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads,
+                                    dtype=dtype or "auto", max_batch_size=batch_size or 16))  # fmt: skip
     # faster-whisper runs without VAD (vad_filter=False): OASR's VAD gate is off too, so both
     # sides run the same decoding (on these speech clips the gate would pass everything anyway)
     options = DecodingOptions(beam_size=1, temperature=0.0, vad_gate=False)
@@ -90,10 +125,14 @@ def oasr_backend(ckpt: str, device: str, threads: int) -> Callable[[list[Path]],
     return run
 
 
-def faster_whisper_backend(ckpt: str, device: str, threads: int) -> Callable[[list[Path]], list[str]]:
+def faster_whisper_backend(ckpt: str, device: str, threads: int, dtype: str | None = None,
+                           batch_size: int | None = None) -> Callable[[list[Path]], list[str]]:  # fmt: skip
     from faster_whisper import WhisperModel
 
-    model = WhisperModel(ckpt, device=device, compute_type="float32", cpu_threads=threads)
+    # same precision as the other backends (fp16 on CUDA); one file at a time (batch_size unused)
+    compute = dtype if dtype not in (None, "auto") else None
+    compute = compute or ("float16" if device.startswith("cuda") else "float32")
+    model = WhisperModel(ckpt, device=device, compute_type=compute, cpu_threads=threads)
 
     def run(paths: list[Path]) -> list[str]:
         out = []
@@ -107,7 +146,11 @@ def faster_whisper_backend(ckpt: str, device: str, threads: int) -> Callable[[li
     return run
 
 
-BACKENDS = {"oasr_engine": oasr_backend, "faster_whisper": faster_whisper_backend}
+BACKENDS = {
+    "oasr_engine": oasr_backend,
+    "faster_whisper": faster_whisper_backend,
+    "transformers_pipeline": transformers_pipeline_backend,
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -122,8 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workload", choices=["speech", "synthetic", "streaming"], default="speech")
     parser.add_argument("--shape", default=None,
                         help="synthetic: smoke | tiny | large-v3; streaming: small | medium")
-    parser.add_argument("--dtype", default=None, help="synthetic: float32 | float16 | bfloat16")
-    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--dtype", default=None,
+                        help="float32 | float16 | bfloat16 (default: float32 on CPU, float16 on CUDA)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="speech: inputs per batch for oasr_engine and transformers_pipeline (16)")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None, help="synthetic: forced tokens per request")
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -165,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     audio_s = sum(c.seconds for c in clips)
     results: list[Result] = []
     for name in args.backends.split(","):
-        run = BACKENDS[name](ckpt, args.device, args.threads)
+        run = BACKENDS[name](ckpt, args.device, args.threads, dtype=args.dtype,
+                             batch_size=args.batch_size)  # fmt: skip
         run(paths[:1])  # warm-up
         best = float("inf")
         hyps: list[str] = []
@@ -176,14 +222,17 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(Result(name, best, audio_s, audio_s / best, corpus_wer([c.text for c in clips], hyps), hyps))
 
     base = results[0].wall_s
-    print(f"{'backend':16} {'wall s':>8} {'RTFx':>8} {'WER %':>7} {'time / ' + results[0].backend:>22}")
+    print(f"{'backend':22} {'wall s':>8} {'RTFx':>8} {'WER %':>7} {'time / ' + results[0].backend:>22}")
     for r in results:
         wer = f"{r.wer:7.2f}" if r.wer is not None else "      -"
-        print(f"{r.backend:16} {r.wall_s:8.2f} {r.rtfx:8.1f} {wer} {r.wall_s / base:22.2f}")
+        print(f"{r.backend:22} {r.wall_s:8.2f} {r.rtfx:8.1f} {wer} {r.wall_s / base:22.2f}")
     report = {
         "profile": args.profile,
         "device": args.device,
+        "dtype": args.dtype or ("float16" if args.device.startswith("cuda") else "float32"),
+        "batch_size": args.batch_size or 16,
         "threads": args.threads,
+        "normalizer": english_normalizer()[1],
         "clips": [str(p.name) for p in paths],
         "results": [asdict(r) for r in results],
     }

@@ -354,3 +354,9 @@ def test_engine_continuous_batching_is_gated(engine):
     assert executor.stats["tokens"] == decoded_before  # never reached the decoder
     engine.submit(tone, DecodingOptions(vad_gate=False)).result(timeout=120)
     assert executor.stats["tokens"] > decoded_before  # the same executor decodes it ungated
+    # one admission group, gated in one call: order kept, speech decoded as without the gate
+    speech = load_speech("en_ls_2830-3980-0043.wav")
+    outs = engine.transcribe_outputs([tone, speech, tone])
+    assert [o.transcript.text == "" for o in outs] == [True, False, True]
+    ungated = engine.transcribe_outputs([speech], decoding=DecodingOptions(vad_gate=False))[0]
+    assert outs[1].transcript.text == ungated.transcript.text

@@ -27,6 +27,7 @@ per-batch path (``WhisperASR.transcribe``), one batch per step for the requests 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from oasr_models_whisper.decoding import (
     initial_tokens,
     resolve_suppress_tokens,
 )
-from oasr_models_whisper.speech_gate import empty_transcript, speech_gate
+from oasr_models_whisper.speech_gate import empty_transcript, gate_enabled, speech_gate
 from oasr_models_whisper.transcribe import (
     LONG_AUDIO_SAMPLES,
     _advance,
@@ -64,6 +65,8 @@ if TYPE_CHECKING:
     from oasr_models_whisper.model import WhisperASR
 
 __all__ = ["WhisperExecutor", "make_executor"]
+
+log = logging.getLogger(__name__)
 
 _UIDS = itertools.count()
 
@@ -196,7 +199,7 @@ class WhisperExecutor:
         self.to_encode: list[_ReqState] = []
         self.ready: list[_ReqState] = []  # encoded, waiting for a row and KV blocks
         self.legacy: list[Request] = []  # beam search: per-batch path
-        self.gated: list[tuple[Request, Transcript]] = []  # no speech: complete next step
+        self.to_gate: list[tuple[Request, str | None]] = []  # admitted, VAD gate not run yet
         # an encoder batch running on the side stream: (done event, its states, features)
         self._encoding: tuple[Any, list[_ReqState], torch.Tensor] | None = None
         self._enc_stream = (torch.cuda.Stream(self.device)
@@ -236,7 +239,7 @@ class WhisperExecutor:
     # ------------------------------------------------------------------ Executor protocol
     @property
     def num_running(self) -> int:
-        return len(self.states) + len(self.legacy) + len(self.gated)
+        return len(self.states) + len(self.legacy) + len(self.to_gate)
 
     def try_admit(self, request: Request) -> bool:
         free = self.max_requests - self.num_running
@@ -256,10 +259,18 @@ class WhisperExecutor:
             # beam search and VAD-batched long-form run whole on the per-batch path
             self.legacy.append(request)
             return True
-        if not speech_gate([audio], options, self.device)[0]:
-            # no speech at all: the empty transcript, as WhisperASR.transcribe gives it
-            self.gated.append((request, empty_transcript(len(audio), options, language)))
+        if gate_enabled(options):
+            # the VAD gate runs at the next step, once for every request admitted until then
+            # (one batched scan on a GPU instead of launch-bound LSTM steps per request)
+            self.to_gate.append((request, language))
             return True
+        self._setup(request, language)
+        return True
+
+    def _setup(self, request: Request, language: str | None) -> None:
+        """Request state for a greedy request that will be decoded; its first window queued."""
+        options = request.options
+        audio = np.asarray(request.audio)
         wave = torch.as_tensor(audio.astype(np.float32, copy=False)).flatten()
         # the log-mel is computed before the first encode (_ensure_mels: batched on CUDA);
         # whole_log_mel gives wave_samples // HOP_LENGTH frames of content
@@ -280,15 +291,33 @@ class WhisperExecutor:
             self._set_sot(st)
         self.states[request.rid] = st
         self._next_window(st)
-        return True
+
+    def _run_gate(self, done: list) -> None:
+        """The VAD gate of the requests admitted since the last step: those without speech
+        complete with the empty transcript, the others start."""
+        pending, self.to_gate = self.to_gate, []
+        audios = [np.asarray(r.audio) for r, _ in pending]
+        try:  # the segmentation does not depend on the options: one call for all
+            keep = speech_gate(audios, pending[0][0].options, self.device)
+        except Exception:  # noqa: BLE001 - the gate is a filter: when it fails, decode
+            log.warning("vad_gate failed; decoding the inputs ungated", exc_info=True)
+            keep = [True] * len(pending)
+        for (request, language), speech, audio in zip(pending, keep, audios, strict=True):
+            if not speech:
+                done.append((request, empty_transcript(len(audio), request.options, language)))
+                continue
+            try:
+                self._setup(request, language)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                done.append((request, exc))
 
     def abort(self, request: Request) -> bool:
         if request in self.legacy:
             self.legacy.remove(request)
             return True
-        for k, (r, _) in enumerate(self.gated):
+        for k, (r, _) in enumerate(self.to_gate):
             if r is request:
-                del self.gated[k]
+                del self.to_gate[k]
                 return True
         st = self.states.pop(request.rid, None)
         if st is None:
@@ -307,12 +336,11 @@ class WhisperExecutor:
         done: list[tuple[Request, Transcript | BaseException]] = []
         self._group_open = False
         self.stats["steps"] += 1
-        if self.gated:
-            done.extend(self.gated)
-            self.gated = []
         if self.legacy:
             done.extend(self._run_legacy())
         with torch.inference_mode():
+            if self.to_gate:
+                self._run_gate(done)
             self._collect_encoded(done)
             self._encode_pending(done)
             self._start_ready(done)
@@ -759,11 +787,14 @@ class WhisperExecutor:
         sub[:, self.tok.no_timestamps] = neg
         nn_ = n[idx]
         width = max(1, max(len(seqs[i].sampled) for i in ts_rows))
-        samp = torch.full((len(ts_rows), width), -1, dtype=torch.long)
+        # built in numpy: one small torch.tensor per row and step cost more than the step's
+        # kernels on small models
+        host = np.full((len(ts_rows), width), -1, dtype=np.int64)
         for r, i in enumerate(ts_rows):
-            if seqs[i].sampled:
-                samp[r, : len(seqs[i].sampled)] = torch.tensor(seqs[i].sampled)
-        samp = samp.to(dev)
+            sampled = seqs[i].sampled
+            if sampled:
+                host[r, : len(sampled)] = sampled
+        samp = torch.from_numpy(host).to(dev, non_blocking=True)
         col = self._cols
         valid = torch.arange(width, device=dev)[None, :] < nn_[:, None]
         is_ts = (samp >= tb) & valid

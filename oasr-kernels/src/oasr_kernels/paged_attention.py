@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["HEAD_DIMS", "MAX_KEYS", "paged_decode_attention_cuda", "unsupported_reason"]
+__all__ = [
+    "HEAD_DIMS", "MAX_KEYS", "launch_config", "paged_decode_attention_cuda", "unsupported_reason",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,28 @@ def _stream(device: torch.device) -> Any:
     return stream
 
 
+def launch_config(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  block_tables: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
+                  scale: float | None) -> tuple[str, tuple, tuple, tuple, int]:  # fmt: skip
+    """Kernel name, grid, block, arguments (in the kernel's parameter order and C types) and
+    dynamic shared memory bytes for one launch. Needs q.stride(-1) == 1 and contiguous tables,
+    lengths and out; touches no GPU, so tests can run it against an emulation of the kernel."""
+    import numpy as np
+
+    b, h, _, d = q.shape
+    nb, bs = block_tables.shape[1], k_pool.shape[1]
+    scale = float(d**-0.5 if scale is None else scale)
+    args = (
+        np.uint64(q.data_ptr()), np.int64(q.stride(0)), np.int64(q.stride(1)),
+        np.uint64(k_pool.data_ptr()), np.uint64(v_pool.data_ptr()),
+        np.uint64(block_tables.data_ptr()), np.uint64(lengths.data_ptr()),
+        np.uint64(out.data_ptr()),
+        np.int32(h), np.int32(nb), np.int32(bs), np.float32(scale),
+    )  # fmt: skip
+    name = f"oasr_paged_decode_attention_{_DTYPES[q.dtype]}_d{d}"
+    return name, (h, b), (_THREADS,), args, _smem_bytes(nb, bs, d)
+
+
 def paged_decode_attention_cuda(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -145,10 +169,8 @@ def paged_decode_attention_cuda(
     fallback) for inputs it does not handle."""
     if _disabled or unsupported_reason(q, k_pool, v_pool, block_tables, lengths) is not None:
         return NotImplemented
-    import numpy as np
 
     b, h, _, d = q.shape
-    nb, bs = block_tables.shape[1], k_pool.shape[1]
     device = q.device
     key = (_DTYPES[q.dtype], d, device.index)
     ready = getattr(_local, "ready", None)
@@ -170,22 +192,14 @@ def paged_decode_attention_cuda(
         q = q.contiguous()  # q is tiny; the pools are never copied
     block_tables = block_tables.contiguous()
     lengths = lengths.contiguous()
-    scale = float(d**-0.5 if scale is None else scale)
-    args = (
-        np.uint64(q.data_ptr()), np.int64(q.stride(0)), np.int64(q.stride(1)),
-        np.uint64(k_pool.data_ptr()), np.uint64(v_pool.data_ptr()),
-        np.uint64(block_tables.data_ptr()), np.uint64(lengths.data_ptr()),
-        np.uint64(out.data_ptr()),
-        np.int32(h), np.int32(nb), np.int32(bs), np.float32(scale),
-    )  # fmt: skip
-    smem = _smem_bytes(nb, bs, d)
+    _, grid, block, args, smem = launch_config(q, k_pool, v_pool, block_tables, lengths, out, scale)
     # Asynchronous: no host synchronisation, nothing read back, so the launch is capturable.
     try:
         if device.index == torch.cuda.current_device():
-            _kernel(*key)((h, b), (_THREADS,), args, shared_mem=smem, stream=_stream(device))
+            _kernel(*key)(grid, block, args, shared_mem=smem, stream=_stream(device))
         else:  # CuPy compiles, loads and launches on its current device
             with torch.cuda.device(device):
-                _kernel(*key)((h, b), (_THREADS,), args, shared_mem=smem, stream=_stream(device))
+                _kernel(*key)(grid, block, args, shared_mem=smem, stream=_stream(device))
     except Exception as exc:  # noqa: BLE001 - never stop inference for a kernel
         if not first:
             raise  # it ran before: a real launch failure, not a missing compiler

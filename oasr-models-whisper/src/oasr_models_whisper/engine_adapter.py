@@ -39,6 +39,7 @@ import torch
 from oasr.errors import BadAudioError, InvalidRequestError
 from oasr.features.whisper import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
 from oasr.kv_cache import PagedKVCache, blocks_for
+from oasr.layers import install_kernel_providers, paged_decode_attention
 from oasr.layers.attention import attention, fixed_shape_attention
 from oasr.types import DecodingOptions, Transcript
 from oasr_models_whisper.decoding import (
@@ -192,6 +193,9 @@ class WhisperExecutor:
         self.cross_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layer)]
         self.memory_bytes = self.cache.nbytes + 2 * sum(t.numel() * esize for t in self.cross_k)
         self._fused_qkv = self._fuse_self_qkv() if self.device.type == "cuda" else None
+        # kernel providers (oasr-kernels: paged decode attention) for models built without
+        # load_model, e.g. from an in-memory checkpoint
+        install_kernel_providers(self.device.type)
         if self._fused_qkv is not None:
             self.memory_bytes += sum(w.numel() * esize for w, _ in self._fused_qkv)
         self.rows: list[_Seq] = []  # decoding, dense: row i uses cross slot i
@@ -633,8 +637,11 @@ class WhisperExecutor:
             k = k.reshape(b * t, self.n_head, self.head_dim)
             v = v.reshape(b * t, self.n_head, self.head_dim)
             self.cache.write(li, flat_slots, k, v)
-            kk, vv = self.cache.gather(li, tables)
-            out = attention(q, kk, vv, mask)
+            if t == 1:  # a decode step: read the valid keys straight from the blocks
+                out = paged_decode_attention(q, self.cache.k[li], self.cache.v[li], tables, lengths)
+            else:
+                kk, vv = self.cache.gather(li, tables)
+                out = attention(q, kk, vv, mask)
             x = x + att.out_proj(out.transpose(1, 2).reshape(b, t, -1))
             if isinstance(rows, int):
                 ck, cv = self.cross_k[li][:rows], self.cross_v[li][:rows]

@@ -23,7 +23,9 @@ OP = "paged_decode_attention"
 TOL = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 2e-3, "rtol": 1.6e-2},
+    # the native bf16 SDPA rounds its probabilities to bf16 before multiplying by V: on the
+    # H200 it sat up to 2.6e-3 from the fp32-accumulating kernel (one element in 163840)
+    torch.bfloat16: {"atol": 4e-3, "rtol": 1.6e-2},
 }
 # against the float64 reference the kernel is within its own output rounding
 EXACT_TOL = {
@@ -103,8 +105,8 @@ def test_kernel_matches_native(kernel, dtype, d, b) -> None:
     out = kernel.paged_decode_attention_cuda(*args)
     assert out is not NotImplemented
     assert out.shape == (b, h, 1, d) and out.dtype == dtype
-    torch.testing.assert_close(out, native(*args), **TOL[dtype])
     torch.testing.assert_close(out.double().cpu(), reference(*args), **EXACT_TOL[dtype])
+    torch.testing.assert_close(out, native(*args), **TOL[dtype])
     # the public op dispatches to the kernel
     torch.testing.assert_close(L.paged_decode_attention(*args), out, atol=0, rtol=0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from oasr.layers import override
@@ -57,3 +58,19 @@ def test_ops_can_be_overridden():
     assert calls == [ours] and a[0].shape == (2, 16)
     with override("lstm_sequence", "cpu", lambda m, x, h, c, mask: ("y", h, c)):
         assert ours.forward_sequence(x[:, None])[0] == "y"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sequence_in_one_cudnn_call_matches_the_step_loop():
+    """On CUDA an unmasked sequence runs as one cuDNN LSTM call; an all-True mask takes the
+    step loop. Same outputs and final state (float32, TF32 off)."""
+    torch.manual_seed(0)
+    cell = LSTMCell(64, 128).cuda()
+    x = torch.randn(5, 300, 64, device="cuda")
+    h = torch.randn(5, 128, device="cuda")
+    c = torch.randn(5, 128, device="cuda")
+    y1, h1, c1 = cell.forward_sequence(x, h, c)
+    y2, h2, c2 = cell.forward_sequence(x, h, c, torch.ones(5, 300, dtype=torch.bool, device="cuda"))
+    for a, b in ((y1, y2), (h1, h2), (c1, c2)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

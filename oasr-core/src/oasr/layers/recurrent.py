@@ -113,6 +113,8 @@ def _sequence_native(
     steps = x.shape[1]
     if steps == 0:
         return x.new_zeros(x.shape[0], 0, m.hidden_size), h, c
+    if mask is None and x.is_cuda:
+        return _sequence_cudnn(m, x, h, c)
     bias = None
     if m.bias_ih is not None:
         bias = m.bias_ih + m.bias_hh
@@ -128,6 +130,21 @@ def _sequence_native(
         h, c = h_new, c_new
         outs.append(h)
     return torch.stack(outs, dim=1), h, c
+
+
+def _sequence_cudnn(
+    m: LSTMCell, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole sequence in one cuDNN call. On a GPU the step loop above is launch-bound: a
+    Silero scan of 64 inputs of 35 s (1100 steps) took 0.1 s of Python there. TF32 stays off
+    so the result matches the float32 loop to rounding."""
+    params = [m.weight_ih, m.weight_hh]
+    if m.bias_ih is not None:
+        params += [m.bias_ih, m.bias_hh]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        y, hn, cn = torch.lstm(x.contiguous(), (h[None].contiguous(), c[None].contiguous()), params,
+                               m.bias_ih is not None, 1, 0.0, False, False, True)  # fmt: skip
+    return y, hn[0], cn[0]
 
 
 __all__ = ["LSTMCell"]

@@ -113,6 +113,7 @@ class _Seq:
     blank_mask: torch.Tensor | None = None  # (V,) bool, or None
     timestamps: bool = True
     max_initial: int | None = None
+    last_timestamp: int = -1  # the latest timestamp token sampled (timestamp rules)
     uid: int = field(default_factory=lambda: next(_UIDS))
 
     @property
@@ -755,8 +756,7 @@ class WhisperExecutor:
         logits.masked_fill_(sup, neg)
         ts_rows = [i for i, s in enumerate(seqs) if s.timestamps]
         if ts_rows:
-            n = torch.tensor([len(s.sampled) for s in seqs], device=dev)
-            self._timestamp_rules(logits, seqs, ts_rows, n, n == 0)
+            self._timestamp_rules(logits, seqs, ts_rows)
         temps = [s.temperature for s in seqs]
         if all(t == 0 for t in temps):
             next_tokens = logits.argmax(dim=-1)
@@ -777,50 +777,51 @@ class WhisperExecutor:
             s.sum_logprob = np.float32(s.sum_logprob) + np.float32(p)
         self.stats["tokens"] += len(toks)
         finished = []
+        tb = self.tok.timestamp_begin
         for i, (s, t) in enumerate(zip(seqs, toks, strict=True)):
             s.sampled.append(int(t))
+            if t >= tb:
+                s.last_timestamp = int(t)
             if t == eot or len(s.sampled) >= s.sample_len or s.length > self.dims.n_text_ctx:
                 finished.append(rows[i])
             elif s.length > len(s.blocks) * self.block_size:
                 raise RuntimeError("KV blocks exhausted")  # cannot happen: blocks cover init + sample_len
         return finished
 
-    def _timestamp_rules(self, logits, seqs, ts_rows, n, at_begin) -> None:
+    def _timestamp_rules(self, logits, seqs, ts_rows) -> None:
+        """openai-whisper's ApplyTimestampRules on the rows that predict timestamps. What the
+        rules read of each row's history (its length, whether its last two tokens are
+        timestamps, its latest timestamp) is five integers, sent in one host-to-device copy;
+        rebuilding the token history on the device every step cost more than the step itself
+        on small models."""
         dev = self.device
         tb, eot = self.tok.timestamp_begin, self.tok.eot
         neg = -math.inf
-        idx = torch.tensor(ts_rows, device=dev)
+        host = np.empty((len(ts_rows), 6), dtype=np.int64)
+        for r, i in enumerate(ts_rows):
+            seq = seqs[i]
+            sampled = seq.sampled
+            n = len(sampled)
+            host[r, 0] = n
+            host[r, 1] = n > 0 and sampled[-1] >= tb  # last token is a timestamp
+            host[r, 2] = n < 2 or sampled[-2] >= tb  # penultimate is one (or there is none)
+            host[r, 3] = seq.last_timestamp  # latest timestamp token, -1 before the first
+            host[r, 4] = seq.max_initial if seq.max_initial is not None else 10**9
+            host[r, 5] = i
+        state = torch.from_numpy(host).to(dev, non_blocking=True)
+        n, last_ts, pen_ts, last_val, max_init, idx = state.unbind(1)
+        last_ts, pen_ts = last_ts.bool(), pen_ts.bool()
         sub = logits[idx]
         sub[:, self.tok.no_timestamps] = neg
-        nn_ = n[idx]
-        width = max(1, max(len(seqs[i].sampled) for i in ts_rows))
-        # built in numpy: one small torch.tensor per row and step cost more than the step's
-        # kernels on small models
-        host = np.full((len(ts_rows), width), -1, dtype=np.int64)
-        for r, i in enumerate(ts_rows):
-            sampled = seqs[i].sampled
-            if sampled:
-                host[r, : len(sampled)] = sampled
-        samp = torch.from_numpy(host).to(dev, non_blocking=True)
         col = self._cols
-        valid = torch.arange(width, device=dev)[None, :] < nn_[:, None]
-        is_ts = (samp >= tb) & valid
-        last_ts = is_ts.gather(1, (nn_ - 1).clamp(min=0)[:, None])[:, 0] & (nn_ > 0)
-        pen_ts = torch.where(nn_ >= 2, is_ts.gather(1, (nn_ - 2).clamp(min=0)[:, None])[:, 0],
-                             torch.ones_like(last_ts))  # fmt: skip
         pair_done = last_ts & pen_ts
         pair_open = last_ts & ~pen_ts
         mask = (pair_done[:, None] & (col[None, :] >= tb)) | (pair_open[:, None] & (col[None, :] < eot))
-        pos = torch.arange(width, device=dev).expand_as(samp)
-        last_pos = torch.where(is_ts, pos, torch.full_like(pos, -1)).amax(dim=1)
-        has_ts = last_pos >= 0
-        last_val = samp.gather(1, last_pos.clamp(min=0)[:, None])[:, 0]
+        has_ts = last_val >= 0
         limit = torch.where(pair_open, last_val, last_val + 1)
         mask |= has_ts[:, None] & (col[None, :] >= tb) & (col[None, :] < limit[:, None])
-        begin = at_begin[idx]
+        begin = n == 0
         mask |= begin[:, None] & (col[None, :] < tb)
-        max_init = torch.tensor([seqs[i].max_initial if seqs[i].max_initial is not None else 10**9
-                                 for i in ts_rows], device=dev)  # fmt: skip
         mask |= begin[:, None] & (col[None, :] > tb + max_init[:, None])
         sub.masked_fill_(mask, neg)
         logprobs = torch.log_softmax(sub.float(), dim=-1)

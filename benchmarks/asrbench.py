@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--workload", choices=["speech", "synthetic", "streaming"], default="speech")
     parser.add_argument("--shape", default=None,
-                        help="synthetic: smoke | tiny | large-v3; streaming: small | medium")
+                        help="synthetic: smoke | tiny | large-v3 | large-v3-turbo; streaming: small | medium")
     parser.add_argument("--dtype", default=None,
                         help="float32 | float16 | bfloat16 (default: float32 on CPU, float16 on CUDA)")
     parser.add_argument("--batch-size", type=int, default=None,

@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None, help="synthetic: forced tokens per request")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--encoder-lookahead", type=int, default=None,
+                        help="synthetic: SchedulerConfig.encoder_lookahead (default: the engine's)")
     parser.add_argument("--varied", action="store_true",
                         help="synthetic: per-request decode lengths in [tokens/4, 7*tokens/4]")
     stream = parser.add_argument_group("streaming workload (benchmarks/streambench.py)")
@@ -259,6 +261,7 @@ def _synthetic(args: argparse.Namespace) -> dict:
         backends=tuple(backends.split(",")),
         cuda_graphs=False if args.no_cuda_graphs else None,
         varied=args.varied,
+        encoder_lookahead=args.encoder_lookahead,
     )
     print_table(report)
     if smoke:  # every backend ran, produced the forced number of tokens and comparable text

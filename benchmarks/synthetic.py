@@ -127,7 +127,8 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
                   requests: int = 4, batch_size: int = 2, tokens: int = 10,
                   backends: tuple[str, ...] = ("oasr_engine", "transformers"),
                   seconds: float = 30.0, cuda_graphs: bool | None = None, seed: int = 0,
-                  warmup: bool = True, varied: bool = False) -> dict[str, Any]:  # fmt: skip
+                  warmup: bool = True, varied: bool = False,
+                  encoder_lookahead: int | None = None) -> dict[str, Any]:  # fmt: skip
     """``varied``: request ``i`` decodes ``targets[i]`` tokens, drawn uniformly from
     [tokens/4, 7*tokens/4] (mean ``tokens``), instead of ``tokens`` each. ``transformers`` then
     stops each row at its length (a per-row stopping criterion) but keeps the batch until its
@@ -184,7 +185,7 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
         if name in ("oasr_engine", "oasr_batch"):
             if engine is None:
                 sc = SchedulerConfig(max_batch_size=batch_size, cuda_graphs=cuda_graphs,
-                                     max_wait_steps=10**6)  # fmt: skip
+                                     max_wait_steps=10**6, encoder_lookahead=encoder_lookahead)  # fmt: skip
                 engine = ASREngine(EngineConfig(device=device, dtype=dtype, max_batch_size=batch_size),
                                    model=asr, scheduler_config=sc)  # fmt: skip
 

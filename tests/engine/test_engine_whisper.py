@@ -163,6 +163,8 @@ def test_offline_batches_through_the_scheduler(tiny_en, clips, monkeypatch):
     """On a GPU, transcribe_arrays goes through the continuous-batching scheduler (forced here
     on the CPU): results in input order, equal to the per-batch path, progress to the total."""
     eng = _engine(tiny_en)
+    eng.transcribe_arrays(clips[:1])  # on the CPU: the per-batch path, no executor pools built
+    assert eng.scheduler is None
     monkeypatch.setattr(eng, "_continuous_on_gpu", lambda: True)
     seen = []
     outs = eng.transcribe_arrays(clips, progress=lambda d, t: seen.append((d, t)))

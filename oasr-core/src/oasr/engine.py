@@ -301,10 +301,12 @@ class ASREngine:
         """Whether offline batches go through the scheduler: on a GPU with a continuous-batching
         executor (CUDA graphs, rows refilled as windows finish), that path is several times
         faster than whole batches. On the CPU the per-batch path is kept (measured the faster)."""
-        if self.config.service_mode != "offline" or not hasattr(self.model, "make_executor"):
+        # the model's device first: building the executor reserves its KV-cache pools, which a
+        # CPU engine that never submits must not pay for
+        on_gpu = str(getattr(self.model, "device", "cpu")).startswith("cuda")
+        if not on_gpu or self.config.service_mode != "offline" or not hasattr(self.model, "make_executor"):
             return False
-        executor = self._offline("transcribe").executor
-        return not isinstance(executor, BatchExecutor) and str(getattr(executor, "device", "cpu")).startswith("cuda")
+        return not isinstance(self._offline("transcribe").executor, BatchExecutor)
 
     def _transcribe_scheduled(self, audios: Sequence[np.ndarray], options: DecodingOptions,
                               total: float, progress: ProgressCallback | None) -> list[Transcript]:  # fmt: skip

@@ -85,6 +85,11 @@ class WhisperASR:
             kind="whisper_logmel", num_bins=network.dims.n_mels, options={"chunk_seconds": 30}
         )
 
+    @property
+    def device(self) -> torch.device:
+        """The device the network runs on."""
+        return self.network.device
+
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_loaded(cls, loaded: LoadedWhisper, config: EngineConfig | None = None) -> WhisperASR:

@@ -741,7 +741,7 @@ class WhisperExecutor:
         rows (indices into ``self.rows``) that finished."""
         b, v = logits.shape
         dev = self.device
-        _tb, eot = self.tok.timestamp_begin, self.tok.eot
+        tb, eot = self.tok.timestamp_begin, self.tok.eot
         neg = -math.inf
         blank_rows = [i for i, s in enumerate(seqs) if s.blank_mask is not None and not s.sampled]
         if blank_rows:
@@ -777,11 +777,10 @@ class WhisperExecutor:
             s.sum_logprob = np.float32(s.sum_logprob) + np.float32(p)
         self.stats["tokens"] += len(toks)
         finished = []
-        tb = self.tok.timestamp_begin
         for i, (s, t) in enumerate(zip(seqs, toks, strict=True)):
-            s.sampled.append(int(t))
+            s.sampled.append(t)
             if t >= tb:
-                s.last_timestamp = int(t)
+                s.last_timestamp = t
             if t == eot or len(s.sampled) >= s.sample_len or s.length > self.dims.n_text_ctx:
                 finished.append(rows[i])
             elif s.length > len(s.blocks) * self.block_size:

@@ -1,7 +1,9 @@
 """The ASGI application: ``create_app`` wires the engine worker, the routes, auth and metrics.
 
-The event loop only parses requests and writes responses. Audio decoding runs in a small thread
-pool (bounded by ``decode_threads``); the model runs only in the engine worker thread
+The event loop only parses requests and writes responses. Audio decoding runs in worker
+processes (``decode_processes``, :mod:`oasr.decode_pool`: PyAV holds the GIL while it decodes,
+which would starve the engine's scheduler thread), or in a small thread pool (``decode_threads``)
+when there are none; the model runs only in the engine worker thread
 (:mod:`oasr_server.worker`). Every failure is answered in OpenAI's error shape from the typed
 errors in :mod:`oasr.errors` / :mod:`oasr_server.errors`.
 """
@@ -45,6 +47,7 @@ from oasr_server.worker import EngineWorker, Job
 if TYPE_CHECKING:
     import numpy as np
 
+    from oasr.decode_pool import AudioDecodePool
     from oasr.engine import ASREngine
     from oasr.types import DecodingOptions, EngineConfig
     from oasr_server.stream_worker import StreamingEngineLoop
@@ -83,6 +86,8 @@ class ServerState:
         self.load_error: str | None = None
         self.started_at = int(time.time())
         self.decode_limiter = anyio.CapacityLimiter(config.decode_threads)
+        #: worker processes that decode uploads (None: decoding runs in threads)
+        self.decode_pool: AudioDecodePool | None = None
         self._loader: threading.Thread | None = None
         self._ready_lock = threading.Lock()
         self._ready_listeners: list[Callable[[], None]] = []
@@ -153,8 +158,27 @@ class ServerState:
         self._loader = threading.Thread(target=self._load, name="oasr-model-loader", daemon=True)
         self._loader.start()
 
+    def _start_decode_pool(self) -> AudioDecodePool | None:
+        from oasr.decode_pool import AudioDecodePool, default_decode_processes
+
+        processes = self.config.decode_processes
+        if processes is None:
+            processes = default_decode_processes()
+        if processes == 0:
+            return None
+        pool = AudioDecodePool(processes)
+        try:
+            pool.start()
+        except Exception:  # noqa: BLE001 - decoding in threads still works, only slower
+            log.warning("audio decode processes did not start; decoding in threads", exc_info=True)
+            pool.shutdown(wait=False)
+            return None
+        return pool
+
     def _load(self) -> None:
         try:
+            # the decode workers start first: they are plain processes without the model
+            self.decode_pool = self._start_decode_pool()
             engine = self.engine
             if engine is None:
                 if self.engine_factory is not None:
@@ -195,6 +219,9 @@ class ServerState:
                 log.info("streams: turns are fed to the engine as audio arrives (feed_chunk/step)")
             with self._ready_lock:
                 if self._closed:  # the app shut down while the model was loading
+                    pool, self.decode_pool = self.decode_pool, None
+                    if pool is not None:
+                        pool.shutdown(wait=False)
                     return
                 worker.start()
                 self.worker = worker
@@ -252,6 +279,9 @@ class ServerState:
                 log.debug("engine shutdown failed", exc_info=True)
         if self._vad_executor is not None:
             self._vad_executor.shutdown(wait=False, cancel_futures=True)
+        pool, self.decode_pool = self.decode_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     # -- request helpers ---------------------------------------------------------------------
     def require_ready(self) -> tuple[ASREngine, EngineWorker]:
@@ -283,17 +313,18 @@ class ServerState:
     ) -> np.ndarray:
         from oasr.audio import load_audio
 
-        audio = await anyio.to_thread.run_sync(
-            partial(
-                load_audio,
-                data,
-                sample_rate,
-                max_seconds=self.config.max_audio_seconds,
-                raw_format=raw_format,
-                timeout_s=self.config.request_timeout,
-            ),
-            limiter=self.decode_limiter,
-        )
+        limits = {
+            "max_seconds": self.config.max_audio_seconds,
+            "raw_format": raw_format,
+            "timeout_s": self.config.request_timeout,
+        }
+        pool = self.decode_pool
+        if pool is not None:
+            audio = await pool.decode(data, sample_rate, **limits)
+        else:
+            audio = await anyio.to_thread.run_sync(
+                partial(load_audio, data, sample_rate, **limits), limiter=self.decode_limiter
+            )
         seconds = audio.shape[-1] / sample_rate
         self.metrics.audio_seconds.labels(route).inc(seconds)
         self.metrics.audio_duration.observe(seconds)

@@ -70,6 +70,15 @@ def serve_command(
         Optional[int],  # noqa: UP045
         typer.Option("--threads", help="CPU threads for torch."),
     ] = None,
+    decode_processes: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--decode-processes",
+            min=0,
+            help="Worker processes that decode uploads (0: threads in the server process). "
+            "Default: half the cores, at most 8; 0 below 4 cores.",
+        ),
+    ] = None,
     grpc_bind: Annotated[
         Optional[str],  # noqa: UP045
         typer.Option(
@@ -179,6 +188,7 @@ def serve_command(
             partial_interval_ms=partial_interval_ms,
             max_concurrency=max_concurrency,
             realtime_idle_timeout=realtime_idle_timeout,
+            decode_processes=decode_processes,
         )
     except OASRError as exc:
         typer.echo(f"error: {exc.message}", err=True)

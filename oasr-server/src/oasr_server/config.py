@@ -29,8 +29,13 @@ class ServerConfig:
     #: Most requests merged into one ``engine.transcribe_arrays`` call (None: the engine's
     #: ``max_batch_size``).
     max_batch_size: int | None = None
-    #: Concurrent audio decodes (they run in threads, never on the event loop).
+    #: Concurrent audio decodes in threads, when no decode processes are used (never on the
+    #: event loop); also the number of VAD threads.
     decode_threads: int = 4
+    #: Worker processes that decode uploads (``oasr.decode_pool``), so decoding never holds the
+    #: engine process's GIL. None: ``default_decode_processes()`` (half the cores, at most 8;
+    #: none below 4 cores); 0: decode in ``decode_threads`` threads instead.
+    decode_processes: int | None = None
     #: Run one short transcription before reporting ready.
     warmup: bool = True
     #: Seconds a 429 answer asks the client to wait (Retry-After).
@@ -75,5 +80,7 @@ class ServerConfig:
             raise InvalidRequestError(
                 "realtime_idle_timeout must be >= 0", param="realtime_idle_timeout"
             )
+        if self.decode_processes is not None and self.decode_processes < 0:
+            raise InvalidRequestError("decode_processes must be >= 0", param="decode_processes")
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

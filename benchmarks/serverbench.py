@@ -17,7 +17,10 @@
    completed with a non-empty transcript, no stream slot or queue entry left over (``/metrics``).
 
 Reported: client latency p50/p99, server throughput (RTFx: audio seconds per wall second), the
-engine's RTFx on the same work and their ratio (server / engine).
+engine's RTFx on the same work and their ratio (server / engine). The engine is also timed on
+audio decoded before its clock starts, the model's own throughput, and the server is compared
+with that too: the server may decode uploads in parallel worker processes (``--decode-processes``)
+while the in-process engine's caller decodes one file after another.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ class Report:
     latency_p50_s: float
     latency_p99_s: float
     mixed_wall_s: float = 0.0
+    #: the engine on audio decoded before the clock starts (no decoding timed)
+    engine_arrays_wall_s: float = 0.0
+    engine_arrays_rtfx: float = 0.0
+    ratio_vs_arrays: float = 0.0
+    #: the server's --decode-processes (None: its default)
+    decode_processes: int | None = None
     stream_latency_s: list[float] = field(default_factory=list)
     stream_texts: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
@@ -86,8 +95,10 @@ def percentile(values: list[float], q: float) -> float:
     return xs[k]
 
 
-def engine_reference(ckpt: str, device: str, threads: int, work: list[Path]) -> tuple[dict[Path, str], float, float]:
-    """Texts per file and wall seconds of the in-process engine on ``work`` (all submitted at once)."""
+def engine_reference(ckpt: str, device: str, threads: int, work: list[Path]) -> tuple[dict[Path, str], float, float, float]:
+    """Texts per file, wall seconds of the in-process engine on ``work`` (all submitted at once,
+    each file decoded by the caller), its audio seconds, and the wall seconds of the same work on
+    audio decoded beforehand (the model's own throughput, no decoding in the timed part)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -103,23 +114,31 @@ def engine_reference(ckpt: str, device: str, threads: int, work: list[Path]) -> 
         futures = [engine.submit(str(p)) for p in work]
         texts = [f.result().text for f in futures]
         wall = time.perf_counter() - start
+        start = time.perf_counter()
+        array_texts = [f.result().text for f in [engine.submit(waves[p]) for p in work]]
+        arrays_wall = time.perf_counter() - start
     finally:
         engine.shutdown()
     ref: dict[Path, str] = {}
-    for p, t in zip(work, texts, strict=True):
+    for p, t in zip(work + work, texts + array_texts, strict=True):
         if ref.setdefault(p, t) != t:
             raise AssertionError(f"the engine gave two texts for {p.name}: {ref[p]!r} / {t!r}")
     audio_s = sum(waves[p].shape[-1] for p in work) / engine.sample_rate
-    return ref, wall, audio_s
+    return ref, wall, audio_s, arrays_wall
 
 
-def start_server(ckpt: str, device: str, threads: int, port: int, concurrency: int, queue: int) -> subprocess.Popen:
+def start_server(
+    ckpt: str, device: str, threads: int, port: int, concurrency: int, queue: int,
+    decode_processes: int | None = None,
+) -> subprocess.Popen:  # fmt: skip
     cmd = [
         sys.executable, "-c", "from oasr_server.cli import main; main()",
         "--ckpt-dir", ckpt, "--device", device, "--threads", str(threads),
         "--http-bind", f"127.0.0.1:{port}", "--max-concurrency", str(concurrency),
         "--max-queue", str(queue), "--log-level", "warning",
     ]  # fmt: skip
+    if decode_processes is not None:
+        cmd += ["--decode-processes", str(decode_processes)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OASR_")}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -211,6 +230,7 @@ async def realtime_stream(port: int) -> tuple[str, float]:
 def run(
     *, requests: int = 64, concurrency: int = 16, streams: int = 2, threads: int = 2,
     device: str = "cpu", ckpt: str | None = None, shortest: bool = False,
+    decode_processes: int | None = None,
 ) -> Report:  # fmt: skip
     import httpx
 
@@ -224,11 +244,12 @@ def run(
         seconds = {SPEECH / r["audio"]: float(r["duration_s"]) for r in rows}
         files = sorted(files, key=lambda p: seconds[p])[:requests]
     work = [files[i % len(files)] for i in range(requests)]
-    ref, engine_wall, audio_s = engine_reference(ckpt, device, threads, work)
+    ref, engine_wall, audio_s, arrays_wall = engine_reference(ckpt, device, threads, work)
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = start_server(ckpt, device, threads, port, concurrency, queue=max(64, requests))
+    proc = start_server(ckpt, device, threads, port, concurrency, queue=max(64, requests),
+                        decode_processes=decode_processes)  # fmt: skip
     try:
         wait_ready(base, proc)
 
@@ -294,6 +315,8 @@ def run(
         audio_s=round(audio_s, 2), engine_wall_s=round(engine_wall, 3), engine_rtfx=round(engine_rtfx, 2),
         server_wall_s=round(server_wall, 3), server_rtfx=round(server_rtfx, 2),
         ratio=round(server_rtfx / engine_rtfx, 3),
+        engine_arrays_wall_s=round(arrays_wall, 3), engine_arrays_rtfx=round(audio_s / arrays_wall, 2),
+        ratio_vs_arrays=round(server_rtfx / (audio_s / arrays_wall), 3), decode_processes=decode_processes,
         latency_p50_s=round(percentile(latencies, 50), 3), latency_p99_s=round(percentile(latencies, 99), 3),
         mixed_wall_s=round(mixed_wall, 3), stream_latency_s=[round(s, 3) for _, s in stream_results], stream_texts=[t for t, _ in stream_results],
         mismatches=mismatches, server_counted=counted, leftover=leftover,
@@ -304,8 +327,9 @@ def print_report(r: Report) -> None:
     print(f"oasr_server: {r.requests} uploads at concurrency {r.concurrency} + {r.streams} realtime streams, "
           f"{r.audio_s:.1f} s of audio, {r.device}, {r.threads} threads")  # fmt: skip
     print(f"  engine (in-process submit)  wall {r.engine_wall_s:8.2f} s   RTFx {r.engine_rtfx:7.1f}")
+    print(f"  engine on decoded arrays    wall {r.engine_arrays_wall_s:8.2f} s   RTFx {r.engine_arrays_rtfx:7.1f}")
     print(f"  server (HTTP, real process) wall {r.server_wall_s:8.2f} s   RTFx {r.server_rtfx:7.1f}   "
-          f"ratio {r.ratio:.2f}")  # fmt: skip
+          f"ratio {r.ratio:.2f} (vs decoded arrays {r.ratio_vs_arrays:.2f})")  # fmt: skip
     print(f"  upload latency p50 {r.latency_p50_s:.2f} s  p99 {r.latency_p99_s:.2f} s")
     if r.streams:
         print(f"  mixed: the same uploads + {r.streams} realtime streams: wall {r.mixed_wall_s:.2f} s; "
@@ -327,6 +351,8 @@ def main(args: argparse.Namespace | None = None, argv: list[str] | None = None) 
         parser.add_argument("--threads", type=int, default=2)
         parser.add_argument("--device", default="cpu")
         parser.add_argument("--server-ckpt", default=None)
+        parser.add_argument("--decode-processes", type=int, default=None,
+                            help="the server's --decode-processes (default: the server's own default)")
         parser.add_argument("--json", type=Path, default=None)
         args = parser.parse_args(argv)
     smoke = getattr(args, "profile", "english") == "smoke"
@@ -337,6 +363,7 @@ def main(args: argparse.Namespace | None = None, argv: list[str] | None = None) 
     report = run(
         requests=requests, concurrency=concurrency, streams=streams, threads=args.threads,
         device=args.device, ckpt=getattr(args, "server_ckpt", None), shortest=smoke,
+        decode_processes=getattr(args, "decode_processes", None),
     )  # fmt: skip
     print_report(report)
     out = asdict(report)

@@ -474,3 +474,58 @@ def test_engine_loop_stop_fails_open_streams() -> None:
 
     asyncio.run(go())
     assert loop.open_streams == 0 and not engine.streaming._streams
+
+
+def test_uploads_beside_live_streams_give_unchanged_answers(realtime) -> None:
+    """In streaming mode HTTP uploads take the batch path (``model.transcribe``) on the same
+    model that the stream loop steps in its own thread. Run both at once: neither may change
+    the other's answers."""
+    import threading
+
+    from oasr.engine import ASREngine
+    from oasr.types import EngineConfig
+
+    client, app = realtime()
+    path = SPEECH / SHORT[1]
+    clip = path.read_bytes()
+
+    def upload() -> str:
+        r = client.post("/v1/audio/transcriptions", files={"file": (path.name, clip, "audio/wav")})
+        assert r.status_code == 200, r.text
+        return r.json()["text"]
+
+    offline = ASREngine(EngineConfig(ckpt_dir=str(CKPT))).submit(str(path)).result().text
+    alone = upload()
+    assert alone == offline and alone  # the batch path is the offline model's answer
+    answers: list[str] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def keep_uploading() -> None:
+        try:
+            while not stop.is_set():
+                answers.append(upload())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    uploader = threading.Thread(target=keep_uploading)
+    uploader.start()
+    finals: list[tuple[str, np.ndarray]] = []
+    try:
+        for audio in (speech(LONG), speech(SHORT[0])):
+            ws = open_session(client)
+            try:
+                append(ws, audio)
+                ws.send_json({"type": "input_audio_buffer.commit"})
+                (completed,) = of(receive_until(ws, COMPLETED), COMPLETED)
+            finally:
+                ws.__exit__(None, None, None)
+            finals.append((completed["transcript"], audio))
+    finally:
+        stop.set()
+        uploader.join(60)
+    assert not errors, errors
+    assert len(answers) >= 2 and set(answers) == {alone}
+    for text, audio in finals:
+        assert text == engine_text(audio)
+    wait_released(lambda: client.get("/metrics").text, app, "realtime")

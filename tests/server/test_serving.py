@@ -317,6 +317,47 @@ def test_metrics_move(kit, app_factory) -> None:
     assert _metric(text, "oasr_model_ready") == 1
     assert "oasr_queue_depth 0.0" in text
     assert "oasr_queue_wait_seconds_bucket" in text
+    # RTFx: one observation per request through the engine queue, and the 60 s window's rate
+    assert _metric(text, "oasr_request_rtfx_count") == 3
+    assert _metric(text, "oasr_rtfx") == pytest.approx(3.5 / 60, rel=0.01)
+    # GPU memory: declared, but a CPU model has no device to report
+    assert "# TYPE oasr_gpu_memory_bytes gauge" in text
+    assert "oasr_gpu_memory_bytes{" not in text
+
+
+def test_throughput_window() -> None:
+    from oasr_server.metrics import ThroughputWindow
+
+    now = [100.0]
+    window = ThroughputWindow(window=10.0, clock=lambda: now[0])
+    assert window.rtfx() == 0
+    window.add(30.0)
+    now[0] = 105.0
+    window.add(20.0)
+    assert window.rtfx() == pytest.approx(5.0)  # 50 s of audio in the last 10 s
+    now[0] = 111.0  # the first result left the window
+    assert window.rtfx() == pytest.approx(2.0)
+    now[0] = 200.0
+    assert window.rtfx() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_memory_metric() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from oasr_server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.bind_gpu("cuda")
+    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB
+    text = metrics.render().decode()
+    index = torch.cuda.current_device()
+    allocated = _metric(text, "oasr_gpu_memory_bytes", device=f"cuda:{index}", kind="allocated")
+    total = _metric(text, "oasr_gpu_memory_bytes", device=f"cuda:{index}", kind="total")
+    used = _metric(text, "oasr_gpu_memory_bytes", device=f"cuda:{index}", kind="used")
+    assert allocated >= block.numel() and total >= used >= allocated
+    del block
 
 
 def test_models_list(kit, app_factory) -> None:

@@ -231,6 +231,9 @@ class ServerState:
                 self.ready = True
                 listeners = list(self._ready_listeners)
             self.metrics.bind_worker(lambda: worker.depth, lambda: worker.in_flight)
+            # the model's own device where it says (a checkpoint may pick it), else the config's
+            device = getattr(engine.model, "device", None) or getattr(engine.config, "device", "cpu")
+            self.metrics.bind_gpu(str(device))
             if stream_engine is not None:
                 self.metrics.bind_engine_streams(lambda: stream_engine.open_streams)
             self.metrics.ready.set(1)
@@ -367,7 +370,11 @@ class ServerState:
         finally:
             if not job.future.done():
                 worker.abandon(job)  # timed out or the client went away: skip the work
-        self.metrics.queue_wait.observe(time.monotonic() - job.enqueued_at)
+        waited = time.monotonic() - job.enqueued_at
+        self.metrics.queue_wait.observe(waited)
+        if self.engine is not None:
+            samples = sum(a.shape[-1] for a in job.inputs)
+            self.metrics.on_transcribed(samples / self.engine.sample_rate, waited)
         return result
 
 

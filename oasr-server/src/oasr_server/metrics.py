@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
 LATENCY_BUCKETS = (
@@ -26,6 +31,64 @@ LATENCY_BUCKETS = (
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 AUDIO_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+RTFX_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+#: The window of the ``oasr_rtfx`` gauge (seconds).
+RTFX_WINDOW_S = 60.0
+
+
+class ThroughputWindow:
+    """Audio seconds finished in the last ``window`` seconds, per wall second: the server's
+    real-time factor right now (0 when idle)."""
+
+    def __init__(self, window: float = RTFX_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window = window
+        self.clock = clock
+        self._done: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, audio_seconds: float) -> None:
+        with self._lock:
+            self._done.append((self.clock(), audio_seconds))
+
+    def rtfx(self) -> float:
+        horizon = self.clock() - self.window
+        with self._lock:
+            while self._done and self._done[0][0] < horizon:
+                self._done.popleft()
+            return sum(a for _, a in self._done) / self.window
+
+
+class GPUMemoryCollector:
+    """``oasr_gpu_memory_bytes{device, kind}`` read at scrape time: ``allocated`` and ``reserved``
+    by this process's torch allocator, ``used`` and ``total`` on the whole device (other processes
+    included). Reads nothing unless torch is already imported and the model is on a CUDA device,
+    so a CPU server never imports torch or touches a GPU for it."""
+
+    def __init__(self) -> None:
+        self.device: str | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "oasr_gpu_memory_bytes",
+            "GPU memory of the model's device: allocated/reserved by this process's torch "
+            "allocator, used/total on the device.",
+            labels=["device", "kind"],
+        )
+        torch = sys.modules.get("torch")
+        device = self.device
+        if torch is not None and device is not None and device.startswith("cuda"):
+            try:
+                index = torch.device(device).index
+                index = torch.cuda.current_device() if index is None else index
+                free, total = torch.cuda.mem_get_info(index)
+                name = f"cuda:{index}"
+                family.add_metric([name, "allocated"], torch.cuda.memory_allocated(index))
+                family.add_metric([name, "reserved"], torch.cuda.memory_reserved(index))
+                family.add_metric([name, "used"], total - free)
+                family.add_metric([name, "total"], total)
+            except Exception:  # noqa: BLE001 - a scrape must never fail on a device query
+                pass
+        yield family
 
 
 class ServerMetrics:
@@ -114,6 +177,23 @@ class ServerMetrics:
         self.ready = Gauge(
             "oasr_model_ready", "1 once the model is loaded and warmed up.", registry=r
         )
+        self.request_rtfx = Histogram(
+            "oasr_request_rtfx",
+            "Real-time factor of each request through the engine: its audio seconds per second "
+            "from entering the engine queue to its result.",
+            buckets=RTFX_BUCKETS,
+            registry=r,
+        )
+        self.throughput = ThroughputWindow()
+        self.rtfx = Gauge(
+            "oasr_rtfx",
+            f"Audio seconds transcribed per wall second over the last {RTFX_WINDOW_S:g} s "
+            "(requests through the engine queue).",
+            registry=r,
+        )
+        self.rtfx.set_function(self.throughput.rtfx)
+        self.gpu_memory = GPUMemoryCollector()
+        r.register(self.gpu_memory)
 
     def bind_worker(self, depth: Callable[[], float], in_flight: Callable[[], float]) -> None:
         self.queue_depth.set_function(depth)
@@ -121,6 +201,16 @@ class ServerMetrics:
 
     def bind_engine_streams(self, count: Callable[[], float]) -> None:
         self.engine_streams.set_function(count)
+
+    def on_transcribed(self, audio_seconds: float, engine_seconds: float) -> None:
+        """A request's result came back from the engine queue after ``engine_seconds``."""
+        self.throughput.add(audio_seconds)
+        if engine_seconds > 0:
+            self.request_rtfx.observe(audio_seconds / engine_seconds)
+
+    def bind_gpu(self, device: str) -> None:
+        """Report GPU memory for the model's ``device`` (ignored unless it is a CUDA device)."""
+        self.gpu_memory.device = device
 
     def on_batch(self, size: int, seconds: float) -> None:
         self.batch_size.observe(size)

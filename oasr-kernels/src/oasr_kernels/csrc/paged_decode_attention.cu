@@ -105,6 +105,25 @@ extern __shared__ long long oasr_pda_smem[];
 
 namespace oasr_pda {
 
+// One round of kUnroll 16-byte loads of this thread's keys (zeros past the row's length) from a
+// K or V pool: both passes read their pool the same way.
+template <typename T>
+__device__ __forceinline__ void load_round(Vec16 (&raw)[kUnroll], const T* __restrict__ pool,
+                                           const long long* tbl, int base, int first, int kpb,
+                                           int len, int block_size, long long slot_stride,
+                                           long long head_off) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int j = base + u * kpb + first;
+    if (j < len) {
+      const long long slot = tbl[j / block_size] * block_size + (j % block_size);
+      raw[u] = *reinterpret_cast<const Vec16*>(pool + slot * slot_stride + head_off);
+    } else {
+      raw[u] = Vec16{0u, 0u, 0u, 0u};
+    }
+  }
+}
+
 // Each key of D elements is read as G 16-byte vectors by G neighbouring lanes; a warp covers
 // KPW = 32 / G keys per load and the block KPB = 4 * KPW; every thread issues kUnroll loads
 // before using them so enough bytes are in flight to stream the pools at memory speed.
@@ -159,16 +178,7 @@ __device__ __forceinline__ void paged_decode_attention(
   // Pass 1: scores[j] = q . K[j] * scale
   for (int base = 0; base < len; base += STEP) {
     Vec16 raw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = base + u * KPB + first;
-      if (j < len) {
-        const long long slot = tbl[j / block_size] * block_size + (j % block_size);
-        raw[u] = *reinterpret_cast<const Vec16*>(K + slot * slot_stride + head_off);
-      } else {
-        raw[u] = Vec16{0u, 0u, 0u, 0u};
-      }
-    }
+    load_round(raw, K, tbl, base, first, KPB, len, block_size, slot_stride, head_off);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float kf[EPL];
@@ -214,16 +224,7 @@ __device__ __forceinline__ void paged_decode_attention(
   for (int i = 0; i < EPL; ++i) acc[i] = 0.f;
   for (int base = 0; base < len; base += STEP) {
     Vec16 raw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = base + u * KPB + first;
-      if (j < len) {
-        const long long slot = tbl[j / block_size] * block_size + (j % block_size);
-        raw[u] = *reinterpret_cast<const Vec16*>(V + slot * slot_stride + head_off);
-      } else {
-        raw[u] = Vec16{0u, 0u, 0u, 0u};
-      }
-    }
+    load_round(raw, V, tbl, base, first, KPB, len, block_size, slot_stride, head_off);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int j = base + u * KPB + first;

@@ -115,6 +115,9 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
             "energy",
             "--grpc-bind",
             f"127.0.0.1:{grpc_port}",
+            # uploads decoded in a worker process (forkserver) of the real server process
+            "--decode-processes",
+            "1",
         ],
         env=_env([kit.EXAMPLE / "src", example_installed]),
         stdout=subprocess.PIPE,
@@ -142,6 +145,10 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
             )
             assert r.status_code == 200, r.text
             assert r.json() == {"text": "[speech]"}
+            if sys.platform.startswith("linux"):  # the decode pool's forkserver is a child
+                tasks = Path(f"/proc/{proc.pid}/task").glob("*/children")
+                kids = [pid for t in tasks for pid in t.read_text().split()]
+                assert kids, "no decode worker process was started"
             by_ckpt = c.post(
                 "/v1/audio/transcriptions",
                 files=files,

@@ -88,7 +88,8 @@ class SchedulerConfig:
     #: most windows per encoder call (None: max_batch_size)
     max_encoder_batch: int | None = None
     #: continuous executors: while requests run, admit new ones only when this many rows are
-    #: free (None: max_batch_size // 8, at least 1); 1 = refill every freed row at once
+    #: free (None: half of ``encoder_lookahead`` where windows are encoded ahead, else
+    #: max_batch_size // 8; at least 1); 1 = refill every freed row at once
     min_admit_group: int | None = None
     #: continuous executors: windows encoded ahead of a free decoder row, so the next group's
     #: encoder runs while the current rows decode (None: max_batch_size on CUDA, where the

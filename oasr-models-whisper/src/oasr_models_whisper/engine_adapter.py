@@ -180,10 +180,14 @@ class WhisperExecutor:
         self.encoder_lookahead = max(0, int(lookahead))
         #: the most requests holding state at once (preparing, encoded and waiting, decoding)
         self.max_requests = config.max_batch_size + self.encoder_lookahead
-        #: while requests run, admit only once this many can join at once (amortises the
-        #: encoder call and the eager prefill over several windows)
+        #: while requests run, admit only once this many can join at once (amortises the VAD
+        #: gate, the log-mel and the encoder call over several requests). With windows encoded
+        #: ahead, decoder rows refill from those, so admissions can wait for half the look-ahead
+        #: to free up; without, for an eighth of the rows.
         group = config.min_admit_group
-        self.min_admit_group = max(1, self.max_rows // 8) if group is None else max(1, int(group))
+        if group is None:
+            group = self.encoder_lookahead // 2 if self.encoder_lookahead else self.max_rows // 8
+        self.min_admit_group = max(1, int(group))
         self._group_open = False
         self.cache = PagedKVCache(self.n_layer, int(num_blocks), self.block_size, self.n_head,
                                   self.head_dim, device=self.device, dtype=self.dtype)  # fmt: skip

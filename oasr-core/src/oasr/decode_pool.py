@@ -55,7 +55,9 @@ def _warm_worker() -> int:
     return os.getpid()
 
 
-def _decode(decoder: Callable[..., Any] | None, data: bytes, sample_rate: int, kwargs: dict) -> Any:
+def _decode(
+    decoder: Callable[..., Any] | None, data: bytes | str, sample_rate: int, kwargs: dict
+) -> Any:
     if decoder is None:
         from oasr.audio import load_audio
 
@@ -128,23 +130,24 @@ class AudioDecodePool:
     # -- decoding ----------------------------------------------------------------------------
     def submit(
         self,
-        data: bytes | bytearray | memoryview,
+        data: bytes | bytearray | memoryview | str | os.PathLike,
         sample_rate: int = 16000,
         **kwargs: Any,
     ) -> cf.Future:
         """Decode ``data`` as ``load_audio(data, sample_rate, **kwargs)`` would, in a worker.
+        ``data`` is the encoded bytes, or a file path that the worker reads itself.
 
         Returns a :class:`concurrent.futures.Future` of the float32 array; its exception is the
         one ``load_audio`` raised, or :class:`BadAudioError` when the input killed a worker
         ``ATTEMPTS`` times.
         """
-        payload = bytes(data)
+        payload = os.fspath(data) if isinstance(data, (str, os.PathLike)) else bytes(data)
         outer: cf.Future = cf.Future()
         self._attempt(outer, payload, int(sample_rate), kwargs, ATTEMPTS)
         return outer
 
     def _attempt(
-        self, outer: cf.Future, data: bytes, sample_rate: int, kwargs: dict, tries_left: int
+        self, outer: cf.Future, data: bytes | str, sample_rate: int, kwargs: dict, tries_left: int
     ) -> None:
         try:
             executor = self._current()

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Union
 
 from oasr.errors import AudioTooLongError, UnsupportedOptionError
 from oasr.scheduler import (
@@ -48,6 +48,12 @@ AudioInput = Union[str, Path, bytes, BinaryIO, "np.ndarray"]
 
 
 __all__ = ["ASREngine", "RequestOutput", "ServiceModeError", "StreamOutput", "RequestAbortedError"]
+
+
+def _local_input(source: Any) -> bool:
+    """Inputs decoded in the caller even with decode processes: arrays (nothing to decode) and
+    file objects (they cannot travel to another process)."""
+    return not isinstance(source, (str, Path, bytes, bytearray, memoryview))
 
 
 class ServiceModeError(UnsupportedOptionError):
@@ -99,6 +105,9 @@ class ASREngine:
                 param="service_mode",
             )
         self._lock = threading.Lock()
+        #: worker processes for decoding many inputs (EngineConfig.decode_processes), on first use
+        self._decode_pool: Any = None
+        self._pool_lock = threading.Lock()
         self.scheduler: Scheduler | None = None
         self.streaming = None
         if config.service_mode == "offline":
@@ -162,10 +171,12 @@ class ASREngine:
         sched = self._offline("transcribe_outputs")
         t0 = time.perf_counter()
         futures: list[Future | BaseException] = []
-        for x in inputs:
+        for audio in self.load_audios(inputs):
             try:
+                if isinstance(audio, BaseException):
+                    raise audio
                 options.check_supported(self.model.capabilities, self.model.name)
-                futures.append(sched.submit(self.load_audio(x), options))
+                futures.append(sched.submit(audio, options))
             except Exception as exc:  # noqa: BLE001 - this input fails alone
                 futures.append(exc)
         sched.wait_all([f for f in futures if isinstance(f, Future)])
@@ -196,9 +207,12 @@ class ASREngine:
         return out
 
     def shutdown(self) -> None:
-        """Stop the scheduler thread (queued requests stay queued)."""
+        """Stop the scheduler thread (queued requests stay queued) and the decode processes."""
         if self.scheduler is not None:
             self.scheduler.stop()
+        pool, self._decode_pool = self._decode_pool, None
+        if pool is not None:
+            pool.shutdown()
 
     # -- streaming ---------------------------------------------------------------------------------
     def add_streaming_request(self, options: DecodingOptions | None = None,
@@ -249,6 +263,39 @@ class ASREngine:
             )
         return audio
 
+    def load_audios(self, sources: Sequence[AudioInput]) -> list[np.ndarray | BaseException]:
+        """:meth:`load_audio` for many inputs, in order; an input that cannot be decoded gives
+        its error in its place. With ``EngineConfig.decode_processes`` the files and bytes are
+        decoded in that many worker processes at once (PyAV holds the GIL while it decodes, so
+        threads would not run in parallel); file objects and arrays are read here."""
+        pending: dict[int, Any] = {}
+        pool = self._pool_for(sum(not _local_input(x) for x in sources))
+        if pool is not None:
+            for i, x in enumerate(sources):
+                if not _local_input(x):
+                    pending[i] = pool.submit(
+                        x, self.sample_rate, max_seconds=self.config.max_audio_seconds
+                    )
+        out: list[np.ndarray | BaseException] = []
+        for i, x in enumerate(sources):
+            try:
+                audio = pending[i].result() if i in pending else x
+                out.append(self.load_audio(audio))  # arrays: the length check only
+            except Exception as exc:  # noqa: BLE001 - this input fails alone
+                out.append(exc)
+        return out
+
+    def _pool_for(self, files: int) -> Any:
+        """The decode pool when it is configured and there is more than one file to decode."""
+        if self.config.decode_processes < 1 or files < 2:
+            return None
+        with self._pool_lock:
+            if self._decode_pool is None:
+                from oasr.decode_pool import AudioDecodePool
+
+                self._decode_pool = AudioDecodePool(self.config.decode_processes)
+        return self._decode_pool
+
     def transcribe_offline(
         self,
         inputs: AudioInput | Sequence[AudioInput],
@@ -261,8 +308,11 @@ class ASREngine:
             hasattr(inputs, "ndim") and getattr(inputs, "ndim", 0) == 1
         ):
             inputs = [inputs]  # type: ignore[list-item]
-        audios = [self.load_audio(x) for x in inputs]  # type: ignore[union-attr]
-        return self.transcribe_arrays(audios, decoding, progress)
+        audios = self.load_audios(list(inputs))  # type: ignore[arg-type]
+        for audio in audios:
+            if isinstance(audio, BaseException):
+                raise audio
+        return self.transcribe_arrays(audios, decoding, progress)  # type: ignore[arg-type]
 
     def transcribe_arrays(
         self,

@@ -212,6 +212,9 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str | None = None
     architecture: str | None = None  # force an architecture key instead of detecting one
+    #: worker processes that decode many inputs at once (``load_audios``, ``transcribe_offline``,
+    #: ``transcribe_outputs``; :mod:`oasr.decode_pool`); 0 decodes in the calling thread
+    decode_processes: int = 0
 
     def __post_init__(self) -> None:
         if self.service_mode not in ("offline", "streaming"):
@@ -221,6 +224,8 @@ class EngineConfig:
             )
         if self.max_batch_size < 1:
             raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        if self.decode_processes < 0:
+            raise InvalidRequestError("decode_processes must be >= 0", param="decode_processes")
         if self.quantization is not None:
             raise UnsupportedOptionError(
                 "quantization is not implemented yet; leave it unset", param="quantization"

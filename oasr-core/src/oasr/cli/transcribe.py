@@ -16,6 +16,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from oasr.errors import OASRError
 
 err_console = Console(stderr=True)
+#: From this many files on, ``--decode-processes`` defaults to a pool: below, starting the
+#: worker processes costs more than decoding the files one after another.
+PARALLEL_DECODE_FILES = 8
 
 
 class Format(str, Enum):
@@ -54,6 +57,7 @@ def _run(
     api_key: str | None = None,
     long_form: str = "sequential",
     vad_gate: bool = True,
+    decode_processes: int | None = None,
 ) -> None:
     if server:
         _run_remote(files, task=task, server=server, api_key=api_key, language=language,
@@ -67,6 +71,7 @@ def _run(
 
     grains = tuple(g.value for g in (granularities or [Granularity.segment]))
     fmt = response_format.value
+    engine = None
     try:
         for f in files:
             if not f.is_file():
@@ -82,11 +87,19 @@ def _run(
             vad_gate=vad_gate,
         )
         ckpt = ckpt_dir or str(default_checkpoint())
+        if decode_processes is None:
+            from oasr.decode_pool import default_decode_processes
+
+            many = len(files) >= PARALLEL_DECODE_FILES
+            decode_processes = default_decode_processes() if many else 0
         with err_console.status(f"loading model from {ckpt}"):
-            engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads))
-        audios = []
-        for f in files:
-            audios.append(engine.load_audio(f))
+            engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads,
+                                            decode_processes=decode_processes))  # fmt: skip
+        with err_console.status(f"decoding {len(files)} file(s)"):
+            audios = engine.load_audios(files)
+        for audio in audios:
+            if isinstance(audio, BaseException):
+                raise audio
         total = sum(a.shape[-1] for a in audios) / engine.sample_rate
         with Progress(
             TextColumn("[progress.description]{task.description}"),
@@ -105,6 +118,9 @@ def _run(
     except OASRError as exc:
         err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
         raise typer.Exit(1) from None
+    finally:
+        if engine is not None:
+            engine.shutdown()  # the scheduler thread and any decode processes
 
     if output is not None and (len(files) > 1 or output.is_dir()):
         output.mkdir(parents=True, exist_ok=True)
@@ -214,6 +230,12 @@ VadGateOpt = Annotated[
     typer.Option("--vad-gate/--no-vad-gate", help="Sequential long-form: give an input in which "
                  "the VAD finds no speech an empty transcript instead of decoding it."),
 ]
+DecodeProcsOpt = Annotated[
+    Optional[int],  # noqa: UP045
+    typer.Option("--decode-processes", min=0, help="Worker processes that decode the files "
+                 f"in parallel (0: one after another here). Default: 0 below {PARALLEL_DECODE_FILES} "
+                 "files, else half the cores up to 8 (none below 4 cores)."),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -235,6 +257,7 @@ def register(app: typer.Typer) -> None:
         api_key: ApiKeyOpt = None,
         long_form: LongFormOpt = LongForm.sequential,
         vad_gate: VadGateOpt = True,
+        decode_processes: DecodeProcsOpt = None,
     ) -> None:
         """Transcribe audio files (in-process, or on a server with --server)."""
         if task not in ("transcribe", "translate"):
@@ -243,7 +266,7 @@ def register(app: typer.Typer) -> None:
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
              device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value, vad_gate=vad_gate)
+             long_form=long_form.value, vad_gate=vad_gate, decode_processes=decode_processes)
 
     @app.command("translate")
     def translate(
@@ -262,13 +285,14 @@ def register(app: typer.Typer) -> None:
         api_key: ApiKeyOpt = None,
         long_form: LongFormOpt = LongForm.sequential,
         vad_gate: VadGateOpt = True,
+        decode_processes: DecodeProcsOpt = None,
     ) -> None:
         """Translate speech in audio files into English text."""
         _run(files, task="translate", ckpt_dir=ckpt_dir, language=language,
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
              device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value, vad_gate=vad_gate)
+             long_form=long_form.value, vad_gate=vad_gate, decode_processes=decode_processes)
 
     @app.command("convert")
     def convert(

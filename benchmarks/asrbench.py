@@ -107,14 +107,16 @@ def corpus_wer(refs: list[str], hyps: list[str]) -> float:
 
 
 def oasr_backend(ckpt: str, device: str, threads: int, dtype: str | None = None,
-                 batch_size: int | None = None) -> Callable[[list[Path]], list[str]]:  # fmt: skip
+                 batch_size: int | None = None,
+                 decode_processes: int = 0) -> Callable[[list[Path]], list[str]]:  # fmt: skip
     from oasr.engine import ASREngine
     from oasr.types import DecodingOptions, EngineConfig
 
-    # transcribe_offline decodes the files one by one, then runs them through the model in
-    # batches of max_batch_size (shortest first)
+    # transcribe_offline decodes the files (one by one, or in decode_processes worker processes),
+    # then runs them through the model (the scheduler on a GPU, batches of max_batch_size on CPU)
     engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads,
-                                    dtype=dtype or "auto", max_batch_size=batch_size or 16))  # fmt: skip
+                                    dtype=dtype or "auto", max_batch_size=batch_size or 16,
+                                    decode_processes=decode_processes))  # fmt: skip
     # faster-whisper runs without VAD (vad_filter=False): OASR's VAD gate is off too, so both
     # sides run the same decoding (on these speech clips the gate would pass everything anyway)
     options = DecodingOptions(beam_size=1, temperature=0.0, vad_gate=False)
@@ -171,6 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="speech: inputs per batch for oasr_engine and transformers_pipeline (16)")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None, help="synthetic: forced tokens per request")
+    parser.add_argument("--decode-processes", type=int, default=0,
+                        help="speech: oasr_engine decodes the files in this many worker processes "
+                             "(EngineConfig.decode_processes; the other backends decode one by one)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--encoder-lookahead", type=int, default=None,
                         help="synthetic: SchedulerConfig.encoder_lookahead (default: the engine's)")
@@ -212,9 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
     audio_s = sum(c.seconds for c in clips)
     results: list[Result] = []
     for name in args.backends.split(","):
+        extra = {"decode_processes": args.decode_processes} if name == "oasr_engine" else {}
         run = BACKENDS[name](ckpt, args.device, args.threads, dtype=args.dtype,
-                             batch_size=args.batch_size)  # fmt: skip
-        run(paths[:1])  # warm-up
+                             batch_size=args.batch_size, **extra)  # fmt: skip
+        run(paths[:2])  # warm-up (two files: a decode pool starts here, not in the timed runs)
         best = float("inf")
         hyps: list[str] = []
         for _ in range(args.repeats):
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": args.device,
         "dtype": args.dtype or ("float16" if args.device.startswith("cuda") else "float32"),
         "batch_size": args.batch_size or 16,
+        "oasr_decode_processes": args.decode_processes,
         "threads": args.threads,
         "normalizer": english_normalizer()[1],
         "clips": [str(p.name) for p in paths],

@@ -9,12 +9,16 @@ import ctypes
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from oasr_kernels import paged_attention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _paged_reference import reference  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SOURCE = Path(paged_attention.__file__).parent / "csrc" / "paged_decode_attention.cu"
@@ -96,20 +100,6 @@ def run_emulated(dll, q, k_pool, v_pool, tables, lengths, scale=None) -> torch.T
     assert len(grid) == 2 and len(block) == 1
     values = [float(a) if isinstance(a.item(), float) else int(a) for a in args]
     assert dll.launch(name.encode(), grid[0], grid[1], block[0], smem, *values) == 0
-    return out
-
-
-def reference(q, k_pool, v_pool, tables, lengths, scale=None):
-    b, h, _, d = q.shape
-    bs = k_pool.shape[1]
-    scale = d**-0.5 if scale is None else scale
-    out = torch.empty(b, h, 1, d, dtype=torch.float64)
-    for row in range(b):
-        pos = torch.arange(int(lengths[row]))
-        slots = tables[row, pos // bs] * bs + pos % bs
-        k = k_pool.reshape(-1, h, d)[slots].double().transpose(0, 1)  # (H, n, D)
-        v = v_pool.reshape(-1, h, d)[slots].double().transpose(0, 1)
-        out[row] = (q[row].double() @ k.transpose(1, 2) * scale).softmax(-1) @ v
     return out
 
 

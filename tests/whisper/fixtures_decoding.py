@@ -177,6 +177,25 @@ def openai_state_to_oasr(model) -> dict[str, torch.Tensor]:
     return {oasr_name(k): v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def loaded_from_openai(model, tmp_path: Path, num_languages: int = 99):
+    """An OASR ``LoadedWhisper`` with the weights of a multilingual openai-whisper ``model`` and
+    the multilingual tokenizer written to ``tmp_path``; returns (loaded, tokenizer)."""
+    from oasr_models_whisper.checkpoints import LoadedWhisper
+    from oasr_models_whisper.network import WhisperDims
+
+    tok = multilingual_tokenizer(tmp_path, num_languages)
+    d = model.dims
+    loaded = LoadedWhisper(
+        dims=WhisperDims(**{f: getattr(d, f) for f in WhisperDims.__dataclass_fields__}),
+        state_dict=openai_state_to_oasr(model),
+        alignment_heads=model.alignment_heads.to_dense().nonzero(),
+        tokenizer_files={"tokenizer.json": tmp_path / "tokenizer.json"},
+        is_multilingual=True,
+        num_languages=num_languages,
+    )
+    return loaded, tok
+
+
 # --------------------------------------------------------------------------- tokenizers
 @functools.lru_cache(maxsize=1)
 def english_tokenizer():

@@ -14,9 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures_decoding import (  # noqa: E402
     TINY_EN,
     load_speech,
-    multilingual_tokenizer,
+    loaded_from_openai,
     openai_model_from_loaded,
-    openai_state_to_oasr,
     random_openai_model,
 )
 
@@ -193,20 +192,8 @@ def test_batch_equals_single(tiny):
 @pytest.fixture(scope="module")
 def rand_pair(tmp_path_factory):
     """A random-weight multilingual model as (ours on the real network, openai-whisper)."""
-    from oasr_models_whisper.checkpoints import LoadedWhisper
-    from oasr_models_whisper.network import WhisperDims
-
     ref = random_openai_model(multilingual=True, seed=3)
-    tmp = tmp_path_factory.mktemp("rand")
-    tok = multilingual_tokenizer(tmp, 99)
-    d = ref.dims
-    dims = WhisperDims(**{f: getattr(d, f) for f in WhisperDims.__dataclass_fields__})
-    loaded = LoadedWhisper(
-        dims=dims, state_dict=openai_state_to_oasr(ref),
-        alignment_heads=ref.alignment_heads.to_dense().nonzero(),
-        tokenizer_files={"tokenizer.json": tmp / "tokenizer.json"}, is_multilingual=True,
-        num_languages=99,
-    )  # fmt: skip
+    loaded, tok = loaded_from_openai(ref, tmp_path_factory.mktemp("rand"))
     ours = WhisperASR.from_loaded(loaded)
     assert ours.tokenizer.languages == tok.languages
     return ours, ref

@@ -260,29 +260,12 @@ def test_progress_and_empty_input(model):
 def random_multilingual(tmp_path_factory):
     """A small random-weight multilingual Whisper (language detection, translate)."""
     pytest.importorskip("whisper")
-    from fixtures_decoding import (
-        multilingual_tokenizer,
-        openai_state_to_oasr,
-        random_openai_model,
-    )
+    from fixtures_decoding import loaded_from_openai, random_openai_model
 
-    from oasr_models_whisper.checkpoints import LoadedWhisper
     from oasr_models_whisper.model import WhisperASR
-    from oasr_models_whisper.network import WhisperDims
 
     ref = random_openai_model(multilingual=True, seed=3)
-    tmp = tmp_path_factory.mktemp("rand_vad")
-    multilingual_tokenizer(tmp, 99)
-    d = ref.dims
-    dims = WhisperDims(**{f: getattr(d, f) for f in WhisperDims.__dataclass_fields__})
-    loaded = LoadedWhisper(
-        dims=dims,
-        state_dict=openai_state_to_oasr(ref),
-        alignment_heads=ref.alignment_heads.to_dense().nonzero(),
-        tokenizer_files={"tokenizer.json": tmp / "tokenizer.json"},
-        is_multilingual=True,
-        num_languages=99,
-    )
+    loaded, _ = loaded_from_openai(ref, tmp_path_factory.mktemp("rand_vad"))
     return WhisperASR.from_loaded(loaded)
 
 

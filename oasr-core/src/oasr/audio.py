@@ -34,6 +34,7 @@ __all__ = [
     "RawPCMStream",
     "Resampler",
     "load_audio",
+    "as_mono_waveform",
     "decode_raw_pcm",
     "resample",
     "HARD_MAX_SECONDS",
@@ -196,6 +197,21 @@ class Resampler:
         if self._identity:
             return np.zeros(0, np.float32)
         return self._pull(self._rs.resample(None))
+
+
+def as_mono_waveform(audio: Any, what: str = "audio") -> np.ndarray:
+    """``audio`` (a numpy array or a torch tensor) as a mono float32 waveform, checked: one
+    dimension, finite samples. Every model and the engine take waveforms through this, so a bad
+    array is the same typed :class:`BadAudioError` wherever it enters."""
+    if hasattr(audio, "detach"):  # a torch tensor, without importing torch here
+        audio = audio.detach().cpu().numpy()
+    a = np.asarray(audio)
+    if a.ndim != 1:
+        raise BadAudioError(f"{what} must be a mono 1-D waveform, got shape {a.shape}")
+    a = a.astype(np.float32, copy=False)
+    if a.size and not np.isfinite(a).all():
+        raise BadAudioError(f"{what} contains NaN or infinite samples")
+    return a
 
 
 def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:

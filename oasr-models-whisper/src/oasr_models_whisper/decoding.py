@@ -154,41 +154,74 @@ class _Filters:
 
     def _timestamp_rules(self, logits: torch.Tensor, tokens: torch.Tensor, at_begin: bool) -> None:
         tb = self.tok.timestamp_begin
-        eot = self.tok.eot
-        logits[:, self.tok.no_timestamps] = -math.inf
         sampled = tokens[:, self.sample_begin :]
-        n = sampled.shape[1]
-        vocab = logits.shape[-1]
-        col = torch.arange(vocab, device=logits.device)
+        b, n = sampled.shape
+        dev = logits.device
         if n > 0:
             is_ts = sampled >= tb
-            last_ts = is_ts[:, -1]
-            pen_ts = is_ts[:, -2] if n >= 2 else torch.ones_like(last_ts)
-            # timestamps come in pairs, except right before <|endoftext|>
-            pair_done = last_ts & pen_ts  # must be followed by text (or eot)
-            pair_open = last_ts & ~pen_ts  # must be closed by a timestamp (or eot)
-            mask = (pair_done[:, None] & (col[None, :] >= tb)) | (
-                pair_open[:, None] & (col[None, :] < eot)
-            )
-            # timestamps never decrease; a closed segment may not be zero-length either
-            pos = torch.arange(n, device=tokens.device).expand_as(sampled)
+            last_is_ts = is_ts[:, -1]
+            penult_is_ts = is_ts[:, -2] if n >= 2 else torch.ones_like(last_is_ts)
+            pos = torch.arange(n, device=dev).expand_as(sampled)
             last_pos = torch.where(is_ts, pos, torch.full_like(pos, -1)).amax(dim=1)
-            has_ts = last_pos >= 0
             last_val = sampled.gather(1, last_pos.clamp(min=0)[:, None])[:, 0]
-            limit = torch.where(pair_open, last_val, last_val + 1)
-            mask |= has_ts[:, None] & (col[None, :] >= tb) & (col[None, :] < limit[:, None])
-            logits.masked_fill_(mask, -math.inf)
-        if at_begin:
-            logits[:, :tb] = -math.inf  # the first token is a timestamp
-            if self.max_initial is not None:
-                logits[:, tb + self.max_initial + 1 :] = -math.inf
-        # a timestamp wins when the timestamps together outweigh every single text token
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
-        best_text = logprobs[:, :tb].max(dim=-1).values
-        force = ts_mass > best_text
-        if bool(force.any()):
-            logits[force, :tb] = -math.inf
+            last_ts = torch.where(last_pos >= 0, last_val, torch.full_like(last_val, -1))
+        else:
+            last_is_ts = torch.zeros(b, dtype=torch.bool, device=dev)
+            penult_is_ts = torch.ones(b, dtype=torch.bool, device=dev)
+            last_ts = torch.full((b,), -1, dtype=torch.long, device=dev)
+        apply_timestamp_rules(
+            logits, self.tok, sampled_count=torch.full((b,), n, dtype=torch.long, device=dev),
+            last_is_ts=last_is_ts, penult_is_ts=penult_is_ts, last_ts=last_ts,
+            max_initial=torch.full((b,), NO_MAX_INITIAL if self.max_initial is None else self.max_initial,
+                                   dtype=torch.long, device=dev),
+        )  # fmt: skip
+
+
+#: ``max_initial`` of a row without a bound on its first timestamp
+NO_MAX_INITIAL = 10**9
+
+
+def apply_timestamp_rules(
+    logits: torch.Tensor,
+    tokenizer: WhisperTokenizer,
+    *,
+    sampled_count: torch.Tensor,
+    last_is_ts: torch.Tensor,
+    penult_is_ts: torch.Tensor,
+    last_ts: torch.Tensor,
+    max_initial: torch.Tensor,
+    cols: torch.Tensor | None = None,
+) -> None:
+    """openai-whisper's ApplyTimestampRules on next-token ``logits`` (B, V), in place; the one
+    implementation behind the per-batch search and the continuous-batching driver.
+
+    What the rules read of each row's history, as (B,) tensors: how many tokens it sampled,
+    whether its last and second-to-last tokens are timestamps (True for the second-to-last when
+    there is none), its latest timestamp token (-1 before the first) and the largest first
+    timestamp allowed, in timestamp steps (:data:`NO_MAX_INITIAL` for none)."""
+    tb, eot = tokenizer.timestamp_begin, tokenizer.eot
+    neg = -math.inf
+    col = torch.arange(logits.shape[-1], device=logits.device) if cols is None else cols
+    logits[:, tokenizer.no_timestamps] = neg
+    # timestamps come in pairs, except right before <|endoftext|>
+    pair_done = last_is_ts & penult_is_ts  # must be followed by text (or eot)
+    pair_open = last_is_ts & ~penult_is_ts  # must be closed by a timestamp (or eot)
+    mask = (pair_done[:, None] & (col[None, :] >= tb)) | (pair_open[:, None] & (col[None, :] < eot))
+    # timestamps never decrease; a closed segment may not be zero-length either
+    has_ts = last_ts >= 0
+    limit = torch.where(pair_open, last_ts, last_ts + 1)
+    mask |= has_ts[:, None] & (col[None, :] >= tb) & (col[None, :] < limit[:, None])
+    # the first token is a timestamp, no later than max_initial
+    begin = sampled_count == 0
+    mask |= begin[:, None] & (col[None, :] < tb)
+    mask |= begin[:, None] & (col[None, :] > tb + max_initial[:, None])
+    logits.masked_fill_(mask, neg)
+    # a timestamp wins when the timestamps together outweigh every single text token
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
+    best_text = logprobs[:, :tb].max(dim=-1).values
+    force = ts_mass > best_text
+    logits.masked_fill_(force[:, None] & (col[None, :] < tb), neg)
 
 
 # --------------------------------------------------------------------------- search strategies

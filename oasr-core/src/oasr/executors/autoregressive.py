@@ -1,0 +1,708 @@
+"""Continuous batching of an autoregressive decoder, shared by every family that has one.
+
+The unit of work is a :class:`Window`: an encoder input, the features the encoder makes of it, a
+prompt (the initial tokens) and a budget of tokens to sample. Whisper makes one window per 30 s of
+audio (and one more per temperature fallback); a speech-LLM makes one per request. A window that
+is decoding owns a *row* of the decoder batch. Every :meth:`AutoregressiveExecutor.step`:
+
+1. requests admitted since the last step are handed to the driver in one batch
+   (:meth:`RequestDriver.begin`: Whisper runs its VAD gate there), which queues their first
+   windows for encoding or finishes them at once;
+2. queued windows are encoded in one batch (on CUDA, while rows decode, on a second stream so the
+   compute-bound encoder overlaps the memory-bound decode steps; the result is picked up in a
+   later step); the driver turns the features into a prompt (:meth:`RequestDriver.encoded`);
+3. windows whose KV blocks can be reserved start: their cross-attention K/V (when the step model
+   has cross-attention) is projected once into the row's slot of the cross pool, and their
+   prompts run as a prefill grouped by length;
+4. all rows advance by one token in one decoder call over the paged self-attention cache
+   (:class:`oasr.kv_cache.PagedKVCache`), replayed from a captured CUDA graph per (batch, blocks)
+   bucket on GPU;
+5. a row that samples a stop token or reaches its budget ends: its blocks return to the pool, the
+   last row moves into its place (rows stay dense, so cross-attention reads the pool without a
+   gather), and the driver decides what follows (:meth:`RequestDriver.finished`: the next window,
+   the same window again at another temperature, or the request's result).
+
+Sampling is per row: suppressed tokens at every step and at the first step, the driver's own
+rules (:meth:`RequestDriver.process_logits`), then argmax or temperature / top-k / top-p sampling,
+with one device-to-host copy per step. Requests the driver does not run here (Whisper's beam
+search) go to a :class:`oasr.scheduler.BatchExecutor` beside it. Failures are per request.
+
+What a family writes: a :class:`StepModel` and a :class:`RequestDriver`; see ``docs/engine.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from oasr.errors import InvalidRequestError
+from oasr.kv_cache import PagedKVCache, blocks_for
+from oasr.layers import install_kernel_providers, paged_decode_attention
+from oasr.layers.attention import attention
+
+if TYPE_CHECKING:
+    from oasr.scheduler import Request, SchedulerConfig
+    from oasr.types import Transcript
+
+__all__ = [
+    "AttentionContext",
+    "AutoregressiveExecutor",
+    "RequestDriver",
+    "Row",
+    "StepModel",
+    "Window",
+]
+
+log = logging.getLogger(__name__)
+
+_UIDS = itertools.count()
+
+Finished = list[tuple["Request", "Transcript | BaseException"]]
+
+
+# --------------------------------------------------------------------------- what a family supplies
+class StepModel(Protocol):
+    """The network half: an encoder and a decoder that runs over the executor's paged cache."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int  # decoder layers with a self-attention KV cache
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int  # the decoder's context length (prompt + sampled tokens)
+    vocab_size: int
+    #: per-row cross-attention memory (frames, width) per layer, or None without cross-attention
+    cross_shape: tuple[int, int] | None
+
+    def encode(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Encoder features (B, frames, d) of a batch of encoder inputs."""
+        ...
+
+    def project_cross(self, layer: int, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention K and V (B, frames, width) of ``layer`` for ``features``; only called
+        when ``cross_shape`` is set."""
+        ...
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Logits (B, T, V) for ``tokens``/``positions`` (B, T); self-attention goes through
+        ``ctx.self_attention`` (it writes the new K/V into the paged cache), cross-attention
+        reads ``ctx.cross_kv``."""
+        ...
+
+
+class RequestDriver(Protocol):
+    """The request half: what a request is made of and what happens as its windows finish.
+
+    The driver calls back into the executor: ``executor.encode_later(window)`` (queue a window
+    for encoding), ``executor.decode_later(window)`` (a window with features and a prompt, ready
+    for a row) and ``executor.finish(request, result_or_error)``. A driver that fails one
+    request calls ``finish`` with its error; an exception escaping a driver call fails every
+    request that call was about."""
+
+    def accept(self, request: Request) -> bool:
+        """Validate ``request`` (typed errors fail it alone). False: it runs on the batch path
+        (``model.transcribe``) instead."""
+        ...
+
+    def begin(self, requests: list[Request], executor: AutoregressiveExecutor) -> None:
+        """The requests admitted since the last step, in one batch: queue their first windows."""
+        ...
+
+    def encoder_inputs(self, windows: list[Window]) -> torch.Tensor:
+        """The encoder input of each window, stacked, on the step model's device and dtype."""
+        ...
+
+    def encoded(self, windows: list[Window], features: torch.Tensor,
+                executor: AutoregressiveExecutor) -> None:  # fmt: skip
+        """``features`` (B, frames, d) of ``windows``: set ``window.features`` and the prompt
+        and budget, then ``decode_later`` (or queue another encoding, or finish)."""
+        ...
+
+    def prefilled(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """The prefill logits (B, T, V) of rows that share a prompt length (before sampling)."""
+        ...
+
+    def process_logits(self, logits: torch.Tensor, rows: list[Row]) -> None:
+        """Apply the family's rules to the next-token logits (B, V) of ``rows``, in place."""
+        ...
+
+    def finished(self, row: Row, executor: AutoregressiveExecutor) -> None:
+        """``row`` stopped (stop token, budget or context end); its blocks are already free."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """Forget ``request`` (it finished or was aborted)."""
+        ...
+
+
+# --------------------------------------------------------------------------- bookkeeping
+@dataclass(eq=False)
+class Window:
+    """One unit of decoding (see the module docstring). The driver fills everything but
+    ``request``; ``state`` and ``info`` are the driver's own."""
+
+    request: Request
+    state: Any = None
+    info: Any = None
+    features: torch.Tensor | None = None  # (1, frames, d)
+    prompt: list[int] = field(default_factory=list)
+    sample_len: int = 0
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    suppress: tuple[int, ...] = ()  # masked at every step
+    begin_suppress: tuple[int, ...] = ()  # masked at the first sampled token only
+    stop_tokens: tuple[int, ...] = ()
+
+
+@dataclass(eq=False)
+class Row:
+    """A window being decoded: its KV blocks and what it sampled so far."""
+
+    window: Window
+    blocks: list[int]
+    prompt_len: int
+    sampled: list[int] = field(default_factory=list)
+    #: float32 sum of the sampled tokens' log-probabilities, added in sampling order
+    sum_logprob: Any = None
+    suppress_mask: torch.Tensor | None = None  # (V,) bool
+    begin_mask: torch.Tensor | None = None  # (V,) bool, or None
+    #: the driver's per-row scratch (Whisper: no-speech probability, latest timestamp)
+    extra: dict[str, Any] = field(default_factory=dict)
+    uid: int = field(default_factory=lambda: next(_UIDS))
+
+    @property
+    def length(self) -> int:  # tokens in the cache after this step's write
+        return self.prompt_len + len(self.sampled)
+
+
+class AttentionContext:
+    """What a step model's layers need to attend over the paged cache in one forward call."""
+
+    def __init__(self, executor: AutoregressiveExecutor, positions: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | int) -> None:  # fmt: skip
+        self._ex = executor
+        self.positions = positions  # (B, T)
+        self.slots = slots.reshape(-1)  # (B*T,) flat cache slots of the new tokens
+        self.tables = tables  # (B, nb) block ids
+        self.lengths = lengths  # (B,) keys valid after this call's write
+        self.rows = rows  # cross-pool rows: an int n for rows [0, n), or indices (B,)
+        self._mask: torch.Tensor | None = None
+
+    def self_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k``/``v`` (B, T, kv_heads * head_dim) in the cache, attend with ``q``
+        (B, heads, T, head_dim) over every cached key of the row up to its position; returns
+        (B, heads, T, head_dim). A decode step (T = 1) reads the blocks in place."""
+        ex = self._ex
+        cache = ex.cache
+        b, t = self.positions.shape
+        cache.write(layer, self.slots, k.reshape(b * t, cache.num_heads, cache.head_dim),
+                    v.reshape(b * t, cache.num_heads, cache.head_dim))  # fmt: skip
+        if t == 1:
+            return paged_decode_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
+        if self._mask is None:
+            keys = torch.arange(self.tables.shape[1] * cache.block_size, device=q.device)
+            self._mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # causal
+        kk, vv = cache.gather(layer, self.tables)
+        return attention(q, kk, vv, self._mask)
+
+    def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This batch's rows of the cross-attention pools of ``layer``: K, V (B, frames, width)."""
+        ex = self._ex
+        if isinstance(self.rows, int):
+            return ex.cross_k[layer][: self.rows], ex.cross_v[layer][: self.rows]
+        return ex.cross_k[layer].index_select(0, self.rows), ex.cross_v[layer].index_select(0, self.rows)
+
+
+class _Graph:
+    """One captured decode step for a (batch, gathered blocks) shape."""
+
+    def __init__(self, b: int, nb: int, device: torch.device) -> None:
+        self.b, self.nb = b, nb
+        self.tokens = torch.zeros(b, dtype=torch.long, device=device)
+        self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        self.slots = torch.zeros(b, dtype=torch.long, device=device)
+        self.tables = torch.zeros(b, nb, dtype=torch.long, device=device)
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+# --------------------------------------------------------------------------- the executor
+class AutoregressiveExecutor:
+    """The :class:`oasr.scheduler.Executor` for autoregressive decoders (module docstring).
+
+    ``model`` is the :class:`~oasr.model.ASRModel` (its ``transcribe`` serves the batch path),
+    ``step_model`` and ``driver`` the family's halves; ``config`` the scheduler's config, whose
+    ``kv_cache_bytes``, ``block_size``, ``cuda_graphs``, ``max_encoder_batch``,
+    ``min_admit_group`` and ``encoder_lookahead`` this executor reads."""
+
+    def __init__(self, model: Any, step_model: StepModel, driver: RequestDriver,
+                 config: SchedulerConfig) -> None:  # fmt: skip
+        from oasr.scheduler import BatchExecutor
+
+        self.model = model
+        self.step_model = sm = step_model
+        self.driver = driver
+        self.config = config
+        self.device = torch.device(sm.device)
+        self.dtype = sm.dtype
+        self.block_size = config.block_size
+        self.max_positions = sm.max_positions
+        esize = torch.empty(0, dtype=self.dtype).element_size()
+        cross_bytes = 0
+        if sm.cross_shape is not None:
+            frames, width = sm.cross_shape
+            cross_bytes = 2 * sm.num_layers * frames * width * esize
+        block_bytes = PagedKVCache.bytes_per_block(sm.num_layers, self.block_size, sm.num_kv_heads,
+                                                   sm.head_dim, esize)  # fmt: skip
+        self.max_blocks = blocks_for(sm.max_positions, self.block_size)
+        full_seq = self.max_blocks * block_bytes
+        rows = config.max_batch_size
+        if config.kv_cache_bytes is None:
+            num_blocks = rows * self.max_blocks + 1
+        else:
+            budget = int(config.kv_cache_bytes)
+            if budget < cross_bytes + full_seq:
+                raise InvalidRequestError(
+                    f"kv_cache_bytes={budget} cannot hold one sequence of {model.name} "
+                    f"({cross_bytes + full_seq} bytes: cross-attention K/V + a full decoder context)",
+                    param="kv_cache_bytes",
+                )
+            rows = min(rows, budget // (cross_bytes + block_bytes))
+            num_blocks = (budget - rows * cross_bytes) // block_bytes + 1
+            num_blocks = min(num_blocks, rows * self.max_blocks + 1)
+        self.max_rows = max(1, rows)
+        lookahead = config.encoder_lookahead
+        if lookahead is None:
+            lookahead = self.max_rows if self.device.type == "cuda" else 0
+        #: windows encoded ahead while every row is busy
+        self.encoder_lookahead = max(0, int(lookahead))
+        #: the most requests holding state at once (preparing, encoded and waiting, decoding)
+        self.max_requests = config.max_batch_size + self.encoder_lookahead
+        # While requests run, admit only once this many can join at once: one driver.begin, one
+        # encoder batch and one prefill then serve several requests. With windows encoded ahead,
+        # rows refill from those, so admission can wait for half the look-ahead; without, for
+        # an eighth of the rows.
+        group = config.min_admit_group
+        if group is None:
+            group = self.encoder_lookahead // 2 if self.encoder_lookahead else self.max_rows // 8
+        self.min_admit_group = max(1, int(group))
+        self._group_open = False
+        self.cache = PagedKVCache(sm.num_layers, int(num_blocks), self.block_size, sm.num_kv_heads,
+                                  sm.head_dim, device=self.device, dtype=self.dtype)  # fmt: skip
+        self.cross_k: list[torch.Tensor] = []
+        self.cross_v: list[torch.Tensor] = []
+        if sm.cross_shape is not None:
+            # (rows, frames, width): the projection's own layout, so a window's K/V lands with
+            # one contiguous copy
+            shape = (self.max_rows, *sm.cross_shape)
+            kw = {"device": self.device, "dtype": self.dtype}
+            self.cross_k = [torch.zeros(shape, **kw) for _ in range(sm.num_layers)]
+            self.cross_v = [torch.zeros(shape, **kw) for _ in range(sm.num_layers)]
+        self.memory_bytes = self.cache.nbytes + sum(t.numel() * esize for t in (*self.cross_k, *self.cross_v))
+        self.memory_bytes += int(getattr(sm, "extra_bytes", 0))
+        # kernel providers (oasr-kernels: paged decode attention) for models built without
+        # load_model, e.g. from an in-memory checkpoint
+        install_kernel_providers(self.device.type)
+        self.active: dict[str, Request] = {}  # admitted requests run here
+        self.rows: list[Row] = []  # decoding, dense: row i uses cross slot i
+        self.to_begin: list[Request] = []
+        self.to_encode: list[Window] = []
+        self.ready: list[Window] = []  # encoded, waiting for a row and KV blocks
+        self.batch_path = BatchExecutor(model, config.max_batch_size)
+        # an encoder batch running on the side stream: (done event, its windows, features)
+        self._encoding: tuple[Any, list[Window], torch.Tensor] | None = None
+        self._enc_stream = (torch.cuda.Stream(self.device)
+                            if self.device.type == "cuda" and self.encoder_lookahead else None)  # fmt: skip
+        use_graphs = config.cuda_graphs
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
+        if self.device.type != "cuda":
+            self.use_graphs = False
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+        self._sup_key: tuple | None = None
+        self._sup: torch.Tensor | None = None
+        self.graph_batch_sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_rows} | {self.max_rows})
+        self._done: Finished = []
+        self.stats = {"steps": 0, "graph_replays": 0, "eager_steps": 0, "max_rows": 0,
+                      "tokens": 0, "overlapped_encodes": 0}  # fmt: skip
+
+    # ------------------------------------------------------------------ Executor protocol
+    @property
+    def num_running(self) -> int:
+        return len(self.active) + self.batch_path.num_running
+
+    def try_admit(self, request: Request) -> bool:
+        free = self.max_requests - self.num_running
+        if free <= 0:
+            return False
+        if self.active and not self._group_open and free < self.min_admit_group:
+            return False  # refill in groups (see __init__)
+        continuous = self.driver.accept(request)  # typed errors fail this request alone
+        self._group_open = True  # the rest of this admission round joins the group
+        if not continuous:
+            return self.batch_path.try_admit(request)
+        self.active[request.rid] = request
+        self.to_begin.append(request)
+        return True
+
+    def abort(self, request: Request) -> bool:
+        if self.batch_path.abort(request):
+            return True
+        if self.active.pop(request.rid, None) is None:
+            return False
+        if request in self.to_begin:
+            self.to_begin.remove(request)
+        self.to_encode = [w for w in self.to_encode if w.request is not request]
+        self.ready = [w for w in self.ready if w.request is not request]
+        for i in range(len(self.rows) - 1, -1, -1):
+            if self.rows[i].window.request is request:
+                self._drop_row(i)
+        self.driver.release(request)
+        return True
+
+    def step(self) -> Finished:
+        self._done = done = []
+        self._group_open = False
+        self.stats["steps"] += 1
+        if self.batch_path.num_running:
+            done.extend(self.batch_path.step())
+        with torch.inference_mode():
+            if self.to_begin:
+                self._begin()
+            self._collect_encoded()
+            self._encode_pending()
+            self._start_ready()
+            if self.rows:
+                self._decode_step()
+        return done
+
+    # ------------------------------------------------------------------ driver callbacks
+    def alive(self, request: Request) -> bool:
+        return request.rid in self.active
+
+    def encode_later(self, window: Window) -> None:
+        """Queue ``window`` for the next encoder batch."""
+        self.to_encode.append(window)
+
+    def decode_later(self, window: Window) -> None:
+        """``window`` has features and a prompt: start it when a row and its blocks are free."""
+        if len(window.prompt) + 1 > self.max_positions:
+            self.finish(window.request, InvalidRequestError(
+                f"the prompt is {len(window.prompt)} tokens; the decoder holds {self.max_positions}",
+                param="prompt",
+            ))  # fmt: skip
+            return
+        self.ready.append(window)
+
+    def finish(self, request: Request, result: Transcript | BaseException) -> None:
+        """``request`` is done: its result (or error) goes back to the scheduler."""
+        if self.active.pop(request.rid, None) is None:
+            return  # aborted, or already failed
+        self.driver.release(request)
+        self._done.append((request, result))
+
+    def _fail_all(self, windows_or_requests: Sequence[Any], exc: BaseException) -> None:
+        for x in windows_or_requests:
+            self.finish(x.request if isinstance(x, Window) else x, exc)
+
+    # ------------------------------------------------------------------ encoder
+    def _begin(self) -> None:
+        batch, self.to_begin = self.to_begin, []
+        try:
+            self.driver.begin(batch, self)
+        except Exception as exc:  # noqa: BLE001 - the driver could not start them
+            self._fail_all(batch, exc)
+
+    def _encode_pending(self) -> None:
+        if not self.to_encode or self._encoding is not None:
+            return
+        limit = self.config.max_encoder_batch or self.config.max_batch_size
+        batch, self.to_encode = self.to_encode[:limit], self.to_encode[limit:]
+        # while rows decode, encode on the side stream and pick the result up in a later step;
+        # with no row running there is nothing to overlap with
+        overlap = self._enc_stream is not None and bool(self.rows)
+        try:
+            inputs = self.driver.encoder_inputs(batch)
+            if overlap:
+                main = torch.cuda.current_stream(self.device)
+                self._enc_stream.wait_stream(main)  # the inputs come from the main stream
+                with torch.cuda.stream(self._enc_stream):
+                    feats = self.step_model.encode(inputs)
+                    event = torch.cuda.Event()
+                    event.record()
+                # tell the allocator which stream uses what, so no block is reused early
+                inputs.record_stream(self._enc_stream)
+                feats.record_stream(main)
+                self._encoding = (event, batch, feats)
+                self.stats["overlapped_encodes"] += 1
+                return
+            feats = self.step_model.encode(inputs)
+        except Exception:  # noqa: BLE001 - isolate: encode one by one
+            for w in batch:
+                try:
+                    self._encoded([w], self.step_model.encode(self.driver.encoder_inputs([w])))
+                except Exception as exc:  # noqa: BLE001
+                    self.finish(w.request, exc)
+            return
+        self._encoded(batch, feats)
+
+    def _collect_encoded(self) -> None:
+        """Take the side stream's encoder batch once it is done; wait for it only when nothing
+        else is left to run."""
+        if self._encoding is None:
+            return
+        event, batch, feats = self._encoding
+        if not event.query() and (self.rows or self.ready):
+            return
+        self._encoding = None
+        torch.cuda.current_stream(self.device).wait_event(event)
+        self._encoded(batch, feats)
+
+    def _encoded(self, batch: list[Window], feats: torch.Tensor) -> None:
+        live = [k for k, w in enumerate(batch) if self.alive(w.request)]  # not aborted
+        if not live:
+            return
+        if len(live) < len(batch):
+            batch, feats = [batch[k] for k in live], feats[live]
+        try:
+            self.driver.encoded(batch, feats, self)
+        except Exception as exc:  # noqa: BLE001
+            self._fail_all(batch, exc)
+
+    # ------------------------------------------------------------------ starting windows
+    def _start_ready(self) -> None:
+        starting: list[Row] = []
+        keep: list[Window] = []
+        for w in self.ready:
+            if not self.alive(w.request):
+                continue
+            if len(self.rows) + len(starting) >= self.max_rows:
+                keep.append(w)
+                continue
+            need = blocks_for(min(len(w.prompt) + w.sample_len, self.max_positions), self.block_size)
+            if not self.cache.allocator.can_allocate(need):
+                keep.append(w)
+                continue
+            row = Row(w, self.cache.allocator.allocate(need), len(w.prompt))
+            self._row_masks(row)
+            starting.append(row)
+        self.ready = keep
+        if not starting:
+            return
+        base = len(self.rows)
+        if self.cross_k:  # cross-attention K/V once per window, straight into the rows' slots
+            feats = torch.cat([r.window.features for r in starting]).to(self.device, self.dtype)
+            for li in range(len(self.cross_k)):
+                k, v = self.step_model.project_cross(li, feats)
+                self.cross_k[li][base : base + len(starting)].copy_(k)
+                self.cross_v[li][base : base + len(starting)].copy_(v)
+        self.rows.extend(starting)
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(self.rows))
+        by_len: dict[int, list[int]] = {}
+        for i in range(base, len(self.rows)):
+            by_len.setdefault(self.rows[i].prompt_len, []).append(i)
+        finished: list[int] = []
+        for t, idx in by_len.items():  # prefill, grouped by prompt length
+            rows = [self.rows[i] for i in idx]
+            tokens = torch.tensor([r.window.prompt for r in rows], dtype=torch.long, device=self.device)
+            positions = torch.arange(t, device=self.device).expand(len(rows), t)
+            tables = self._tables(rows, blocks_for(t, self.block_size))
+            slots = self._slot_ids(tables, positions)
+            lengths = torch.full((len(rows),), t, dtype=torch.long, device=self.device)
+            ctx = AttentionContext(self, positions, slots, tables, lengths, torch.tensor(idx, device=self.device))
+            logits = self.step_model.forward(tokens, positions, ctx)
+            self.driver.prefilled(rows, logits)
+            last = logits[:, -1].float().clone()
+            for r in rows:
+                r.sum_logprob = np.float32(0.0)
+            finished.extend(self._sample(rows, idx, last))
+        self._retire(finished)
+
+    def _row_masks(self, row: Row) -> None:
+        w = row.window
+        v = self.step_model.vocab_size
+        sup = torch.zeros(v, dtype=torch.bool, device=self.device)
+        ids = [t for t in w.suppress if 0 <= t < v]
+        if ids:
+            sup[torch.tensor(ids, device=self.device)] = True
+        row.suppress_mask = sup
+        if w.begin_suppress:
+            begin = torch.zeros(v, dtype=torch.bool, device=self.device)
+            begin[torch.tensor([t for t in w.begin_suppress if 0 <= t < v], device=self.device)] = True
+            row.begin_mask = begin
+
+    # ------------------------------------------------------------------ the decoder
+    def _tables(self, rows: Sequence[Row], nb: int) -> torch.Tensor:
+        return torch.tensor([(r.blocks + [0] * nb)[:nb] for r in rows], dtype=torch.long, device=self.device)
+
+    def _slot_ids(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        return tables.gather(1, positions // bs) * bs + positions % bs
+
+    def _decode_step(self) -> None:
+        # rows that were prefilled this step already sampled; every row advances by one token
+        n = len(self.rows)
+        rows = self.rows
+        need = max(blocks_for(r.length, self.block_size) for r in rows)
+        tokens = [r.sampled[-1] for r in rows]
+        positions = [r.length - 1 for r in rows]
+        if self.use_graphs:
+            logits = self._graph_step(rows, tokens, positions, need)
+        else:
+            self.stats["eager_steps"] += 1
+            tables = self._tables(rows, need)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
+            tok = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+            ctx = AttentionContext(self, pos, self._slot_ids(tables, pos), tables, pos[:, 0] + 1, n)
+            logits = self.step_model.forward(tok, pos, ctx)[:, -1]
+        finished = self._sample(rows, list(range(n)), logits[:n].float())
+        self._retire(finished)
+
+    def _graph_for(self, n: int, need: int) -> _Graph:
+        b = next(x for x in self.graph_batch_sizes if x >= n)
+        nb = 1
+        while nb < need:
+            nb *= 2
+        nb = min(nb, self.max_blocks)
+        g = self._graphs.get((b, nb))
+        if g is not None:
+            return g
+        g = _Graph(b, nb, self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+
+        def run() -> torch.Tensor:
+            pos = g.positions[:, None]
+            ctx = AttentionContext(self, pos, g.slots[:, None], g.tables, pos[:, 0] + 1, b)
+            return self.step_model.forward(g.tokens[:, None], pos, ctx)[:, -1]
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            g.logits = run()
+        g.graph = graph
+        self._graphs[(b, nb)] = g
+        return g
+
+    def _graph_step(self, rows: list[Row], tokens: list[int], positions: list[int], need: int) -> torch.Tensor:
+        n = len(rows)
+        g = self._graph_for(n, need)
+        bs = self.block_size
+        tab = [(r.blocks + [0] * g.nb)[: g.nb] for r in rows] + [[0] * g.nb] * (g.b - n)
+        pos = positions + [0] * (g.b - n)
+        slots = [tab[i][pos[i] // bs] * bs + pos[i] % bs for i in range(g.b)]
+        host = torch.tensor([tokens + [0] * (g.b - n), pos, slots], dtype=torch.long)
+        dev = host.to(self.device, non_blocking=True)
+        g.tokens.copy_(dev[0])
+        g.positions.copy_(dev[1])
+        g.slots.copy_(dev[2])
+        g.tables.copy_(torch.tensor(tab, dtype=torch.long).to(self.device, non_blocking=True))
+        g.graph.replay()
+        self.stats["graph_replays"] += 1
+        assert g.logits is not None
+        return g.logits
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, rows: list[Row], idx: list[int], logits: torch.Tensor) -> list[int]:
+        """Filter ``logits`` (B, V) per row, pick each row's next token; return the indices
+        (into ``self.rows``) of the rows that finished."""
+        b = logits.shape[0]
+        dev = self.device
+        begin_rows = [i for i, r in enumerate(rows) if r.begin_mask is not None and not r.sampled]
+        if begin_rows:
+            sup = torch.stack([r.suppress_mask for r in rows])
+            br = torch.tensor(begin_rows, device=dev)
+            sup[br] |= torch.stack([rows[i].begin_mask for i in begin_rows])
+        else:  # the same rows as last step: reuse the stacked masks
+            key = tuple(r.uid for r in rows)
+            if self._sup_key != key:
+                self._sup_key, self._sup = key, torch.stack([r.suppress_mask for r in rows])
+            sup = self._sup
+        logits.masked_fill_(sup, -math.inf)
+        self.driver.process_logits(logits, rows)
+        next_tokens = logits.argmax(dim=-1)
+        hot = [i for i, r in enumerate(rows) if r.window.temperature > 0]
+        if hot:
+            next_tokens[hot] = self._draw(logits[hot], [rows[i].window for i in hot])
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked = logprobs[torch.arange(b, device=dev), next_tokens]
+        # one device-to-host sync per step: token ids (< 2**24) and float32 log-probs are both
+        # exact in float64
+        toks_f, picked_f = torch.stack((next_tokens.double(), picked.double())).tolist()
+        for r, p in zip(rows, picked_f, strict=True):
+            r.sum_logprob = np.float32(r.sum_logprob) + np.float32(p)
+        self.stats["tokens"] += b
+        finished = []
+        for i, (r, t) in enumerate(zip(rows, toks_f, strict=True)):
+            t = int(t)
+            r.sampled.append(t)
+            w = r.window
+            if t in w.stop_tokens or len(r.sampled) >= w.sample_len or r.length > self.max_positions:
+                finished.append(idx[i])
+            elif r.length > len(r.blocks) * self.block_size:
+                raise RuntimeError("KV blocks exhausted")  # cannot happen: blocks cover prompt + budget
+        return finished
+
+    def _draw(self, logits: torch.Tensor, windows: list[Window]) -> torch.Tensor:
+        """Sample one token per row at the rows' temperatures, within their top-k / top-p."""
+        dev = logits.device
+        temps = torch.tensor([w.temperature for w in windows], device=dev)[:, None]
+        scaled = logits.float() / temps
+        if any(w.top_k for w in windows):
+            ks = torch.tensor([w.top_k or scaled.shape[-1] for w in windows], device=dev)
+            kth = scaled.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+            scaled = scaled.masked_fill(scaled < kth, -math.inf)
+        if any(w.top_p is not None and w.top_p < 1.0 for w in windows):
+            ps = torch.tensor([w.top_p if w.top_p is not None else 1.0 for w in windows], device=dev)
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            # drop a token once the tokens before it already hold top_p (the best always stays)
+            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= ps[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            scaled = scaled.masked_fill(drop, -math.inf)
+        return torch.multinomial(torch.softmax(scaled, dim=-1), 1)[:, 0]
+
+    # ------------------------------------------------------------------ finishing rows
+    def _drop_row(self, i: int) -> Row:
+        """Remove row ``i``; the last row moves into its place (its cross K/V copied)."""
+        row = self.rows[i]
+        last = len(self.rows) - 1
+        if i != last:
+            for li in range(len(self.cross_k)):
+                self.cross_k[li][i].copy_(self.cross_k[li][last])
+                self.cross_v[li][i].copy_(self.cross_v[li][last])
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        self.cache.allocator.free(row.blocks)
+        row.blocks = []
+        return row
+
+    def _retire(self, finished: list[int]) -> None:
+        if not finished:
+            return
+        # drop from the highest row down so moved rows keep valid indices
+        dropped = [self._drop_row(i) for i in sorted(set(finished), reverse=True)]
+        for row in dropped:
+            request = row.window.request
+            if not self.alive(request):
+                continue
+            try:
+                self.driver.finished(row, self)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self.finish(request, exc)

@@ -31,7 +31,8 @@ def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
     eng = _engine(tiny_en)  # 3 rows for 5 inputs: rows are refilled as windows finish
     outs = eng.transcribe_outputs(clips, decoding=opts)
     ex = eng.scheduler.executor
-    assert type(ex).__name__ == "WhisperExecutor"
+    assert type(ex).__name__ == "AutoregressiveExecutor"  # the core's, with Whisper's driver
+    assert type(ex.driver).__name__ == "WhisperDriver"
     assert ex.stats["max_rows"] == 3
     for audio, out in zip(clips, outs, strict=True):
         assert out.ok, out.error
@@ -59,9 +60,9 @@ def test_encoder_lookahead_matches_transcribe(tiny_en, clips):
 
 
 def test_small_memory_budget_queues_a_flood(tiny_en, clips):
-    from oasr_models_whisper.engine_adapter import WhisperExecutor
+    from oasr_models_whisper.engine_adapter import make_executor
 
-    probe = WhisperExecutor(tiny_en, SchedulerConfig(max_batch_size=8))
+    probe = make_executor(tiny_en, SchedulerConfig(max_batch_size=8))
     per_row = probe.memory_bytes // 8  # cross K/V + a full context of blocks, one row
     eng = _engine(tiny_en, max_batch_size=8, kv_cache_bytes=int(per_row * 1.5))
     short = clips[0]
@@ -155,7 +156,7 @@ def test_abort_a_running_request(tiny_en, clips):
         fa.result(timeout=1)
     assert fb.result(timeout=1).text
     ex = sched.executor
-    assert not ex.rows and not ex.states
+    assert not ex.rows and not ex.active and not ex.driver.states
     assert ex.cache.allocator.num_free == ex.cache.allocator.capacity  # every block came back
 
 

@@ -3,6 +3,7 @@ the ctc_blank VAD detector, registrations."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -22,11 +23,12 @@ CLIP = "zh_aishell_BAC009S0764W0121.wav"
 def test_registrations() -> None:
     from oasr.plugins import get_registry
 
-    arch = get_registry("architecture").get("wenet_conformer")
+    arch = get_registry("architecture").get("conformer")
+    assert get_registry("architecture").get("wenet_conformer") is arch  # the key before 0.2
     assert arch.distribution == "oasr-models-wenet"
-    assert arch.metadata["decode_family"] == "ctc" and arch.metadata["streaming"] is True
+    assert arch.capabilities.decode_family == "ctc" and arch.capabilities.streaming is True
     assert list(arch.metadata["source_formats"]) == ["wenet", "oasr"]
-    assert get_registry("checkpoint_format").get("wenet").metadata["architecture"] == "wenet_conformer"
+    assert get_registry("checkpoint_format").get("wenet").metadata["architecture"] == "conformer"
     assert get_registry("vad_detector").get("ctc_blank").distribution == "oasr-models-wenet"
     dec = get_registry("decoder")
     for key in ("ctc_greedy", "ctc_prefix_beam", "attention_rescoring"):
@@ -51,7 +53,7 @@ def test_detect(tmp_path: Path) -> None:
 
 def test_native_roundtrip(tmp_path: Path, u2pp, speech) -> None:
     dst = tmp_path / "native"
-    assert convert_checkpoint(DATA / "u2pp_conformer", dst) == "wenet_conformer"
+    assert convert_checkpoint(DATA / "u2pp_conformer", dst) == "conformer"
     assert detect_format(dst) == "oasr"
     m2 = load_model(EngineConfig(ckpt_dir=str(dst)))
     assert m2.source_format == "oasr"
@@ -62,6 +64,11 @@ def test_native_roundtrip(tmp_path: Path, u2pp, speech) -> None:
     a = [speech[CLIP]]
     assert u2pp.transcribe(a, opts)[0].to_dict() == m2.transcribe(a, opts)[0].to_dict()
     assert m2.units.pieces == u2pp.units.pieces
+    # a checkpoint converted before the key was renamed (it names "wenet_conformer") still loads
+    body = json.loads((dst / "oasr_model.json").read_text())
+    (dst / "oasr_model.json").write_text(json.dumps({**body, "architecture": "wenet_conformer"}))
+    m3 = load_model(EngineConfig(ckpt_dir=str(dst)))
+    assert m3.transcribe(a, opts)[0].to_dict() == m2.transcribe(a, opts)[0].to_dict()
 
 
 def test_checkpoint_errors(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oasr.errors import CheckpointError, UnknownModelError
-from oasr.plugins import get_registry
+from oasr.errors import CheckpointError, PluginLoadError, UnknownModelError
+from oasr.model import SupportsNativeFormat
+from oasr.plugins import get_plugin_manager, get_registry
 
 if TYPE_CHECKING:
     from oasr.model import ASRModel
@@ -62,6 +63,14 @@ def detect_format(path: Path) -> str:
         if spec.load().detect(path):
             return spec.key
     known = ", ".join(s.key for s in specs) or "none"
+    failures = get_plugin_manager().failures
+    if failures:
+        # the format that would have recognised it may belong to a plugin that did not load
+        first = failures[0]
+        raise PluginLoadError(
+            first.distribution, first.cause,
+            needed_for=f"a format for the checkpoint at {path} (formats tried: {known})",
+        )
     raise UnknownModelError(
         f"no installed plugin recognises the checkpoint at {path} (formats tried: {known}); "
         f"install the model family's plugin (see `oasr models`)"
@@ -92,6 +101,8 @@ def write_native_config(dst: Path, architecture: str, config: dict[str, Any]) ->
 
 
 def read_native_config(path: Path) -> dict[str, Any]:
+    """The parsed ``oasr_model.json``. Its ``architecture`` is returned as the canonical registry
+    key, so a checkpoint written under an older key (an alias, e.g. ``wenet_conformer``) loads."""
     try:
         body = json.loads((path / NATIVE_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -101,6 +112,10 @@ def read_native_config(path: Path) -> dict[str, Any]:
             f"{path} uses native format version {body.get('format_version')!r}; this OASR reads "
             f"version {NATIVE_FORMAT_VERSION}: re-run `oasr convert` from the original checkpoint"
         )
+    arch = body.get("architecture")
+    if not isinstance(arch, str) or not arch:
+        raise CheckpointError(f"{path / NATIVE_CONFIG} names no architecture")
+    body["architecture"] = get_registry("architecture").canonical(arch)
     return body
 
 
@@ -116,6 +131,11 @@ class NativeFormat:
     def load(path: Path, config: EngineConfig) -> ASRModel:
         body = read_native_config(path)
         arch = get_registry("architecture").resolve(body["architecture"])
+        if not isinstance(arch, SupportsNativeFormat):
+            raise CheckpointError(
+                f"{path} names architecture {body['architecture']!r}, whose plugin cannot read the "
+                f"native format (no from_native/save_native, see oasr.model.SupportsNativeFormat)"
+            )
         return arch.from_native(path, body, config)
 
 
@@ -128,7 +148,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, config: EngineConfig | 
     if cfg.ckpt_dir is None:
         cfg.ckpt_dir = str(src)
     model = load_model(cfg)
-    save = getattr(model, "save_native", None)
-    if save is None:
+    if not isinstance(model, SupportsNativeFormat):
         raise CheckpointError(f"{model.name} does not support conversion to the native format")
-    return save(Path(dst))
+    return model.save_native(Path(dst))

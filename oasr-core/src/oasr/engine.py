@@ -353,8 +353,10 @@ class ASREngine:
         faster than whole batches. On the CPU the per-batch path is kept (measured the faster)."""
         # the model's device first: building the executor reserves its KV-cache pools, which a
         # CPU engine that never submits must not pay for
-        on_gpu = str(getattr(self.model, "device", "cpu")).startswith("cuda")
-        if not on_gpu or self.config.service_mode != "offline" or not hasattr(self.model, "make_executor"):
+        from oasr.model import SupportsExecutor, model_device
+
+        on_gpu = model_device(self.model).startswith("cuda")
+        if not on_gpu or self.config.service_mode != "offline" or not isinstance(self.model, SupportsExecutor):
             return False
         return not isinstance(self._offline("transcribe").executor, BatchExecutor)
 

@@ -74,13 +74,16 @@ class PluginLoadError(OASRError):
 
     code = "plugin_load_failed"
 
-    def __init__(self, distribution: str, cause: BaseException) -> None:
+    def __init__(self, distribution: str, cause: BaseException, *, needed_for: str | None = None) -> None:
+        # ``needed_for`` names what was asked for when the failure is why it is missing
+        prefix = f"{needed_for} is not available: " if needed_for else ""
         super().__init__(
-            f"plugin distribution {distribution!r} failed to load: "
+            f"{prefix}plugin distribution {distribution!r} failed to load: "
             f"{type(cause).__name__}: {cause}; reinstall it, or skip it with "
             f"OASR_DISABLE_PLUGINS={distribution}"
         )
         self.distribution = distribution
+        self.cause = cause
         self.__cause__ = cause
 
 

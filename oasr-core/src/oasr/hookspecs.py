@@ -1,8 +1,11 @@
 """pluggy hook specifications: one ``register_*`` hook per registry axis.
 
-Each hook receives a ``register`` callback. Call it once per item with a registry key, a
-``"module:Class"`` string (imported only when the key is resolved) and optional metadata. A hook
-module must not import torch or any heavy dependency at module level.
+Each hook receives a ``register`` callback. Call it once per item as
+``register(key, "module:Attr", *, aliases=(), **metadata)``: a registry key, a ``"module:Attr"``
+string (imported only when the key is resolved), older names that resolve to the same item, and
+metadata. A hook module must not import torch or any heavy dependency at module level.
+
+Every hook and every metadata key OASR reads is documented in ``docs/plugins.md`` (a test checks).
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ Register = Callable[..., None]
 
 @hookspec
 def register_architectures(register: Register) -> None:
-    """Register model architectures. Metadata: decode_family, offline, streaming,
-    word_timestamps, source_formats, description."""
+    """Register model architectures. Metadata: capabilities (a ModelCapabilities, the same
+    constant the model class uses), source_formats, description."""
 
 
 @hookspec
 def register_checkpoint_formats(register: Register) -> None:
-    """Register checkpoint formats (detect + load). Metadata: architecture, priority."""
+    """Register checkpoint formats (detect + load). Metadata: architecture, priority, description."""
 
 
 @hookspec
@@ -51,7 +54,8 @@ def register_vad_detectors(register: Register) -> None:
 
 @hookspec
 def register_kernel_providers(register: Register) -> None:
-    """Register kernel providers that replace ``oasr.layers`` ops on some device."""
+    """Register kernel providers that replace ``oasr.layers`` ops on some device. Metadata:
+    device_types, ops, description."""
 
 
 @hookspec

@@ -47,8 +47,8 @@ def kernel_providers_for(device_type: str) -> list[LazySpec]:
     """The registered kernel provider specs serving ``device_type`` ("cuda", "cpu", ...)."""
     from oasr.plugins import get_registry
 
-    # Non-strict: a broken unrelated plugin must not keep the kernels away.
-    registry = get_registry("kernel_provider", strict=False)
+    # Listing never raises for a broken plugin: an unrelated failure must not keep kernels away.
+    registry = get_registry("kernel_provider")
     return [spec for spec in registry if device_type in _device_types(spec)]
 
 

@@ -1,7 +1,10 @@
-"""The model contract every architecture implements, and the checkpoint-format contract.
+"""The model contract every architecture implements, the optional capabilities a model or its
+executor may add, and the checkpoint-format contract.
 
 These are :class:`typing.Protocol` classes: plugins satisfy them structurally and never need to
-subclass anything from core.
+subclass anything from core. Core asks for an optional capability with ``isinstance(obj,
+Protocol)`` (the ``runtime_checkable`` ones below), never with ``getattr``/``hasattr``, so every
+optional contract is named and documented here once.
 """
 
 from __future__ import annotations
@@ -9,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from oasr.types import DecodingOptions, EngineConfig, FeatureSpec, ModelCapabilities, Transcript
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from oasr.scheduler import SchedulerConfig
 
 #: Called with (units done, units total) while a long job runs; the CLI draws a progress bar.
 ProgressCallback = Callable[[float, float], None]
@@ -37,6 +42,65 @@ class ASRModel(Protocol):
     ) -> list[Transcript]:
         """Recognise a batch of mono float32 waveforms at ``feature_spec.sample_rate``."""
         ...
+
+
+# -- optional capabilities of a model --------------------------------------------------------------
+
+
+@runtime_checkable
+class SupportsNativeFormat(Protocol):
+    """An architecture that reads and writes OASR's native format (``oasr convert``).
+
+    ``from_native`` is a classmethod: :class:`oasr.checkpoint.NativeFormat` calls it on the class
+    the registry resolves; ``save_native`` is called on a loaded model. Both must be present."""
+
+    @classmethod
+    def from_native(cls, path: Path, body: dict[str, Any], config: EngineConfig) -> ASRModel:
+        """Build the model from a native checkpoint; ``body`` is its parsed ``oasr_model.json``
+        (``body["architecture"]`` already the canonical registry key)."""
+        ...
+
+    def save_native(self, dst: Path) -> str:
+        """Write the native format into ``dst``; return the architecture key written."""
+        ...
+
+
+@runtime_checkable
+class SupportsExecutor(Protocol):
+    """A model with its own continuous-batching executor for the offline scheduler
+    (:func:`oasr.scheduler.executor_for`)."""
+
+    def make_executor(self, config: SchedulerConfig) -> Any | None:
+        """An :class:`oasr.scheduler.Executor` for this model, or None when this model/config is
+        not supported (the scheduler then uses its generic batch executor)."""
+        ...
+
+
+@runtime_checkable
+class HasDevice(Protocol):
+    """A model that says where it runs. ``device`` is a ``torch.device`` or a string such as
+    ``"cuda:0"``; core compares ``str(device)``. A model without it is taken to run on the CPU."""
+
+    @property
+    def device(self) -> Any: ...
+
+
+def model_device(model: object) -> str:
+    """``str(model.device)`` for a :class:`HasDevice` model, else ``"cpu"``."""
+    return str(model.device) if isinstance(model, HasDevice) else "cpu"
+
+
+# -- optional capabilities of an executor -----------------------------------------------------------
+
+
+@runtime_checkable
+class HoldsExtraRequests(Protocol):
+    """An executor that can hold more requests than it decodes at once (e.g. windows encoded
+    ahead of a free decoder row). The scheduler admits up to ``max_requests`` instead of
+    ``SchedulerConfig.max_batch_size``."""
+
+    @property
+    def max_requests(self) -> int: ...
 
 
 class CheckpointFormat(Protocol):

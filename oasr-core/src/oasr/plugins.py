@@ -3,30 +3,43 @@
 One process-wide manager, loaded on first use. Core's built-ins go through the same hooks as
 third-party plugins (they are registered under the distribution name ``oasr-core``).
 
+A plugin that fails (its hook module does not import, a hook raises, it implements a hook OASR
+does not define, it registers something malformed) is recorded in
+:attr:`PluginManager.failures` and the others load. The CLI and the server warn about each
+failure once and carry on; a library lookup raises the failure only when it is why the key asked
+for is missing (:class:`oasr.registry.Registry`).
+
 Environment:
   ``OASR_PLUGINS``          comma-separated allow-list of distribution names; only these load.
   ``OASR_DISABLE_PLUGINS``  comma-separated block-list of distribution names.
 Core's built-ins are always loaded.
+
+Tests (and applications) can add a plugin object or module without installing a distribution:
+:meth:`PluginManager.register_plugin` / :func:`temporary_plugin`.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any
 
 import pluggy
 
 from oasr import hookspecs
 from oasr.errors import PluginLoadError
-from oasr.registry import AXES, LazySpec, Registry
+from oasr.registry import AXES, LazySpec, Registry, architecture_metadata
 
 ENTRY_POINT_GROUP = "oasr"
 CORE_DISTRIBUTION = "oasr-core"
+#: version reported for a plugin registered in memory that has no ``__version__``
+IN_MEMORY_VERSION = "in-memory"
 
 
 def normalize_name(name: str) -> str:
@@ -57,10 +70,12 @@ class PluginManager:
         self.group = group
         self._pm = pluggy.PluginManager("oasr")
         self._pm.add_hookspecs(hookspecs)
-        self.registries: dict[str, Registry] = {axis: Registry(axis) for axis in AXES}
-        self.plugins: dict[str, PluginInfo] = {}
-        #: plugins that failed to import or register; the CLI warns, library calls raise
         self.failures: list[PluginLoadError] = []
+        self.registries: dict[str, Registry] = {
+            axis: Registry(axis, failures=lambda: self.failures) for axis in AXES
+        }
+        self.plugins: dict[str, PluginInfo] = {}
+        self._reported: set[int] = set()  # ids of failures already warned about
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -91,24 +106,70 @@ class PluginManager:
                     continue
                 version = ep.dist.version if ep.dist is not None else "unknown"
                 self._add_plugin(dist_name, version, module)
-            self._pm.check_pending()
 
-    def _add_plugin(self, dist_name: str, version: str, module: ModuleType) -> None:
+    def register_plugin(self, plugin: object | str, name: str, version: str | None = None) -> bool:
+        """Add a plugin without an installed distribution: a module or object with hook
+        implementations, or the name of a module to import (an import failure is recorded like
+        an entry point's). ``name`` stands for the distribution in listings and errors. Returns
+        whether it loaded; its failures are in :attr:`failures`. Undo with
+        :meth:`unregister_plugin`."""
+        with self._lock:
+            self.load()
+            if name in self.plugins or self._pm.has_plugin(name):
+                raise ValueError(f"a plugin named {name!r} is already registered")
+            if isinstance(plugin, str):
+                try:
+                    plugin = importlib.import_module(plugin)
+                except Exception as exc:  # noqa: BLE001 - same as a failing entry point
+                    self.failures.append(PluginLoadError(name, exc))
+                    return False
+            ver = version or str(getattr(plugin, "__version__", IN_MEMORY_VERSION))
+            try:
+                return self._add_plugin(name, ver, plugin)
+            except BaseException:  # e.g. a duplicate key: leave nothing half-registered
+                self.unregister_plugin(name)
+                raise
+
+    def unregister_plugin(self, name: str) -> None:
+        """Remove what :meth:`register_plugin` added: the hooks, every spec the plugin
+        registered and its recorded failures."""
+        with self._lock:
+            if self._pm.has_plugin(name):
+                self._pm.unregister(name=name)
+            self.plugins.pop(name, None)
+            for registry in self.registries.values():
+                registry.remove_distribution(name)
+            self.failures[:] = [f for f in self.failures if f.distribution != name]
+
+    def _add_plugin(self, dist_name: str, version: str, plugin: object) -> bool:
         try:
-            self._pm.register(module, name=dist_name)
-        except Exception as exc:  # noqa: BLE001 - e.g. a hook that has no spec
+            self._pm.register(plugin, name=dist_name)
+        except Exception as exc:  # noqa: BLE001 - e.g. a hook implementation with bad arguments
             self.failures.append(PluginLoadError(dist_name, exc))
-            return
-        info = PluginInfo(dist_name, version, module.__name__)
+            return False
+        unknown = sorted(
+            name for name in dir(self._pm.hook) if not name.startswith("_")
+            and not getattr(self._pm.hook, name).has_spec()
+            and any(i.plugin is plugin for i in getattr(self._pm.hook, name).get_hookimpls())
+        )
+        if unknown:  # a misspelt hook would otherwise never run, silently
+            self._pm.unregister(plugin)
+            known = ", ".join(sorted([*AXES.values(), "register_commands"]))
+            self.failures.append(PluginLoadError(dist_name, TypeError(
+                f"implements {', '.join(unknown)}, which OASR does not define (hooks: {known})"
+            )))
+            return False
+        info = PluginInfo(dist_name, version, getattr(plugin, "__name__", type(plugin).__name__))
         self.plugins[dist_name] = info
         info.hooks = sorted(
             name for name in dir(self._pm.hook) if not name.startswith("_")
-            and any(i.plugin is module for i in getattr(self._pm.hook, name).get_hookimpls())
+            and any(i.plugin is plugin for i in getattr(self._pm.hook, name).get_hookimpls())
         )
+        ok = True
         # Call each hook per plugin so every spec records the distribution that provided it.
         for axis, hook_name in AXES.items():
             for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
-                if impl.plugin is not module:
+                if impl.plugin is not plugin:
                     continue
                 try:
                     impl.function(register=self._registrar(axis, dist_name, info))
@@ -116,10 +177,19 @@ class PluginManager:
                     raise fatal.error from None
                 except Exception as exc:  # noqa: BLE001 - a plugin bug: record, keep going
                     self.failures.append(PluginLoadError(dist_name, exc))
+                    ok = False
+        return ok
 
     def _registrar(self, axis: str, dist_name: str, info: PluginInfo) -> Callable[..., None]:
-        def register(key: str, target: str, **meta: Any) -> None:
-            spec = LazySpec(axis, key, target, dist_name, MappingProxyType(dict(meta)))
+        def register(key: str, target: str, *, aliases: Any = (), **meta: Any) -> None:
+            if isinstance(aliases, str):
+                aliases = (aliases,)
+            if axis == "architecture":
+                try:
+                    meta = architecture_metadata(meta)
+                except (TypeError, ValueError) as exc:
+                    raise TypeError(f"architecture {key!r}: {exc}") from exc
+            spec = LazySpec(axis, key, target, dist_name, MappingProxyType(meta), tuple(aliases))
             try:
                 self.registries[axis].add(spec)
             except Exception as exc:
@@ -131,13 +201,20 @@ class PluginManager:
         return register
 
     # -- access ------------------------------------------------------------------------------
-    def registry(self, axis: str, *, strict: bool = True) -> Registry:
-        """The registry for ``axis``. With ``strict`` (library default) a plugin that failed to
-        load is raised here rather than silently missing."""
+    def registry(self, axis: str) -> Registry:
+        """The registry for ``axis``. Plugins that failed to load do not raise here: a lookup of
+        a key that is missing because of one of them does (see :class:`Registry`)."""
         self.load()
-        if strict and self.failures:
-            raise self.failures[0]
         return self.registries[axis]
+
+    def unreported_failures(self) -> list[PluginLoadError]:
+        """Failures not yet returned by this method: the CLI and the server warn about each
+        plugin failure once per process, whichever of them looks first."""
+        with self._lock:
+            self.load()
+            fresh = [f for f in self.failures if id(f) not in self._reported]
+            self._reported.update(id(f) for f in fresh)
+            return fresh
 
     def add_commands(self, cli: Any) -> None:
         self.load()
@@ -184,10 +261,32 @@ def reset_plugin_manager() -> None:
         _manager = None
 
 
-def get_registry(axis: str, *, strict: bool = True) -> Registry:
-    return get_plugin_manager().registry(axis, strict=strict)
+@contextmanager
+def temporary_plugin(plugin: object | str, name: str, version: str | None = None) -> Iterator[PluginManager]:
+    """Register ``plugin`` (a module, an object with hook implementations, or a module name to
+    import) on the process-wide manager for the ``with`` block, then remove it::
+
+        class Toy:
+            @hookimpl
+            def register_architectures(self, register):
+                register("toy", "toy_pkg.model:Toy", capabilities={"decode_family": "ctc"})
+
+        with temporary_plugin(Toy(), name="oasr-toy"):
+            assert "toy" in get_registry("architecture")
+    """
+    manager = get_plugin_manager()
+    manager.register_plugin(plugin, name=name, version=version)
+    try:
+        yield manager
+    finally:
+        manager.unregister_plugin(name)
+
+
+def get_registry(axis: str) -> Registry:
+    return get_plugin_manager().registry(axis)
 
 
 def resolve(axis: str, key: str) -> Any:
-    """Import and return what ``key`` names on ``axis``; raises a typed error if nothing does."""
+    """Import and return what ``key`` (or one of its aliases) names on ``axis``; raises a typed
+    error if nothing does."""
     return get_registry(axis).resolve(key)

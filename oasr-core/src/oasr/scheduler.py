@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from oasr.errors import InvalidRequestError, OASRError
+from oasr.model import HoldsExtraRequests, SupportsExecutor
 
 if TYPE_CHECKING:
     import numpy as np
@@ -193,9 +194,8 @@ def executor_for(model: ASRModel, config: SchedulerConfig) -> Any:
 
     A model opts in with a ``make_executor(config)`` method returning an executor, or None when
     this model/config is not supported (Whisper: ``WhisperASR.make_executor``)."""
-    factory = getattr(model, "make_executor", None)
-    if factory is not None:
-        made = factory(config)
+    if isinstance(model, SupportsExecutor):
+        made = model.make_executor(config)
         if made is not None:
             return made
     return BatchExecutor(model, config.max_batch_size)
@@ -284,7 +284,8 @@ class Scheduler:
         blocked = False
         # a continuous executor may hold more requests than it decodes at once (windows
         # encoded ahead of a free row); it says how many through ``max_requests``
-        capacity = getattr(self.executor, "max_requests", None) or self.config.max_batch_size
+        capacity = (self.executor.max_requests if isinstance(self.executor, HoldsExtraRequests)
+                    else self.config.max_batch_size)
         for r in (*starved, *fresh):
             if len(self._running) + len(admitted) >= capacity:
                 break

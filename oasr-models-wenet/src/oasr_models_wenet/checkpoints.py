@@ -19,11 +19,11 @@ from oasr_models_wenet.config import (
     resolve_cmvn_file,
 )
 from oasr_models_wenet.nn import convert_wenet_state
+from oasr_models_wenet.plugin import ARCHITECTURE, LEGACY_KEYS  # the registry key, declared once
 
 if TYPE_CHECKING:
     from oasr_models_wenet.model import WenetASR
 
-ARCHITECTURE = "wenet_conformer"
 WEIGHTS = "model.safetensors"
 
 
@@ -105,7 +105,7 @@ def load_native(path: Path, body: dict[str, Any] | None = None) -> tuple[WenetCo
     from oasr.checkpoint import read_native_config
 
     body = body or read_native_config(path)
-    if body.get("architecture") != ARCHITECTURE:
+    if body.get("architecture") not in (ARCHITECTURE, *LEGACY_KEYS):
         raise CheckpointError(f"{path} holds architecture {body.get('architecture')!r}, not {ARCHITECTURE}")
     try:
         cfg = WenetConfig.from_json(body["wenet_config"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,6 @@ from oasr.decoders.ctc import (
 from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.types import (
-    DecodeFamily,
     DecodingOptions,
     EngineConfig,
     FeatureSpec,
@@ -47,6 +46,7 @@ from oasr.types import (
 )
 from oasr_models_wenet.config import WenetConfig
 from oasr_models_wenet.nn import ChunkCaches, WenetNet, build_network
+from oasr_models_wenet.plugin import CAPABILITIES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -129,6 +129,9 @@ class WenetStreamState:
 class WenetASR:
     """A loaded WeNet U2/U2++ model."""
 
+    #: the architecture's capabilities, as registered; an instance narrows them to its checkpoint
+    capabilities: ModelCapabilities = CAPABILITIES
+
     def __init__(self, net: WenetNet, units: Sequence[str], config: WenetConfig, *, name: str = "wenet conformer",
                  source_format: str = "wenet", source_path: Path | None = None,
                  max_batch_size: int = 16) -> None:
@@ -147,10 +150,7 @@ class WenetASR:
         # WeNet streams only models trained with chunk masks (dynamic or static); a full-context
         # model would see a context it was never trained on
         trained_chunked = config.use_dynamic_chunk or config.static_chunk_size > 0
-        self.capabilities = ModelCapabilities(
-            decode_family=DecodeFamily.CTC, offline=True, streaming=trained_chunked, word_timestamps=True,
-            translation=False, language_detection=False, multilingual=False,
-        )
+        self.capabilities = replace(CAPABILITIES, streaming=trained_chunked)
         self.feature_spec = FeatureSpec(
             kind="kaldi_fbank",
             sample_rate=config.sample_rate,
@@ -214,7 +214,7 @@ class WenetASR:
 
     def save_native(self, dst: str | Path) -> str:
         """Write OASR's native format (``model.safetensors`` + ``oasr_model.json`` with the
-        config and unit table); returns ``"wenet_conformer"``."""
+        config and unit table); returns ``"conformer"``."""
         from oasr_models_wenet.checkpoints import save_native
 
         return save_native(Path(dst), self)

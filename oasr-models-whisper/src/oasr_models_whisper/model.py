@@ -8,6 +8,7 @@ the checkpoint (suppressed tokens, language tokens, alignment heads).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,6 @@ import torch
 from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.model import ProgressCallback
 from oasr.types import (
-    DecodeFamily,
     DecodingOptions,
     EngineConfig,
     FeatureSpec,
@@ -26,6 +26,7 @@ from oasr.types import (
 )
 from oasr_models_whisper.decoding import resolve_suppress_tokens
 from oasr_models_whisper.network import WhisperNetwork
+from oasr_models_whisper.plugin import CAPABILITIES
 from oasr_models_whisper.speech_gate import empty_transcript, speech_gate
 from oasr_models_whisper.tokenizer import LANGUAGES, WhisperTokenizer, normalize_language
 from oasr_models_whisper.transcribe import transcribe as _transcribe
@@ -54,6 +55,9 @@ def _dtype(name: str | None) -> torch.dtype | None:
 class WhisperASR:
     """A loaded Whisper model: encoder-decoder network + tokenizer + decoding defaults."""
 
+    #: the architecture's capabilities, as registered; an instance narrows them to its checkpoint
+    capabilities: ModelCapabilities = CAPABILITIES
+
     def __init__(
         self,
         network: WhisperNetwork,
@@ -72,11 +76,9 @@ class WhisperASR:
         self.non_speech_tokens = tuple(non_speech_tokens) if non_speech_tokens is not None else None
         self.max_batch_size = max_batch_size
         self.loaded = loaded
-        self.capabilities = ModelCapabilities(
-            decode_family=DecodeFamily.AED,
-            offline=True,
-            streaming=False,
-            word_timestamps=True,
+        # English-only checkpoints neither translate nor detect languages
+        self.capabilities = replace(
+            CAPABILITIES,
             translation=self.multilingual,
             language_detection=self.multilingual,
             multilingual=self.multilingual,

@@ -177,6 +177,11 @@ class ServerState:
 
     def _load(self) -> None:
         try:
+            # a broken plugin is a warning here; the model fails to load only if it needed it
+            from oasr.plugins import get_plugin_manager
+
+            for failure in get_plugin_manager().unreported_failures():
+                log.warning("%s", failure.message)
             # the decode workers start first: they are plain processes without the model
             self.decode_pool = self._start_decode_pool()
             engine = self.engine

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 
 from oasr.types import (
-    DecodeFamily,
     DecodingOptions,
     EngineConfig,
     FeatureSpec,
@@ -18,6 +17,7 @@ from oasr.types import (
     Segment,
     Transcript,
 )
+from oasr_plugin_example.plugin import CAPABILITIES
 
 CONFIG_NAME = "example_energy.json"
 
@@ -25,7 +25,7 @@ CONFIG_NAME = "example_energy.json"
 class EnergyModel:
     """Marks each run of frames louder than ``threshold_db`` as ``[speech]``."""
 
-    capabilities = ModelCapabilities(decode_family=DecodeFamily.CTC)
+    capabilities: ModelCapabilities = CAPABILITIES  # declared once, in the hook module
 
     def __init__(self, threshold_db: float = -35.0, sample_rate: int = 16000) -> None:
         self.name = "example_energy"

@@ -18,7 +18,7 @@ from rich.table import Table
 from oasr._version import __version__
 from oasr.errors import OASRError
 from oasr.plugins import get_plugin_manager
-from oasr.registry import KNOWN_PLUGINS
+from oasr.registry import CAPABILITY_FIELDS, KNOWN_PLUGINS
 
 app = typer.Typer(
     name="oasr",
@@ -32,8 +32,9 @@ err_console = Console(stderr=True)
 
 
 def _warn_plugin_failures() -> None:
-    """In the CLI a broken plugin is a warning: the rest keeps working."""
-    for failure in get_plugin_manager().failures:
+    """In the CLI a broken plugin is a warning, printed once per failure: the rest keeps
+    working. A command that needs what the plugin would have provided fails with its error."""
+    for failure in get_plugin_manager().unreported_failures():
         err_console.print(f"[yellow]warning:[/yellow] {failure.message}", highlight=False)
 
 
@@ -95,38 +96,43 @@ def plugins_command(
     for row in rows:
         registers = "\n".join(f"{axis}: {', '.join(keys)}" for axis, keys in row["registered"].items())
         table.add_row(row["distribution"], row["version"], "\n".join(row["hooks"]), registers)
+    for fail_row in failed:
+        table.add_row(fail_row["distribution"], "-", "-", "[red]failed to load[/red] (see the warning)")
     console.print(table)
 
 
 def list_architectures() -> list[dict[str, Any]]:
-    """Every architecture known: installed ones from the registry, first-party ones that are not
-    installed from the catalogue, with the pip line that provides them."""
-    registry = get_plugin_manager().registry("architecture", strict=False)
+    """Every architecture known, by canonical key: installed ones from the registry (with the
+    capabilities their plugin declares), first-party ones that are not installed from the
+    catalogue (with the pip line that provides them; what they can do is unknown until then)."""
+    registry = get_plugin_manager().registry("architecture")
     out: dict[str, dict[str, Any]] = {}
     for spec in registry:
-        meta = dict(spec.metadata)
+        caps = spec.capabilities
+        row: dict[str, Any] = {"architecture": spec.key, "aliases": list(spec.aliases)}
+        for name in CAPABILITY_FIELDS:
+            value = getattr(caps, name, None)
+            row[name] = getattr(value, "value", value)  # DecodeFamily -> "ctc"
         out[spec.key] = {
-            "architecture": spec.key,
-            "decode_family": meta.get("decode_family"),
-            "offline": meta.get("offline", True),
-            "streaming": meta.get("streaming", False),
-            "source_formats": list(meta.get("source_formats", [])),
+            **row,
+            "source_formats": list(spec.metadata.get("source_formats", [])),
+            "description": spec.metadata.get("description", ""),
             "distribution": spec.distribution,
             "installed": True,
             "install": None,
         }
-    for key, meta in KNOWN_PLUGINS["architecture"].items():
+    for key, known in KNOWN_PLUGINS["architecture"].items():
         if key in out:
             continue
         out[key] = {
             "architecture": key,
-            "decode_family": meta["decode_family"],
-            "offline": meta["offline"],
-            "streaming": meta["streaming"],
-            "source_formats": list(meta["source_formats"]),
-            "distribution": meta["distribution"],
+            "aliases": list(known.aliases),
+            **dict.fromkeys(CAPABILITY_FIELDS),
+            "source_formats": [],
+            "description": known.description,
+            "distribution": known.distribution,
             "installed": False,
-            "install": f"pip install {meta['distribution']}",
+            "install": f"pip install {known.distribution}",
         }
     return [out[k] for k in sorted(out)]
 
@@ -142,15 +148,20 @@ def models_command(
         print(json.dumps(_jsonable(rows), indent=2))
         return
     table = Table(title="OASR architectures")
-    for col in ("architecture", "decode", "offline", "streaming", "formats", "provided by", "status"):
+    for col in ("architecture", "aliases", "decode", "offline", "streaming", "formats", "provided by", "status"):
         table.add_column(col)
+
+    def yes_no(value: bool | None) -> str:
+        return "-" if value is None else "yes" if value else "no"
+
     for r in rows:
         status = "[green]installed[/green]" if r["installed"] else f"[dim]{r['install']}[/dim]"
         table.add_row(
             r["architecture"],
-            str(r["decode_family"]),
-            "yes" if r["offline"] else "no",
-            "yes" if r["streaming"] else "no",
+            ", ".join(r["aliases"]),
+            r["decode_family"] or "-",
+            yes_no(r["offline"]),
+            yes_no(r["streaming"]),
             ", ".join(r["source_formats"]),
             r["distribution"],
             status,
@@ -170,8 +181,9 @@ def main(argv: Optional[list[str]] = None) -> None:  # noqa: UP045 - typer reads
     manager = get_plugin_manager()
     try:
         manager.add_commands(app)
-    except OASRError as exc:
+    except OASRError as exc:  # two plugins claiming one key: nothing can be trusted to work
         raise SystemExit(f"error: {exc.message}") from None
+    _warn_plugin_failures()
     try:
         app(args=argv if argv is not None else sys.argv[1:], standalone_mode=True)
     except OASRError as exc:  # library errors reach the user as one clear line

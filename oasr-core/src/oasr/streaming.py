@@ -75,8 +75,9 @@ class StreamingScheduler:
     def __init__(self, model: StreamingASRModel, *, max_batch_size: int = 16,
                  max_streams: int | None = None,
                  new_state: Callable[[DecodingOptions], Any] | None = None) -> None:
-        caps = getattr(model, "capabilities", None)
-        if caps is None or not caps.streaming or not hasattr(model, "stream_step"):
+        from oasr.model import StreamingASRModel
+
+        if not isinstance(model, StreamingASRModel) or not model.capabilities.streaming:
             raise UnsupportedOptionError(
                 f"{getattr(model, 'name', type(model).__name__)} cannot stream", param="service_mode"
             )

@@ -237,7 +237,10 @@ class ServerState:
                 listeners = list(self._ready_listeners)
             self.metrics.bind_worker(lambda: worker.depth, lambda: worker.in_flight)
             # the model's own device where it says (a checkpoint may pick it), else the config's
-            device = getattr(engine.model, "device", None) or getattr(engine.config, "device", "cpu")
+            from oasr.model import HasDevice
+
+            model = engine.model
+            device = model.device if isinstance(model, HasDevice) else getattr(engine.config, "device", "cpu")
             self.metrics.bind_gpu(str(device))
             if stream_engine is not None:
                 self.metrics.bind_engine_streams(lambda: stream_engine.open_streams)

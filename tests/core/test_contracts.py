@@ -37,8 +37,8 @@ def test_decoding_options_validate() -> None:
         DecodingOptions(task="summarize")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="temperature"):
         DecodingOptions(temperature=(0.0, -0.2))
-    with pytest.raises(UnsupportedOptionError, match="hotwords"):
-        DecodingOptions(hotwords=("OASR",))
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        DecodingOptions(max_new_tokens=0)
     assert DecodingOptions(temperature=0.4).temperatures == (0.4,)
     assert DecodingOptions(temperature=(0.0, 0.5)).temperatures == (0.0, 0.5)
 
@@ -50,6 +50,12 @@ def test_unsupported_options_are_refused_per_family() -> None:
     with pytest.raises(UnsupportedOptionError, match="cannot translate"):
         DecodingOptions(task="translate").check_supported(WHISPER_EN, "whisper tiny.en")
     DecodingOptions(word_timestamps=True).check_supported(WHISPER_EN, "whisper tiny.en")
+    # hotwords: refused by a family that cannot bias, accepted by one that declares it can
+    with pytest.raises(UnsupportedOptionError, match="hotwords") as info:
+        DecodingOptions(hotwords=("OASR",)).check_supported(CTC_STREAMING, "toy ctc")
+    assert info.value.param == "hotwords"
+    biasing = ModelCapabilities(decode_family=DecodeFamily.CIF, hotwords=True)
+    DecodingOptions(hotwords=("OASR",)).check_supported(biasing, "toy paraformer")
 
 
 def test_engine_config_validates() -> None:

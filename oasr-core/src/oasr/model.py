@@ -85,6 +85,17 @@ class HasDevice(Protocol):
     def device(self) -> Any: ...
 
 
+@runtime_checkable
+class HasModelOptions(Protocol):
+    """A model whose family declares per-request options (:mod:`oasr.options`).
+    ``default_options`` is an instance of the family's :class:`oasr.options.ModelOptions`
+    subclass holding this model's defaults (a checkpoint may change them); a request's
+    ``DecodingOptions.model_options`` override them. A model without it refuses any."""
+
+    @property
+    def default_options(self) -> Any: ...
+
+
 def model_device(model: object) -> str:
     """``str(model.device)`` for a :class:`HasDevice` model, else ``"cpu"``."""
     return str(model.device) if isinstance(model, HasDevice) else "cpu"

@@ -160,7 +160,7 @@ class BatchExecutor:
             return False
         if self._pending and self._pending[0].options != request.options:
             return False  # one options set per model call
-        request.options.check_supported(self.model.capabilities, self.model.name)
+        request.options.validate_for(self.model)
         self._pending.append(request)
         return True
 

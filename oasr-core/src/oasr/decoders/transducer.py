@@ -1,0 +1,591 @@
+"""Generic transducer decoders: RNN-T greedy search, icefall's modified beam search, and NeMo's
+token-and-duration (TDT) greedy search. Batched over utterances, offline or incremental.
+
+A model family reaches its prediction network and joiner only through :class:`TransducerNetwork`
+(five small methods), so one search serves icefall's stateless decoder (its "state" is the last
+``context_size`` tokens) and NeMo's LSTM prediction network (its state is ``(h, c)``) alike.
+Encoder frames are passed in the form ``join`` takes them: a family whose joiner projects the
+encoder output projects it once, before the search (icefall ``joiner.encoder_proj``, NeMo
+``joint.project_encoder``).
+
+Every search returns :class:`~oasr.decoders.hypothesis.Hypothesis` (the type the CTC decoders
+return): ``times`` are the encoder frames at which tokens were emitted, ``token_logprobs`` the
+log-probability of each token at its emission (log-softmax over the token logits), so
+:func:`oasr.decoders.token_timestamps` and :func:`oasr.decoders.group_words` give word times and
+confidences exactly as for CTC. TDT hypotheses also carry ``durations`` (frames per token);
+:func:`duration_token_timestamps` turns them into token spans.
+
+Semantics (restated from the references, tested against them):
+
+* greedy (:class:`TransducerGreedySearch`): frame by frame; at a frame the joiner is evaluated
+  for the current decoder output, a non-blank argmax is emitted (the prediction network then
+  advances) and the same frame is evaluated again, until blank or ``max_symbols_per_frame``
+  symbols. ``max_symbols_per_frame=1`` is icefall's ``greedy_search_batch``; larger values are
+  icefall's ``greedy_search`` and NeMo's greedy RNN-T decoding (``max_symbols_per_step``).
+* modified beam search (:class:`TransducerModifiedBeamSearch`): icefall's
+  ``modified_beam_search``; at most one symbol per frame, per frame the ``beam_size`` best
+  (hypothesis, token) pairs of each utterance survive, equal token sequences are merged by
+  log-add.
+* TDT greedy (:class:`TDTGreedySearch`): NeMo's batched greedy TDT (label looping): the joiner
+  gives token logits followed by one logit per allowed duration; the token argmax is emitted
+  unless blank, the time pointer advances by the argmax duration (at least one frame after a
+  blank), and after ``max_symbols_per_frame`` tokens without advancing it is moved one frame.
+
+torch is imported when a search runs, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from oasr.decoders.ctc import TokenTiming
+from oasr.decoders.hypothesis import Hypothesis
+from oasr.errors import CheckpointError, InvalidRequestError
+
+__all__ = [
+    "TDTGreedySearch",
+    "TransducerGreedySearch",
+    "TransducerModifiedBeamSearch",
+    "TransducerNetwork",
+    "duration_token_timestamps",
+    "tdt_greedy_search",
+    "transducer_greedy_search",
+    "transducer_modified_beam_search",
+]
+
+
+@runtime_checkable
+class TransducerNetwork(Protocol):
+    """What a family gives the transducer searches: its prediction network and joiner.
+
+    A *state* is whatever the prediction network carries between tokens, for N rows (hypotheses
+    or utterances): icefall's stateless decoder keeps the last ``context_size`` tokens (an (N, c)
+    long tensor), NeMo's LSTM keeps ``(h, c)`` of shape (layers, N, hidden). The searches never
+    look inside a state; they only pass it to these methods."""
+
+    def initial_state(self, batch_size: int, device: Any) -> Any:
+        """State of ``batch_size`` rows before anything was emitted. The searches then call
+        ``predict(blank ids, state)`` once to get the first decoder output (NeMo feeds blank as
+        its start symbol; icefall's initial context is ``[-1] * (c - 1) + [blank]``, so its
+        initial state is ``[-1] * c`` and ``predict`` shifts the blank in)."""
+        ...
+
+    def predict(self, tokens: Any, state: Any) -> tuple[Any, Any]:
+        """Advance the prediction network by one token per row: ``tokens`` (N,) long ->
+        ``(decoder_out (N, D_dec), new_state)``. ``decoder_out`` is what ``join`` takes as its
+        second argument (a family may return it already projected)."""
+        ...
+
+    def select_state(self, state: Any, index: Any) -> Any:
+        """Rows ``index`` (M,) long of a state, in that order; rows may repeat (beams)."""
+        ...
+
+    def merge_state(self, state: Any, new_state: Any, update: Any) -> Any:
+        """Row-wise choice between two states of N rows: ``new_state`` where ``update`` (N,)
+        bool is True, else ``state``."""
+        ...
+
+    def join(self, encoder_frames: Any, decoder_out: Any) -> Any:
+        """Joiner logits (N, V) for N pairs of encoder frames (N, D_enc) and decoder outputs
+        (N, D_dec), unnormalised. TDT: (N, V + len(durations)), the token logits first."""
+        ...
+
+
+# -- shared helpers -------------------------------------------------------------------------------
+
+
+def _batch(encoder_out: Any, lengths: Any, batch_size: int | None = None) -> tuple[Any, list[int]]:
+    """(B, T, D) frames (a (T, D) input is a batch of one) and per-row lengths as ints."""
+    import torch
+
+    enc = torch.as_tensor(encoder_out)
+    if enc.dim() == 2:
+        enc = enc.unsqueeze(0)
+    if enc.dim() != 3:
+        raise InvalidRequestError(
+            f"encoder frames must be (batch, frames, dim) or (frames, dim), got shape "
+            f"{tuple(enc.shape)}", param="encoder_out")
+    if batch_size is not None and enc.shape[0] != batch_size:
+        raise InvalidRequestError(
+            f"this search was started for {batch_size} streams but got a chunk of "
+            f"{enc.shape[0]}; feed one row per stream (length 0 for a stream without frames)",
+            param="encoder_out")
+    if lengths is None:
+        lens = [int(enc.shape[1])] * int(enc.shape[0])
+    else:
+        lens = [int(n) for n in (lengths.tolist() if hasattr(lengths, "tolist") else lengths)]
+        if len(lens) != enc.shape[0] or any(n < 0 or n > enc.shape[1] for n in lens):
+            raise InvalidRequestError(
+                f"lengths {lens} do not fit encoder frames of shape {tuple(enc.shape)}: give one "
+                f"length per row, each between 0 and {enc.shape[1]}", param="lengths")
+    return enc, lens
+
+
+def _check_positive(value: int, name: str) -> None:
+    if int(value) < 1:
+        raise InvalidRequestError(f"{name} must be at least 1, got {value}", param=name)
+
+
+def _advance_rows(network: TransducerNetwork, state: Any, decoder_out: Any, rows: list[int],
+                  tokens: list[int]) -> tuple[Any, Any]:
+    """Feed ``tokens`` to the prediction network for ``rows`` only (the other rows keep their
+    state and decoder output): the network runs on the M emitting rows, not on all N."""
+    import torch
+
+    device = decoder_out.device
+    n = decoder_out.shape[0]
+    row_index = torch.as_tensor(rows, dtype=torch.long, device=device)
+    out, sub_state = network.predict(torch.as_tensor(tokens, dtype=torch.long, device=device),
+                                     network.select_state(state, row_index))
+    # spread the M new rows over N (rows that did not emit read row 0, and are then not taken)
+    spread = torch.zeros(n, dtype=torch.long, device=device)
+    spread[row_index] = torch.arange(len(rows), dtype=torch.long, device=device)
+    update = torch.zeros(n, dtype=torch.bool, device=device)
+    update[row_index] = True
+    state = network.merge_state(state, network.select_state(sub_state, spread), update)
+    decoder_out = decoder_out.clone()
+    decoder_out[row_index] = out.to(decoder_out.dtype)
+    return state, decoder_out
+
+
+def _start(network: TransducerNetwork, batch_size: int, blank_id: int, device: Any) -> tuple[Any, Any]:
+    import torch
+
+    state = network.initial_state(batch_size, device)
+    blanks = torch.full((batch_size,), blank_id, dtype=torch.long, device=device)
+    decoder_out, state = network.predict(blanks, state)
+    return state, decoder_out
+
+
+def _copy(h: Hypothesis) -> Hypothesis:
+    return Hypothesis(list(h.tokens), h.score, list(h.times), list(h.token_logprobs),
+                      list(h.durations))
+
+
+# -- greedy (RNN-T) ---------------------------------------------------------------------------------
+
+
+class TransducerGreedySearch:
+    """Greedy transducer search over ``batch_size`` streams, fed any number of frames at a time.
+
+    ``step(encoder_frames (B, T, D), lengths)`` consumes the next frames of every stream
+    (``lengths[b]`` of them for stream b; chunks of any size give the offline result, since a
+    frame is always finished within its chunk); ``results()`` returns the hypotheses so far, with
+    ``times`` counted from each stream's first frame. ``score`` is the log-probability of the
+    greedy path (every joiner step, blanks included); ``token_logprobs`` are log-softmax values of
+    the emitted tokens. ``unk_id`` (icefall) is treated like blank; ``blank_penalty`` is
+    subtracted from the blank logit before the decision (icefall's ``--blank-penalty``)."""
+
+    def __init__(self, network: TransducerNetwork, batch_size: int = 1, *, blank_id: int = 0,
+                 max_symbols_per_frame: int = 1, unk_id: int | None = None,
+                 blank_penalty: float = 0.0) -> None:
+        _check_positive(batch_size, "batch_size")
+        _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
+        self.network = network
+        self.batch_size = batch_size
+        self.blank_id = blank_id
+        self.max_symbols_per_frame = int(max_symbols_per_frame)
+        self.skip_ids = {blank_id} if unk_id is None else {blank_id, unk_id}
+        self.blank_penalty = float(blank_penalty)
+        self.frames = [0] * batch_size
+        self._hyps = [Hypothesis(tokens=[]) for _ in range(batch_size)]
+        self._state: Any = None
+        self._decoder_out: Any = None
+
+    def step(self, encoder_frames: Any, lengths: Sequence[int] | Any | None = None) -> None:
+        import torch
+
+        enc, lens = _batch(encoder_frames, lengths, self.batch_size)
+        if max(lens, default=0) == 0:
+            return
+        with torch.no_grad():
+            if self._state is None:
+                self._state, self._decoder_out = _start(self.network, self.batch_size,
+                                                        self.blank_id, enc.device)
+            for t in range(max(lens)):
+                pending = [b for b in range(self.batch_size) if t < lens[b]]
+                for _ in range(self.max_symbols_per_frame):
+                    pending = self._emit(enc, t, pending)
+                    if not pending:
+                        break
+        for b in range(self.batch_size):
+            self.frames[b] += lens[b]
+
+    def _emit(self, enc: Any, t: int, rows: list[int]) -> list[int]:
+        """One joiner step at column ``t`` for ``rows``; returns the rows that emitted a token."""
+        import torch
+
+        index = torch.as_tensor(rows, dtype=torch.long, device=enc.device)
+        logits = self.network.join(enc[index, t], self._decoder_out[index]).float()
+        if self.blank_penalty:
+            logits[:, self.blank_id] -= self.blank_penalty
+        best = logits.argmax(dim=-1)
+        logp = logits.log_softmax(dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
+        emitted_rows, emitted_tokens = [], []
+        for b, token, lp in zip(rows, best.tolist(), logp.tolist(), strict=True):
+            hyp = self._hyps[b]
+            hyp.score += lp
+            if token not in self.skip_ids:
+                hyp.tokens.append(token)
+                hyp.times.append(self.frames[b] + t)
+                hyp.token_logprobs.append(lp)
+                emitted_rows.append(b)
+                emitted_tokens.append(token)
+        if emitted_rows:
+            self._state, self._decoder_out = _advance_rows(
+                self.network, self._state, self._decoder_out, emitted_rows, emitted_tokens)
+        return emitted_rows
+
+    def results(self) -> list[Hypothesis]:
+        return [_copy(h) for h in self._hyps]
+
+
+def transducer_greedy_search(network: TransducerNetwork, encoder_out: Any,
+                             lengths: Sequence[int] | Any | None = None, *, blank_id: int = 0,
+                             max_symbols_per_frame: int = 1, unk_id: int | None = None,
+                             blank_penalty: float = 0.0) -> list[Hypothesis]:
+    """Greedy search of each utterance of a (B, T, D) batch (or one (T, D) input -> a list of
+    one). See :class:`TransducerGreedySearch`."""
+    enc, lens = _batch(encoder_out, lengths)
+    search = TransducerGreedySearch(network, enc.shape[0], blank_id=blank_id,
+                                    max_symbols_per_frame=max_symbols_per_frame, unk_id=unk_id,
+                                    blank_penalty=blank_penalty)
+    search.step(enc, lens)
+    return search.results()
+
+
+# -- modified beam search ---------------------------------------------------------------------------
+
+
+class _Beam:
+    """One hypothesis of the beam; ``row`` is its row in the stacked decoder state."""
+
+    __slots__ = ("tokens", "score", "times", "logprobs", "row")
+
+    def __init__(self, tokens: tuple[int, ...], score: float, times: list[int],
+                 logprobs: list[float], row: int) -> None:
+        self.tokens = tokens
+        self.score = score
+        self.times = times
+        self.logprobs = logprobs
+        self.row = row
+
+
+def _log_add(a: float, b: float) -> float:
+    if a == -math.inf:
+        return b
+    if b == -math.inf:
+        return a
+    hi, lo = (a, b) if a > b else (b, a)
+    return hi + math.log1p(math.exp(lo - hi))
+
+
+class TransducerModifiedBeamSearch:
+    """icefall's modified beam search over ``batch_size`` streams, fed any number of frames at
+    a time (``step``), with ``nbest()`` available after any chunk.
+
+    Per frame and utterance: every hypothesis in the beam is scored against every token,
+    ``log_softmax((logits - blank_penalty on blank) / temperature) + hypothesis score``; the
+    ``beam_size`` best (hypothesis, token) pairs survive; blank (and ``unk_id``) keep the token
+    sequence, other tokens extend it (at most one symbol per frame); pairs with equal token
+    sequences are merged by log-add (the first one's times are kept). ``score`` is that
+    log-probability; ``nbest()`` ranks by ``score / (len(tokens) + length_norm_offset)`` when
+    ``length_norm`` (icefall's ``get_most_probable(length_norm=True)`` divides by the length of
+    its token list, which starts with ``context_size`` padding symbols: pass that as the offset
+    to rank exactly as icefall), else by ``score``."""
+
+    def __init__(self, network: TransducerNetwork, beam_size: int = 4, batch_size: int = 1, *,
+                 blank_id: int = 0, unk_id: int | None = None, temperature: float = 1.0,
+                 blank_penalty: float = 0.0, length_norm: bool = True,
+                 length_norm_offset: int = 1) -> None:
+        _check_positive(beam_size, "beam_size")
+        _check_positive(batch_size, "batch_size")
+        if not temperature > 0:
+            raise InvalidRequestError(f"temperature must be > 0, got {temperature}",
+                                      param="temperature")
+        self.network = network
+        self.beam_size = int(beam_size)
+        self.batch_size = batch_size
+        self.blank_id = blank_id
+        self.skip_ids = {blank_id} if unk_id is None else {blank_id, unk_id}
+        self.temperature = float(temperature)
+        self.blank_penalty = float(blank_penalty)
+        self.length_norm = length_norm
+        self.length_norm_offset = length_norm_offset
+        self.frames = [0] * batch_size
+        self._beams = [[_Beam((), 0.0, [], [], b)] for b in range(batch_size)]
+        self._state: Any = None
+        self._decoder_out: Any = None
+
+    def step(self, encoder_frames: Any, lengths: Sequence[int] | Any | None = None) -> None:
+        import torch
+
+        enc, lens = _batch(encoder_frames, lengths, self.batch_size)
+        if max(lens, default=0) == 0:
+            return
+        with torch.no_grad():
+            if self._state is None:
+                self._state, self._decoder_out = _start(self.network, self.batch_size,
+                                                        self.blank_id, enc.device)
+            for t in range(max(lens)):
+                self._frame(enc, t, [b for b in range(self.batch_size) if t < lens[b]])
+        for b in range(self.batch_size):
+            self.frames[b] += lens[b]
+
+    def _frame(self, enc: Any, t: int, active: list[int]) -> None:
+        import torch
+
+        device = enc.device
+        rows = [h.row for b in active for h in self._beams[b]]
+        utt = [b for b in active for _ in self._beams[b]]
+        row_index = torch.as_tensor(rows, dtype=torch.long, device=device)
+        logits = self.network.join(enc[torch.as_tensor(utt, dtype=torch.long, device=device), t],
+                                   self._decoder_out[row_index]).float()
+        if self.blank_penalty:
+            logits[:, self.blank_id] -= self.blank_penalty
+        logp = (logits / self.temperature).log_softmax(dim=-1)
+        vocab = logp.shape[1]
+        hyp_scores = torch.tensor([h.score for b in active for h in self._beams[b]],
+                                  dtype=torch.float32, device=device)
+        total = logp + hyp_scores.unsqueeze(1)
+        # one padded top-k for all utterances: (utterances, most hypotheses * vocab)
+        counts = [len(self._beams[b]) for b in active]
+        widest = max(counts)
+        padded = torch.full((len(active), widest, vocab), -math.inf, device=device)
+        utt_pos = torch.as_tensor([i for i, c in enumerate(counts) for _ in range(c)],
+                                  dtype=torch.long, device=device)
+        hyp_pos = torch.as_tensor([j for c in counts for j in range(c)], dtype=torch.long,
+                                  device=device)
+        padded[utt_pos, hyp_pos] = total
+        k = min(self.beam_size, widest * vocab)
+        top_values, top_index = padded.view(len(active), -1).topk(k, dim=-1)
+        top_hyp = torch.div(top_index, vocab, rounding_mode="floor")
+        top_token = top_index % vocab
+        first_row = torch.as_tensor([sum(counts[:i]) for i in range(len(counts))],
+                                    dtype=torch.long, device=device)
+        flat_rows = (first_row.unsqueeze(1) + top_hyp.clamp(max=widest - 1)).clamp(
+            max=len(rows) - 1)
+        token_logp = logp[flat_rows, top_token]
+
+        parents: list[int] = []  # state row of each new hypothesis' parent
+        emitted: list[tuple[int, int]] = []  # (new hypothesis position, token)
+        new_beams: dict[int, list[_Beam]] = {}
+        for i, b in enumerate(active):
+            old = self._beams[b]
+            merged: dict[tuple[int, ...], _Beam] = {}
+            for value, h, token, lp in zip(top_values[i].tolist(), top_hyp[i].tolist(),
+                                           top_token[i].tolist(), token_logp[i].tolist(),
+                                           strict=True):
+                if h >= counts[i]:
+                    continue  # padding: the utterance has fewer candidates than the beam
+                parent = old[h]
+                if token in self.skip_ids:
+                    key, times, lps = parent.tokens, parent.times, parent.logprobs
+                else:
+                    key = parent.tokens + (token,)
+                    times = parent.times + [self.frames[b] + t]
+                    lps = parent.logprobs + [lp]
+                same = merged.get(key)
+                if same is not None:
+                    same.score = _log_add(same.score, value)
+                    continue
+                beam = _Beam(key, value, list(times), list(lps), len(parents))
+                merged[key] = beam
+                if token not in self.skip_ids:
+                    emitted.append((len(parents), token))
+                parents.append(parent.row)
+            new_beams[b] = list(merged.values())
+        for b in range(self.batch_size):  # finished utterances keep their beam as it is
+            if b not in new_beams:
+                for beam in self._beams[b]:
+                    parent_row, beam.row = beam.row, len(parents)
+                    parents.append(parent_row)
+                new_beams[b] = self._beams[b]
+        self._beams = [new_beams[b] for b in range(self.batch_size)]
+        parent_index = torch.as_tensor(parents, dtype=torch.long, device=device)
+        state = self.network.select_state(self._state, parent_index)
+        decoder_out = self._decoder_out[parent_index]
+        if emitted:
+            state, decoder_out = _advance_rows(self.network, state, decoder_out,
+                                               [p for p, _ in emitted], [u for _, u in emitted])
+        self._state, self._decoder_out = state, decoder_out
+
+    def _rank(self, beam: _Beam) -> float:
+        if self.length_norm:
+            return beam.score / (len(beam.tokens) + self.length_norm_offset)
+        return beam.score
+
+    def nbest(self) -> list[list[Hypothesis]]:
+        """Per stream, the hypotheses of the beam, best first."""
+        out = []
+        for beams in self._beams:
+            ranked = sorted(beams, key=self._rank, reverse=True)
+            out.append([Hypothesis(list(h.tokens), h.score, list(h.times), list(h.logprobs))
+                        for h in ranked])
+        return out
+
+    def best(self) -> list[Hypothesis]:
+        return [n[0] for n in self.nbest()]
+
+
+def transducer_modified_beam_search(network: TransducerNetwork, encoder_out: Any,
+                                    lengths: Sequence[int] | Any | None = None, *,
+                                    beam_size: int = 4, blank_id: int = 0,
+                                    unk_id: int | None = None, temperature: float = 1.0,
+                                    blank_penalty: float = 0.0, length_norm: bool = True,
+                                    length_norm_offset: int = 1) -> list[list[Hypothesis]]:
+    """n-best lists (best first) for each utterance of a (B, T, D) batch (or one (T, D) input).
+    See :class:`TransducerModifiedBeamSearch`."""
+    enc, lens = _batch(encoder_out, lengths)
+    search = TransducerModifiedBeamSearch(
+        network, beam_size, enc.shape[0], blank_id=blank_id, unk_id=unk_id,
+        temperature=temperature, blank_penalty=blank_penalty, length_norm=length_norm,
+        length_norm_offset=length_norm_offset)
+    search.step(enc, lens)
+    return search.nbest()
+
+
+# -- TDT greedy ---------------------------------------------------------------------------------------
+
+
+class TDTGreedySearch:
+    """Greedy token-and-duration transducer search (NeMo's batched greedy TDT) over
+    ``batch_size`` streams, fed any number of frames at a time.
+
+    The joiner's last ``len(durations)`` logits score the durations (frames to advance),
+    the others the tokens (``blank_id`` among them; NeMo's blank is the last token). At each
+    stream's time pointer: token = argmax of the token logits, duration = ``durations[argmax]``
+    of the duration logits; a token other than blank is emitted with that duration (its time is
+    the pointer, then the prediction network advances); the pointer moves by the duration, at
+    least one frame after a blank; after ``max_symbols_per_frame`` tokens emitted at one frame
+    with duration 0 it moves one frame. A stream's pointer may jump past the end of a chunk; the
+    rest of the jump is taken from the next chunk, so chunks of any size give the offline result.
+
+    ``score`` sums, over every joiner step, the log-probabilities of the chosen token and of the
+    chosen duration (each log-softmaxed over its own part of the logits); ``token_logprobs`` are
+    the token parts of the emitted tokens; ``durations`` the predicted frames per token."""
+
+    def __init__(self, network: TransducerNetwork, durations: Sequence[int], batch_size: int = 1,
+                 *, blank_id: int, max_symbols_per_frame: int = 10) -> None:
+        _check_positive(batch_size, "batch_size")
+        _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
+        self.durations = [int(d) for d in durations]
+        if not self.durations or min(self.durations) < 0:
+            raise CheckpointError(
+                f"TDT durations must be a non-empty list of frame counts >= 0, got {durations!r}; "
+                f"check the model's decoding config (NeMo: model_defaults.tdt_durations)")
+        self.network = network
+        self.batch_size = batch_size
+        self.blank_id = blank_id
+        self.max_symbols_per_frame = int(max_symbols_per_frame)
+        self.frames = [0] * batch_size  # frames received per stream
+        self.time = [0] * batch_size  # each stream's time pointer (absolute frame)
+        self._last_time = [-1] * batch_size  # frame of the last emitted token ...
+        self._run = [0] * batch_size  # ... and how many tokens were emitted there
+        self._hyps = [Hypothesis(tokens=[]) for _ in range(batch_size)]
+        self._state: Any = None
+        self._decoder_out: Any = None
+
+    def step(self, encoder_frames: Any, lengths: Sequence[int] | Any | None = None) -> None:
+        import torch
+
+        enc, lens = _batch(encoder_frames, lengths, self.batch_size)
+        first = list(self.frames)  # absolute frame of column 0, per stream
+        for b in range(self.batch_size):
+            self.frames[b] += lens[b]
+        if max(lens, default=0) == 0:
+            return
+        with torch.no_grad():
+            if self._state is None:
+                self._state, self._decoder_out = _start(self.network, self.batch_size,
+                                                        self.blank_id, enc.device)
+            while True:
+                active = [b for b in range(self.batch_size) if self.time[b] < self.frames[b]]
+                if not active:
+                    break
+                self._step_rows(enc, active, [self.time[b] - first[b] for b in active])
+
+    def _step_rows(self, enc: Any, rows: list[int], columns: list[int]) -> None:
+        import torch
+
+        device = enc.device
+        index = torch.as_tensor(rows, dtype=torch.long, device=device)
+        frames = enc[index, torch.as_tensor(columns, dtype=torch.long, device=device)]
+        logits = self.network.join(frames, self._decoder_out[index]).float()
+        n_tokens = logits.shape[-1] - len(self.durations)
+        if n_tokens <= self.blank_id:
+            raise CheckpointError(
+                f"the joiner gives {logits.shape[-1]} logits, too few for blank id "
+                f"{self.blank_id} and {len(self.durations)} durations; check the TDT "
+                f"durations and the vocabulary size of the model")
+        token_logits, duration_logits = logits[:, :n_tokens], logits[:, n_tokens:]
+        token = token_logits.argmax(dim=-1)
+        duration_index = duration_logits.argmax(dim=-1)
+        token_lp = token_logits.log_softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1)
+        duration_lp = duration_logits.log_softmax(-1).gather(
+            1, duration_index.unsqueeze(1)).squeeze(1)
+        emitted_rows, emitted_tokens = [], []
+        for b, u, d_index, lp, d_lp in zip(rows, token.tolist(), duration_index.tolist(),
+                                           token_lp.tolist(), duration_lp.tolist(), strict=True):
+            hyp = self._hyps[b]
+            hyp.score += lp + d_lp
+            skip = self.durations[d_index]
+            if u == self.blank_id:
+                self.time[b] += max(skip, 1)
+                continue
+            now = self.time[b]
+            hyp.tokens.append(u)
+            hyp.times.append(now)
+            hyp.token_logprobs.append(lp)
+            hyp.durations.append(skip)
+            emitted_rows.append(b)
+            emitted_tokens.append(u)
+            self._run[b] = self._run[b] + 1 if self._last_time[b] == now else 1
+            self._last_time[b] = now
+            self.time[b] += skip
+            if skip == 0 and self._run[b] >= self.max_symbols_per_frame:
+                self.time[b] += 1
+        if emitted_rows:
+            self._state, self._decoder_out = _advance_rows(
+                self.network, self._state, self._decoder_out, emitted_rows, emitted_tokens)
+
+    def results(self) -> list[Hypothesis]:
+        return [_copy(h) for h in self._hyps]
+
+
+def tdt_greedy_search(network: TransducerNetwork, encoder_out: Any,
+                      lengths: Sequence[int] | Any | None = None, *, durations: Sequence[int],
+                      blank_id: int, max_symbols_per_frame: int = 10) -> list[Hypothesis]:
+    """Greedy TDT search of each utterance of a (B, T, D) batch (or one (T, D) input). See
+    :class:`TDTGreedySearch`."""
+    enc, lens = _batch(encoder_out, lengths)
+    search = TDTGreedySearch(network, durations, enc.shape[0], blank_id=blank_id,
+                             max_symbols_per_frame=max_symbols_per_frame)
+    search.step(enc, lens)
+    return search.results()
+
+
+def duration_token_timestamps(
+    tokens: Sequence[int],
+    times: Sequence[int],
+    durations: Sequence[int],
+    confidences: Sequence[float],
+    *,
+    frame_shift: float,
+    num_frames: int | None = None,
+    offset: float = 0.0,
+) -> list[TokenTiming]:
+    """Token spans from TDT emission frames and predicted durations: a token starts at its frame
+    and ends ``duration`` frames later (NeMo's token offsets), clipped to ``num_frames`` (the
+    last duration may reach past the audio). Use :func:`oasr.decoders.token_timestamps` for
+    transducers without durations."""
+    end_limit = math.inf if num_frames is None else num_frames
+    out = []
+    for token, t, d, conf in zip(tokens, times, durations, confidences, strict=True):
+        start = min(t, end_limit)
+        end = min(t + d, end_limit)
+        out.append(TokenTiming(int(token), round(start * frame_shift + offset, 3),
+                               round(end * frame_shift + offset, 3), float(conf)))
+    return out

@@ -107,6 +107,7 @@ def test_attention_beam_search_matches_wenet(variant: str) -> None:
 
 
 def test_decoding_methods(speech) -> None:
+    """decoding_method per request (a WeNet option), each matching WeNet's own method."""
     from oasr.errors import InvalidRequestError
     from oasr.types import DecodingOptions
 
@@ -115,19 +116,23 @@ def test_decoding_methods(speech) -> None:
     run = g.run("C-1_L-1_mask")
     model.ctc_weight, model.reverse_weight = run["ctc_weight"], run["reverse_weight"]
     audio = [speech["zh_aishell_BAC009S0764W0121.wav"]]
-    opts = DecodingOptions(beam_size=5, word_timestamps=True)
     want = {"ctc_greedy_search": run["results"][0]["greedy"],
             "ctc_prefix_beam_search": run["results"][0]["prefix_nbest"][0],
             "attention_rescoring": run["results"][0]["rescoring"]}
+    for method, tokens in want.items():
+        opts = DecodingOptions.build(beam_size=5, word_timestamps=True, decoding_method=method)
+        assert model.transcribe(audio, opts)[0].segments[0].tokens == tokens
+    tr = model.transcribe(audio, DecodingOptions.build(beam_size=5, decoding_method="attention"))[0]
+    assert tr.text and tr.words == []  # no alignment, no word times
+    with pytest.raises(InvalidRequestError) as info:
+        model.transcribe(audio, DecodingOptions.build(beam_size=5, decoding_method="nope"))
+    assert info.value.param == "decoding_method"
+    # the model-level default is what a request without the option gets
+    model.decoding_method = "ctc_prefix_beam_search"
     try:
-        for method, tokens in want.items():
-            model.decoding_method = method
-            assert model.transcribe(audio, opts)[0].segments[0].tokens == tokens
-        model.decoding_method = "attention"
-        tr = model.transcribe(audio, opts)[0]
-        assert tr.text and tr.words == []  # no alignment, no word times
-        model.decoding_method = "nope"
+        got = model.transcribe(audio, DecodingOptions(beam_size=5))[0].segments[0].tokens
+        assert got == want["ctc_prefix_beam_search"]
         with pytest.raises(InvalidRequestError):
-            model.transcribe(audio, opts)
+            model.decoding_method = "nope"  # a default is validated when it is set
     finally:
         model.decoding_method = "auto"

@@ -89,12 +89,8 @@ def save_native(dst: Path, model: WenetASR) -> str:
             "options": model.feature_spec.options,
         },
         "tokenizer": {"kind": "wenet_units"},
-        "decoding": {
-            "ctc_weight": model.ctc_weight,
-            "reverse_weight": model.reverse_weight,
-            "chunk_size": model.chunk_size,
-            "num_left_chunks": model.num_left_chunks,
-        },
+        # the model's defaults of its per-request options travel with the checkpoint
+        "decoding": model.default_options.as_dict(),
     })
     return ARCHITECTURE
 

@@ -16,6 +16,7 @@ attention rescoring over the whole utterance's encoder output.
 from __future__ import annotations
 
 import functools
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,6 +36,7 @@ from oasr.decoders.ctc import (
 )
 from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.model import ProgressCallback, StreamingUpdate
+from oasr.options import ResolvedOptions
 from oasr.types import (
     DecodingOptions,
     EngineConfig,
@@ -46,6 +48,7 @@ from oasr.types import (
 )
 from oasr_models_wenet.config import WenetConfig
 from oasr_models_wenet.nn import ChunkCaches, WenetNet, build_network
+from oasr_models_wenet.options import DecodingMethod, WenetOptions
 from oasr_models_wenet.plugin import CAPABILITIES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -97,7 +100,7 @@ class WenetStreamState:
     """Per-stream state (see the module docstring). ``samples_needed``: samples of new audio
     the next chunk needs."""
 
-    options: DecodingOptions
+    options: ResolvedOptions  # common + WeNet options of this stream
     chunk_size: int
     num_left_chunks: int
     fbank_stream: Any
@@ -164,22 +167,42 @@ class WenetASR:
         from oasr.features.kaldi import KaldiFbank
 
         self.fbank = KaldiFbank(self.feature_spec)
-        # decoding defaults (WeNet recipes decode with ctc_weight 0.3 / reverse_weight 0.5)
-        self.ctc_weight = 0.3
-        self.reverse_weight = 0.5 if net.r_decoder is not None else 0.0
         # a static-chunk model (use_dynamic_chunk false, static_chunk_size > 0) always runs with its
         # chunk mask, offline too, as WeNet's encoder does
         static = config.static_chunk_size if not config.use_dynamic_chunk and config.static_chunk_size > 0 else 0
-        self.offline_chunk_size = static or -1
-        self.offline_left_chunks = -1
-        self.chunk_size = static or 16
-        self.num_left_chunks = -1
+        self.static_chunk_size = static
+        #: this model's defaults of the per-request WeNet options (WeNet recipes decode with
+        #: ctc_weight 0.3 / reverse_weight 0.5); the attributes below read and set them
+        self.default_options = WenetOptions(
+            ctc_weight=0.3,
+            reverse_weight=0.5 if net.r_decoder is not None else 0.0,
+            chunk_size=static or 16,
+            decoding_chunk_size=static or -1,
+        )
         self.max_token_duration = 1.0
         self.keep_encoder_output = False
         self.word_confidence = "ctc"  # or "attention" (decoder probabilities after rescoring)
-        # "auto": beam_size 1 -> ctc_greedy_search, > 1 -> attention_rescoring; or one of
-        # WeNet's methods by name (offline decoding)
-        self.decoding_method = "auto"
+
+    # the model-level defaults of the WeNet options, under their historical attribute names;
+    # setting one validates it
+    def _default(name: str, doc: str) -> property:  # noqa: N805 - a class-body helper
+        def get(self: WenetASR) -> Any:
+            return getattr(self.default_options, name)
+
+        def set_(self: WenetASR, value: Any) -> None:
+            self.default_options = self.default_options.override({name: value})
+
+        return property(get, set_, doc=doc)
+
+    decoding_method = _default("decoding_method", "default WeNet option decoding_method")
+    ctc_weight = _default("ctc_weight", "default WeNet option ctc_weight")
+    reverse_weight = _default("reverse_weight", "default WeNet option reverse_weight")
+    chunk_size = _default("chunk_size", "default streaming chunk (WeNet option chunk_size)")
+    num_left_chunks = _default("num_left_chunks", "default WeNet option num_left_chunks")
+    offline_chunk_size = _default("decoding_chunk_size", "default WeNet option decoding_chunk_size")
+    offline_left_chunks = _default("num_decoding_left_chunks",
+                                   "default WeNet option num_decoding_left_chunks")
+    del _default
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -207,9 +230,11 @@ class WenetASR:
         body = body or read_native_config(Path(path))
         cfg, state, units = load_native(Path(path), body)
         model = cls._build(cfg, state, units, config, "oasr", Path(path))
-        for key, value in (body.get("decoding") or {}).items():
-            if key in ("ctc_weight", "reverse_weight", "chunk_size", "num_left_chunks"):
-                setattr(model, key, value)
+        # the checkpoint's decoding defaults (names a newer writer added are skipped)
+        saved = body.get("decoding") or {}
+        model.default_options = model.default_options.override(
+            {k: v for k, v in saved.items() if k in model.default_options.specs()}
+        )
         return model
 
     def save_native(self, dst: str | Path) -> str:
@@ -225,13 +250,32 @@ class WenetASR:
         """Seconds per encoder frame."""
         return self.net.encoder.subsampling_rate * self.feature_spec.hop_length / self.feature_spec.sample_rate
 
-    def _check(self, options: DecodingOptions) -> None:
-        options.check_supported(self.capabilities, self.name)
+    def _check(self, options: DecodingOptions | ResolvedOptions) -> ResolvedOptions:
+        """``options`` validated for this model, with the WeNet options resolved."""
+        options = options.validate_for(self)
+        if options.reverse_weight > 0 and self.net.r_decoder is None:
+            raise UnsupportedOptionError(
+                f"{self.name} has no right-to-left decoder (U2, not U2++); reverse_weight must be 0",
+                param="reverse_weight",
+            )
+        if options.decoding_chunk_size > 0:
+            if not self.capabilities.streaming:
+                raise UnsupportedOptionError(
+                    f"{self.name} was trained without chunk masks; decoding_chunk_size must be -1",
+                    param="decoding_chunk_size",
+                )
+            if self.static_chunk_size and options.decoding_chunk_size != self.static_chunk_size:
+                raise UnsupportedOptionError(
+                    f"{self.name} was trained with a static chunk of {self.static_chunk_size} "
+                    f"frames; decoding_chunk_size must be {self.static_chunk_size}",
+                    param="decoding_chunk_size",
+                )
         if options.language not in (None, "", "auto") and options.language.split("-")[0].lower() not in (
             "zh", "en", "auto"
         ):
             # the checkpoint is monolingual; a language hint cannot be honoured but is harmless
             pass
+        return options
 
     @staticmethod
     def _wave(audio: Any, k: int) -> np.ndarray:
@@ -266,8 +310,12 @@ class WenetASR:
         return Transcript(text=text, language=self.units.language, duration=duration,
                           segments=[seg] if text else [])
 
-    def _rescore(self, enc: torch.Tensor, nbest: list[CTCHypothesis]) -> tuple[CTCHypothesis, list[float]]:
-        """Attention rescoring of one utterance's n-best over its encoder output (T, d)."""
+    def _rescore(self, enc: torch.Tensor, nbest: list[CTCHypothesis], ctc_weight: float | None = None,
+                 reverse_weight: float | None = None) -> tuple[CTCHypothesis, list[float]]:
+        """Attention rescoring of one utterance's n-best over its encoder output (T, d); the
+        weights default to the model's."""
+        ctc_weight = self.ctc_weight if ctc_weight is None else ctc_weight
+        reverse_weight = self.reverse_weight if reverse_weight is None else reverse_weight
         c = self.config
         hyps = [h.tokens for h in nbest]
         l2r, r2l, lens = build_rescoring_inputs(hyps, c.sos, c.eos)
@@ -277,10 +325,10 @@ class WenetASR:
         with torch.no_grad():
             lo = torch.log_softmax(self.net.decoder(memory, None, l2r.to(dev), lens.to(dev)), dim=-1)
             ro = None
-            if self.net.r_decoder is not None and self.reverse_weight > 0:
+            if self.net.r_decoder is not None and reverse_weight > 0:
                 ro = torch.log_softmax(self.net.r_decoder(memory, None, r2l.to(dev), lens.to(dev)), dim=-1)
         res = attention_rescoring(hyps, [h.score for h in nbest], lo.cpu(), None if ro is None else ro.cpu(),
-                                  eos=c.eos, ctc_weight=self.ctc_weight, reverse_weight=self.reverse_weight)
+                                  eos=c.eos, ctc_weight=ctc_weight, reverse_weight=reverse_weight)
         best = nbest[res.best_index]
         return (CTCHypothesis(list(best.tokens), res.scores[res.best_index], list(best.times),
                               list(best.token_logprobs)), res.token_confidences[res.best_index])
@@ -298,18 +346,17 @@ class WenetASR:
         with torch.no_grad():
             return net.encoder(feats.to(net.device, net.dtype), flens.to(net.device), chunk_size, left_chunks)
 
-    METHODS = ("auto", "ctc_greedy_search", "ctc_prefix_beam_search", "attention_rescoring", "attention")
+    METHODS = typing.get_args(DecodingMethod)
 
-    def _method(self, options: DecodingOptions) -> str:
-        m = self.decoding_method
-        if m not in self.METHODS:
-            raise InvalidRequestError(f"decoding_method must be one of {', '.join(self.METHODS)}, not {m!r}")
+    def _method(self, options: ResolvedOptions) -> str:
+        m = options.decoding_method
         if m == "auto":
             return "attention_rescoring" if options.beam_size > 1 else "ctc_greedy_search"
         return m
 
-    def decode_encoded(self, enc: torch.Tensor, lens: torch.Tensor, options: DecodingOptions,
+    def decode_encoded(self, enc: torch.Tensor, lens: torch.Tensor, options: DecodingOptions | ResolvedOptions,
                        durations: Sequence[float]) -> list[Transcript]:
+        options = self._check(options)
         method = self._method(options)
         beam = max(1, options.beam_size)
         with torch.no_grad():
@@ -327,7 +374,7 @@ class WenetASR:
                 nbest = search.nbest()
                 hyp = nbest[0]
                 if method == "attention_rescoring" and (nbest[0].tokens or len(nbest) > 1):
-                    hyp, conf = self._rescore(enc[b, :n], nbest)
+                    hyp, conf = self._rescore(enc[b, :n], nbest, options.ctc_weight, options.reverse_weight)
             else:
                 g = CTCGreedySearch(self.config.blank_id)
                 g.step(logp[b, :n])
@@ -379,7 +426,7 @@ class WenetASR:
 
     def transcribe(self, audios: Sequence[np.ndarray], options: DecodingOptions,
                    progress: ProgressCallback | None = None) -> list[Transcript]:
-        self._check(options)
+        options = self._check(options)
         waves = [self._wave(a, k) for k, a in enumerate(audios)]
         if not waves:
             return []
@@ -395,7 +442,8 @@ class WenetASR:
                 results[i] = Transcript(text="", language=None, duration=len(waves[i]) / sr)
             idx = [i for i in idx if i not in short]
             if idx:
-                enc, lens = self.encode([waves[i] for i in idx], self.offline_chunk_size, self.offline_left_chunks)
+                enc, lens = self.encode([waves[i] for i in idx], options.decoding_chunk_size,
+                                        options.num_decoding_left_chunks)
                 outs = self.decode_encoded(enc, lens, options, [len(waves[i]) / sr for i in idx])
                 for i, t in zip(idx, outs, strict=True):
                     results[i] = t
@@ -410,23 +458,29 @@ class WenetASR:
         """A new stream. ``chunk_size`` / ``num_left_chunks`` default to the model's
         attributes; ``force=True`` streams a model trained without chunk masks anyway (the
         ``ctc_blank`` VAD does; recognition quality is then not what the model was trained for)."""
-        options = options or DecodingOptions()
-        self._check(options)
+        options = self._check(options or DecodingOptions())
         if not self.capabilities.streaming and not force:
             raise UnsupportedOptionError(
                 f"{self.name} was trained without chunk masks (use_dynamic_chunk false, "
                 f"static_chunk_size 0); WeNet does not stream such models. Use offline decoding",
                 param="service_mode",
             )
-        c = self.chunk_size if chunk_size is None else int(chunk_size)
-        left = self.num_left_chunks if num_left_chunks is None else int(num_left_chunks)
+        c = options.chunk_size if chunk_size is None else int(chunk_size)
+        left = options.num_left_chunks if num_left_chunks is None else int(num_left_chunks)
         if c <= 0:
             raise InvalidRequestError("streaming needs chunk_size > 0 (encoder frames per chunk)",
                                       param="chunk_size")
         sub = self.net.encoder.subsampling_rate
         context = self.net.encoder.right_context + 1
-        search = (CTCPrefixBeamSearch(options.beam_size, self.config.blank_id) if options.beam_size > 1
-                  else CTCGreedySearch(self.config.blank_id))
+        method = self._method(options)
+        if method == "attention":
+            raise UnsupportedOptionError(
+                "decoding_method 'attention' (decoder beam search) decodes offline only; streams "
+                "use ctc_greedy_search, ctc_prefix_beam_search or attention_rescoring",
+                param="decoding_method",
+            )
+        search = (CTCGreedySearch(self.config.blank_id) if method == "ctc_greedy_search"
+                  else CTCPrefixBeamSearch(options.beam_size, self.config.blank_id))
         net = self.net
         return WenetStreamState(
             options=options, chunk_size=c, num_left_chunks=left,
@@ -536,8 +590,9 @@ class WenetASR:
         n = st.offset
         if isinstance(st.search, CTCPrefixBeamSearch):
             nbest = st.search.nbest()
-            if n and (nbest[0].tokens or len(nbest) > 1):
-                hyp, conf = self._rescore(torch.cat(st.enc), nbest)
+            o = st.options
+            if n and (nbest[0].tokens or len(nbest) > 1) and self._method(o) == "attention_rescoring":
+                hyp, conf = self._rescore(torch.cat(st.enc), nbest, o.ctc_weight, o.reverse_weight)
             else:
                 hyp, conf = nbest[0], None
         else:

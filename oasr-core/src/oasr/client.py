@@ -12,7 +12,7 @@ import mimetypes
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,24 @@ class OASRClient:
             error.code = code
         return error
 
-    def _audio(self, route: str, file: str | Path | bytes, filename: str | None, **form: Any) -> Any:
+    @staticmethod
+    def _option_fields(options: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+        """Decoding options as form fields, in the text the server parses back."""
+        fields = []
+        for name, value in (options or {}).items():
+            if value is None:
+                text = "none"
+            elif isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (list, tuple)):
+                text = json.dumps(list(value), ensure_ascii=False)
+            else:
+                text = str(value)
+            fields.append((name, text))
+        return fields
+
+    def _audio(self, route: str, file: str | Path | bytes, filename: str | None,
+               options: Mapping[str, Any] | None = None, **form: Any) -> Any:
         if isinstance(file, (str, Path)):
             data, filename = Path(file).read_bytes(), filename or Path(file).name
         else:
@@ -104,6 +121,7 @@ class OASRClient:
                 fields.extend(("timestamp_granularities[]", str(v)) for v in value)
             else:
                 fields.append((key, str(value)))
+        fields.extend(self._option_fields(options))
         body, ctype = _multipart(fields, "file", filename, data)
         raw, rtype = self._request("POST", route, body, ctype)
         return json.loads(raw) if rtype.startswith("application/json") else raw.decode("utf-8")
@@ -119,10 +137,16 @@ class OASRClient:
         temperature: float | None = None,
         timestamp_granularities: list[str] | None = None,
         filename: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> Any:
-        """POST /v1/audio/transcriptions. JSON formats return a dict, the others text."""
+        """POST /v1/audio/transcriptions. JSON formats return a dict, the others text.
+
+        ``options``: more decoding options by name, sent as form fields (an OASR extension):
+        common ones without a parameter here (``beam_size``, ``max_new_tokens``, ``hotwords``)
+        and the served family's (``{"no_speech_threshold": None, "long_form": "vad"}``); the
+        server answers 400 naming an option its model does not understand."""
         return self._audio(
-            "/v1/audio/transcriptions", file, filename, model=model, language=language,
+            "/v1/audio/transcriptions", file, filename, options, model=model, language=language,
             prompt=prompt, response_format=response_format, temperature=temperature,
             timestamp_granularities=timestamp_granularities,
         )
@@ -136,10 +160,11 @@ class OASRClient:
         response_format: str = "json",
         temperature: float | None = None,
         filename: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> Any:
-        """POST /v1/audio/translations."""
+        """POST /v1/audio/translations; ``options`` as for :meth:`transcribe`."""
         return self._audio(
-            "/v1/audio/translations", file, filename, model=model, prompt=prompt,
+            "/v1/audio/translations", file, filename, options, model=model, prompt=prompt,
             response_format=response_format, temperature=temperature,
         )
 

@@ -77,6 +77,8 @@ class SessionConfig:
         self.model = model
         self.language: str | None = None
         self.prompt: str | None = None
+        #: decoding options by name (OASR extension ``input_audio_transcription.model_options``)
+        self.model_options: dict[str, Any] = {}
         self.vad: VADSettings | None = VADSettings()
         self.noise_reduction: Any = None
         self.include: Any = None
@@ -104,6 +106,7 @@ class SessionConfig:
                 "model": self.model,
                 "language": self.language,
                 "prompt": self.prompt or "",
+                **({"model_options": self.model_options} if self.model_options else {}),
             },
             "turn_detection": None
             if vad is None
@@ -227,6 +230,31 @@ def _transcription(state: ServerState, cfg: SessionConfig, value: Any, param: st
                     param=f"{param}.{key}",
                 )
             setattr(cfg, key, v or None)
+    if "model_options" in value:  # OASR extension: decoding options by name
+        extra = value["model_options"]
+        if extra is not None and not isinstance(extra, dict):
+            raise RealtimeError(
+                f"Invalid type for '{param}.model_options': expected an object.",
+                code="invalid_type",
+                param=f"{param}.model_options",
+            )
+        cfg.model_options = dict(extra or {})
+        if state.engine is not None:  # refused now, not at every utterance
+            session_options(cfg).validate_for(state.engine.model)
+
+
+def session_options(cfg: SessionConfig) -> Any:
+    """The decoding options of a session's utterances."""
+    from oasr_server.routes import _options
+
+    return _options(
+        task="transcribe",
+        language=cfg.language,
+        prompt=cfg.prompt,
+        temperature=0.0,
+        words=False,
+        extra=cfg.model_options,
+    )
 
 
 def apply_update(state: ServerState, current: SessionConfig, session: Any) -> SessionConfig:
@@ -387,15 +415,7 @@ class RealtimeSession:
         self.out.put_nowait(error_event(error, client_event_id))
 
     def _options(self, cfg: SessionConfig) -> Any:
-        from oasr_server.routes import _options
-
-        return _options(
-            task="transcribe",
-            language=cfg.language,
-            prompt=cfg.prompt,
-            temperature=0.0,
-            words=False,
-        )
+        return session_options(cfg)
 
     # -- stream events -> OpenAI events ------------------------------------------------------
     def on_stream(self, ev: StreamEvent) -> None:

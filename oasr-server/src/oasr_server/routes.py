@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -22,6 +22,22 @@ if TYPE_CHECKING:
     from oasr.types import DecodingOptions, Transcript
 
 GRANULARITIES = ("word", "segment")
+#: form fields of OpenAI's transcription and translation requests; every other field is a
+#: decoding option (an OASR extension: common ones such as beam_size, or the model family's)
+OPENAI_FIELDS = frozenset({
+    "file", "model", "language", "prompt", "response_format", "temperature", "stream",
+    "timestamp_granularities", "timestamp_granularities[]", "chunking_strategy",
+    # accepted and ignored, as before: OpenAI features this server does not offer
+    "include", "include[]", "known_speaker_names[]", "known_speaker_references[]",
+})  # fmt: skip
+#: options the route itself decides (translation or not; word timestamps come from
+#: timestamp_granularities[]): not settable as extra fields
+ROUTE_OPTIONS = {"task": "the route", "word_timestamps": "timestamp_granularities[]"}
+#: query parameters of /v1/speech:recognize that are not decoding options
+RECOGNIZE_PARAMS = frozenset({
+    "model", "task", "word_timestamps", "language", "prompt", "temperature", "beam_size",
+    "encoding", "sample_rate", "channels",
+})  # fmt: skip
 STREAM_FORMATS = ("json", "text")
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off", ""}
@@ -94,22 +110,41 @@ def _options(
     temperature: float,
     words: bool,
     beam_size: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> DecodingOptions:
-    from oasr.types import DecodingOptions
+    """The request's options; ``extra``: more options by name (common or the family's), as
+    text, parsed and checked against the model by ``options.validate_for``."""
+    from oasr.types import FALLBACK_TEMPERATURES, DecodingOptions
 
+    extra = dict(extra or {})
+    for name, owner in ROUTE_OPTIONS.items():
+        if name in extra:
+            raise InvalidRequestError(f"{name} is set by {owner} here", param=name)
     # temperature 0 means "greedy, raising the temperature when the output looks like a failure",
     # which is what OpenAI's whisper-1 and the oasr CLI do.
-    temps: float | tuple[float, ...] = (
-        temperature if temperature > 0 else (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
-    )
-    return DecodingOptions(
-        beam_size=beam_size or 1,
-        language=language,
-        task=task,  # type: ignore[arg-type]
-        temperature=temps,
-        prompt=prompt,
-        word_timestamps=words,
-    )
+    temps: float | tuple[float, ...] = temperature if temperature > 0 else FALLBACK_TEMPERATURES
+    fields = dict(beam_size=beam_size or 1, language=language, task=task, temperature=temps,
+                  prompt=prompt, word_timestamps=words)  # fmt: skip
+    return DecodingOptions.build(**(fields | extra))  # an extra beam_size wins over the default
+
+
+def _extra_fields(form: Form) -> dict[str, Any]:
+    """Form fields beyond OpenAI's: decoding options by name. ``NAME[]`` (repeatable) gives a
+    list; a file there is refused."""
+    from oasr_server.chunking import PARAM
+
+    extra: dict[str, Any] = {}
+    for key in form.fields:
+        if key in OPENAI_FIELDS or (key.startswith(PARAM + "[") and key.endswith("]")):
+            continue
+        values = form.getlist(key)
+        if any(not isinstance(v, str) for v in values):
+            raise InvalidRequestError(f"{key} must be a text field, not a file", param=key)
+        if key.endswith("[]"):
+            extra[key[:-2]] = list(values)
+        else:
+            extra[key] = values[-1] if len(values) == 1 else list(values)
+    return extra
 
 
 async def _parse_form(request: Request, state: ServerState) -> Form:
@@ -213,10 +248,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             prompt=_raw_text(form, "prompt"),
             temperature=_float(_text(form, "temperature"), "temperature", 0.0, 1.0, 0.0),
             words="word" in grains,
+            extra=_extra_fields(form),
         )
         chunking = _chunking(form)
-        # refuse what this family cannot do before any decoding work
-        options.check_supported(engine.model.capabilities, engine.model.name)
+        # refuse what this model cannot do (family options included) before any decoding work
+        options.validate_for(engine.model)
         audio = await state.decode(upload.data, engine.sample_rate, route)
         if chunking is not None:
             from oasr_server.chunking import transcribe_chunked
@@ -247,7 +283,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/audio/transcriptions", tags=["openai"])
     async def transcriptions(request: Request) -> Response:
         """OpenAI's create-transcription: multipart ``file``, ``model``, ``language``, ``prompt``,
-        ``response_format``, ``temperature``, ``timestamp_granularities[]``, ``stream``."""
+        ``response_format``, ``temperature``, ``timestamp_granularities[]``, ``stream``; any other
+        field is a decoding option (``beam_size``, or the model family's, e.g.
+        ``no_speech_threshold``); one the model does not understand is a 400 naming it."""
         return await openai_audio(request, "transcribe", "/v1/audio/transcriptions")
 
     @app.post("/v1/audio/translations", tags=["openai"])
@@ -309,7 +347,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/speech:recognize", tags=["oasr"])
     async def recognize(request: Request) -> JSONResponse:
         """Raw audio in the body (any container; or headerless PCM with ``encoding`` and
-        ``sample_rate``); options in the query string; JSON result."""
+        ``sample_rate``); options in the query string (any other parameter is a decoding option,
+        as the OpenAI routes' extra form fields); JSON result."""
         deadline = time.monotonic() + state.config.request_timeout
         engine, worker = state.require_ready()
         q = request.query_params
@@ -327,8 +366,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             temperature=_float(q.get("temperature"), "temperature", 0.0, 1.0, 0.0),
             words=words,
             beam_size=_int(q.get("beam_size"), "beam_size", 1, 64, 1),
+            extra={k: v for k, v in q.items() if k not in RECOGNIZE_PARAMS},
         )
-        options.check_supported(engine.model.capabilities, engine.model.name)
+        options.validate_for(engine.model)
         raw_format = None
         encoding = q.get("encoding")
         if encoding:

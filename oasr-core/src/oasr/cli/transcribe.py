@@ -55,19 +55,36 @@ def _run(
     threads: int | None,
     server: str | None = None,
     api_key: str | None = None,
-    long_form: str = "sequential",
-    vad_gate: bool = True,
+    long_form: str | None = None,
+    vad_gate: bool | None = None,
+    model_options: list[str] | None = None,
     decode_processes: int | None = None,
 ) -> None:
+    from oasr.options import parse_assignments
+
+    try:
+        # options of the model family; --long-form / --vad-gate are Whisper's, sent only when
+        # given so that other families do not refuse them
+        family: dict[str, object] = {}
+        if long_form is not None:
+            family["long_form"] = long_form
+        if vad_gate is not None:
+            family["vad_gate"] = vad_gate
+        family.update(parse_assignments(model_options or (), param="--option"))
+    except OASRError as exc:
+        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        raise typer.Exit(1) from None
     if server:
+        if beam_size != 1:
+            family.setdefault("beam_size", beam_size)
         _run_remote(files, task=task, server=server, api_key=api_key, language=language,
                     response_format=response_format, granularities=granularities,
-                    output=output, temperature=temperature, prompt=prompt)
+                    output=output, temperature=temperature, prompt=prompt, options=family)
         return
     from oasr.defaults import default_checkpoint
     from oasr.engine import ASREngine
     from oasr.formats import FILE_EXTENSIONS, render
-    from oasr.types import DecodingOptions, EngineConfig
+    from oasr.types import FALLBACK_TEMPERATURES, DecodingOptions, EngineConfig
 
     grains = tuple(g.value for g in (granularities or [Granularity.segment]))
     fmt = response_format.value
@@ -76,15 +93,14 @@ def _run(
         for f in files:
             if not f.is_file():
                 raise typer.BadParameter(f"no such file: {f}", param_hint="FILE")
-        options = DecodingOptions(
+        options = DecodingOptions.build(
             beam_size=beam_size,
             language=language,
-            task=task,  # type: ignore[arg-type]
-            temperature=temperature if temperature > 0 else (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+            task=task,
+            temperature=temperature if temperature > 0 else FALLBACK_TEMPERATURES,
             prompt=prompt,
             word_timestamps="word" in grains,
-            long_form=long_form,  # type: ignore[arg-type]
-            vad_gate=vad_gate,
+            **family,
         )
         ckpt = ckpt_dir or str(default_checkpoint())
         if decode_processes is None:
@@ -162,8 +178,10 @@ def _run_remote(
     output: Path | None,
     temperature: float,
     prompt: str | None,
+    options: dict[str, object] | None = None,
 ) -> None:
-    """Send each file to an OASR (or OpenAI-compatible) server instead of running in-process."""
+    """Send each file to an OASR (or OpenAI-compatible) server instead of running in-process;
+    ``options`` (beam size, family options) travel as extra form fields."""
     from oasr.client import OASRClient
 
     client = OASRClient(server, api_key=api_key)
@@ -173,11 +191,12 @@ def _run_remote(
     try:
         for f in files:
             if task == "translate":
-                body = client.translate(f, prompt=prompt, response_format=fmt, temperature=temperature)
+                body = client.translate(f, prompt=prompt, response_format=fmt, temperature=temperature,
+                                        options=options)
             else:
                 body = client.transcribe(
                     f, language=language, prompt=prompt, response_format=fmt,
-                    temperature=temperature, timestamp_granularities=grains,
+                    temperature=temperature, timestamp_granularities=grains, options=options,
                 )
             if isinstance(body, dict):
                 body = json.dumps({"file": str(f), **body} if len(files) > 1 else body, ensure_ascii=False)
@@ -221,14 +240,23 @@ ApiKeyOpt = Annotated[
 ]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")]  # noqa: UP045
 LongFormOpt = Annotated[
-    LongForm,
-    typer.Option("--long-form", help="Audio over 30 s: sequential (window by window, conditioned "
-                 "on previous text) or vad (VAD speech chunks decoded as one batch)."),
+    Optional[LongForm],  # noqa: UP045
+    typer.Option("--long-form", help="Whisper, audio over 30 s: sequential (window by window, "
+                 "conditioned on previous text; the default) or vad (VAD speech chunks decoded as "
+                 "one batch)."),
 ]
 VadGateOpt = Annotated[
-    bool,
-    typer.Option("--vad-gate/--no-vad-gate", help="Sequential long-form: give an input in which "
-                 "the VAD finds no speech an empty transcript instead of decoding it."),
+    Optional[bool],  # noqa: UP045
+    typer.Option("--vad-gate/--no-vad-gate", help="Whisper, sequential long-form: give an input "
+                 "in which the VAD finds no speech an empty transcript instead of decoding it "
+                 "(on by default)."),
+]
+ModelOptionOpt = Annotated[
+    Optional[list[str]],  # noqa: UP045
+    typer.Option("--option", "-O", metavar="NAME=VALUE",
+                 help="A decoding option of the model family, e.g. -O no_speech_threshold=none "
+                 "or -O decoding_method=ctc_prefix_beam_search (repeatable; docs/decoding.md "
+                 "lists them)."),
 ]
 DecodeProcsOpt = Annotated[
     Optional[int],  # noqa: UP045
@@ -255,8 +283,9 @@ def register(app: typer.Typer) -> None:
         threads: ThreadsOpt = None,
         server: ServerOpt = None,
         api_key: ApiKeyOpt = None,
-        long_form: LongFormOpt = LongForm.sequential,
-        vad_gate: VadGateOpt = True,
+        long_form: LongFormOpt = None,
+        vad_gate: VadGateOpt = None,
+        option: ModelOptionOpt = None,
         decode_processes: DecodeProcsOpt = None,
     ) -> None:
         """Transcribe audio files (in-process, or on a server with --server)."""
@@ -266,7 +295,8 @@ def register(app: typer.Typer) -> None:
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
              device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value, vad_gate=vad_gate, decode_processes=decode_processes)
+             long_form=long_form.value if long_form else None, vad_gate=vad_gate,
+             model_options=option, decode_processes=decode_processes)
 
     @app.command("translate")
     def translate(
@@ -283,8 +313,9 @@ def register(app: typer.Typer) -> None:
         threads: ThreadsOpt = None,
         server: ServerOpt = None,
         api_key: ApiKeyOpt = None,
-        long_form: LongFormOpt = LongForm.sequential,
-        vad_gate: VadGateOpt = True,
+        long_form: LongFormOpt = None,
+        vad_gate: VadGateOpt = None,
+        option: ModelOptionOpt = None,
         decode_processes: DecodeProcsOpt = None,
     ) -> None:
         """Translate speech in audio files into English text."""
@@ -292,7 +323,8 @@ def register(app: typer.Typer) -> None:
              response_format=response_format, granularities=timestamp_granularity,
              output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
              device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value, vad_gate=vad_gate, decode_processes=decode_processes)
+             long_form=long_form.value if long_form else None, vad_gate=vad_gate,
+             model_options=option, decode_processes=decode_processes)
 
     @app.command("convert")
     def convert(

@@ -98,8 +98,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             temperature=float(cfg.temperature),
             words=cfg.word_timestamps,
             beam_size=cfg.beam_size or 1,
+            extra=dict(cfg.model_options),
         )
-        options.check_supported(engine.model.capabilities, engine.model.name)
+        options.validate_for(engine.model)  # family options included: refused before any work
         return options
 
     async def StreamingRecognize(  # noqa: N802 - gRPC method name

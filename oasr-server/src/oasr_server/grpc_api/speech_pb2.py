@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1boasr/speech/v1/speech.proto\x12\x0eoasr.speech.v1\"\x92\x02\n\x11RecognitionConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\"\n\x04task\x18\x03 \x01(\x0e\x32\x14.oasr.speech.v1.Task\x12\x17\n\x0fword_timestamps\x18\x04 \x01(\x08\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0e\n\x06prompt\x18\x06 \x01(\t\x12\x11\n\tbeam_size\x18\x07 \x01(\x05\x12/\n\x08\x65ncoding\x18\x08 \x01(\x0e\x32\x1d.oasr.speech.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\t \x01(\x05\x12\x1b\n\x13\x61udio_channel_count\x18\n \x01(\x05\"T\n\x10RecognizeRequest\x12\x31\n\x06\x63onfig\x18\x01 \x01(\x0b\x32!.oasr.speech.v1.RecognitionConfig\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\"D\n\x04Word\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12\x12\n\nconfidence\x18\x04 \x01(\x02\"k\n\x07Segment\x12\n\n\x02id\x18\x01 \x01(\x05\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x12\n\nconfidence\x18\x05 \x01(\x02\x12\x16\n\x0eno_speech_prob\x18\x06 \x01(\x02\"\xb2\x01\n\x11RecognizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x10\n\x08\x64uration\x18\x04 \x01(\x01\x12\x0c\n\x04task\x18\x05 \x01(\t\x12)\n\x08segments\x18\x06 \x03(\x0b\x32\x17.oasr.speech.v1.Segment\x12#\n\x05words\x18\x07 \x03(\x0b\x32\x14.oasr.speech.v1.Word\"q\n\x13VoiceActivityConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tthreshold\x18\x02 \x01(\x02\x12\x19\n\x11prefix_padding_ms\x18\x03 \x01(\x05\x12\x1b\n\x13silence_duration_ms\x18\x04 \x01(\x05\"\xc2\x01\n\x1aStreamingRecognitionConfig\x12\x31\n\x06\x63onfig\x18\x01 \x01(\x0b\x32!.oasr.speech.v1.RecognitionConfig\x12\x17\n\x0finterim_results\x18\x02 \x01(\x08\x12;\n\x0evoice_activity\x18\x03 \x01(\x0b\x32#.oasr.speech.v1.VoiceActivityConfig\x12\x1b\n\x13interim_interval_ms\x18\x04 \x01(\x05\"\x91\x01\n\x19StreamingRecognizeRequest\x12\x46\n\x10streaming_config\x18\x01 \x01(\x0b\x32*.oasr.speech.v1.StreamingRecognitionConfigH\x00\x12\x17\n\raudio_content\x18\x02 \x01(\x0cH\x00\x42\x13\n\x11streaming_request\"\xe8\x01\n\x1aStreamingRecognitionResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x13\n\x0bstable_text\x18\x03 \x01(\t\x12\x17\n\x0futterance_index\x18\x04 \x01(\x05\x12\r\n\x05start\x18\x05 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x01\x12\x10\n\x08language\x18\x07 \x01(\t\x12)\n\x08segments\x18\x08 \x03(\x0b\x32\x17.oasr.speech.v1.Segment\x12#\n\x05words\x18\t \x03(\x0b\x32\x14.oasr.speech.v1.Word\"\xaf\x01\n\x1aStreamingRecognizeResponse\x12:\n\x06result\x18\x01 \x01(\x0b\x32*.oasr.speech.v1.StreamingRecognitionResult\x12:\n\x11speech_event_type\x18\x02 \x01(\x0e\x32\x1f.oasr.speech.v1.SpeechEventType\x12\x19\n\x11speech_event_time\x18\x03 \x01(\x01*;\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x0e\n\nTRANSCRIBE\x10\x01\x12\r\n\tTRANSLATE\x10\x02*z\n\rAudioEncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\r\n\tPCM_S16LE\x10\x01\x12\r\n\tPCM_S24LE\x10\x02\x12\r\n\tPCM_S32LE\x10\x03\x12\r\n\tPCM_F32LE\x10\x04\x12\t\n\x05MULAW\x10\x05\x12\x08\n\x04\x41LAW\x10\x06*c\n\x0fSpeechEventType\x12\x1c\n\x18SPEECH_EVENT_UNSPECIFIED\x10\x00\x12\x19\n\x15SPEECH_ACTIVITY_BEGIN\x10\x01\x12\x17\n\x13SPEECH_ACTIVITY_END\x10\x02\x32\xcb\x01\n\x06Speech\x12P\n\tRecognize\x12 .oasr.speech.v1.RecognizeRequest\x1a!.oasr.speech.v1.RecognizeResponse\x12o\n\x12StreamingRecognize\x12).oasr.speech.v1.StreamingRecognizeRequest\x1a*.oasr.speech.v1.StreamingRecognizeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1boasr/speech/v1/speech.proto\x12\x0eoasr.speech.v1\"\x93\x03\n\x11RecognitionConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\"\n\x04task\x18\x03 \x01(\x0e\x32\x14.oasr.speech.v1.Task\x12\x17\n\x0fword_timestamps\x18\x04 \x01(\x08\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0e\n\x06prompt\x18\x06 \x01(\t\x12\x11\n\tbeam_size\x18\x07 \x01(\x05\x12/\n\x08\x65ncoding\x18\x08 \x01(\x0e\x32\x1d.oasr.speech.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\t \x01(\x05\x12\x1b\n\x13\x61udio_channel_count\x18\n \x01(\x05\x12J\n\rmodel_options\x18\x0b \x03(\x0b\x32\x33.oasr.speech.v1.RecognitionConfig.ModelOptionsEntry\x1a\x33\n\x11ModelOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x10RecognizeRequest\x12\x31\n\x06\x63onfig\x18\x01 \x01(\x0b\x32!.oasr.speech.v1.RecognitionConfig\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\"D\n\x04Word\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12\x12\n\nconfidence\x18\x04 \x01(\x02\"k\n\x07Segment\x12\n\n\x02id\x18\x01 \x01(\x05\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x12\n\nconfidence\x18\x05 \x01(\x02\x12\x16\n\x0eno_speech_prob\x18\x06 \x01(\x02\"\xb2\x01\n\x11RecognizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x10\n\x08\x64uration\x18\x04 \x01(\x01\x12\x0c\n\x04task\x18\x05 \x01(\t\x12)\n\x08segments\x18\x06 \x03(\x0b\x32\x17.oasr.speech.v1.Segment\x12#\n\x05words\x18\x07 \x03(\x0b\x32\x14.oasr.speech.v1.Word\"q\n\x13VoiceActivityConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tthreshold\x18\x02 \x01(\x02\x12\x19\n\x11prefix_padding_ms\x18\x03 \x01(\x05\x12\x1b\n\x13silence_duration_ms\x18\x04 \x01(\x05\"\xc2\x01\n\x1aStreamingRecognitionConfig\x12\x31\n\x06\x63onfig\x18\x01 \x01(\x0b\x32!.oasr.speech.v1.RecognitionConfig\x12\x17\n\x0finterim_results\x18\x02 \x01(\x08\x12;\n\x0evoice_activity\x18\x03 \x01(\x0b\x32#.oasr.speech.v1.VoiceActivityConfig\x12\x1b\n\x13interim_interval_ms\x18\x04 \x01(\x05\"\x91\x01\n\x19StreamingRecognizeRequest\x12\x46\n\x10streaming_config\x18\x01 \x01(\x0b\x32*.oasr.speech.v1.StreamingRecognitionConfigH\x00\x12\x17\n\raudio_content\x18\x02 \x01(\x0cH\x00\x42\x13\n\x11streaming_request\"\xe8\x01\n\x1aStreamingRecognitionResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x13\n\x0bstable_text\x18\x03 \x01(\t\x12\x17\n\x0futterance_index\x18\x04 \x01(\x05\x12\r\n\x05start\x18\x05 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x01\x12\x10\n\x08language\x18\x07 \x01(\t\x12)\n\x08segments\x18\x08 \x03(\x0b\x32\x17.oasr.speech.v1.Segment\x12#\n\x05words\x18\t \x03(\x0b\x32\x14.oasr.speech.v1.Word\"\xaf\x01\n\x1aStreamingRecognizeResponse\x12:\n\x06result\x18\x01 \x01(\x0b\x32*.oasr.speech.v1.StreamingRecognitionResult\x12:\n\x11speech_event_type\x18\x02 \x01(\x0e\x32\x1f.oasr.speech.v1.SpeechEventType\x12\x19\n\x11speech_event_time\x18\x03 \x01(\x01*;\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x0e\n\nTRANSCRIBE\x10\x01\x12\r\n\tTRANSLATE\x10\x02*z\n\rAudioEncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\r\n\tPCM_S16LE\x10\x01\x12\r\n\tPCM_S24LE\x10\x02\x12\r\n\tPCM_S32LE\x10\x03\x12\r\n\tPCM_F32LE\x10\x04\x12\t\n\x05MULAW\x10\x05\x12\x08\n\x04\x41LAW\x10\x06*c\n\x0fSpeechEventType\x12\x1c\n\x18SPEECH_EVENT_UNSPECIFIED\x10\x00\x12\x19\n\x15SPEECH_ACTIVITY_BEGIN\x10\x01\x12\x17\n\x13SPEECH_ACTIVITY_END\x10\x02\x32\xcb\x01\n\x06Speech\x12P\n\tRecognize\x12 .oasr.speech.v1.RecognizeRequest\x1a!.oasr.speech.v1.RecognizeResponse\x12o\n\x12StreamingRecognize\x12).oasr.speech.v1.StreamingRecognizeRequest\x1a*.oasr.speech.v1.StreamingRecognizeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'oasr.speech.v1.speech_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TASK']._serialized_start=1643
-  _globals['_TASK']._serialized_end=1702
-  _globals['_AUDIOENCODING']._serialized_start=1704
-  _globals['_AUDIOENCODING']._serialized_end=1826
-  _globals['_SPEECHEVENTTYPE']._serialized_start=1828
-  _globals['_SPEECHEVENTTYPE']._serialized_end=1927
+  _globals['_RECOGNITIONCONFIG_MODELOPTIONSENTRY']._loaded_options = None
+  _globals['_RECOGNITIONCONFIG_MODELOPTIONSENTRY']._serialized_options = b'8\001'
+  _globals['_TASK']._serialized_start=1772
+  _globals['_TASK']._serialized_end=1831
+  _globals['_AUDIOENCODING']._serialized_start=1833
+  _globals['_AUDIOENCODING']._serialized_end=1955
+  _globals['_SPEECHEVENTTYPE']._serialized_start=1957
+  _globals['_SPEECHEVENTTYPE']._serialized_end=2056
   _globals['_RECOGNITIONCONFIG']._serialized_start=48
-  _globals['_RECOGNITIONCONFIG']._serialized_end=322
-  _globals['_RECOGNIZEREQUEST']._serialized_start=324
-  _globals['_RECOGNIZEREQUEST']._serialized_end=408
-  _globals['_WORD']._serialized_start=410
-  _globals['_WORD']._serialized_end=478
-  _globals['_SEGMENT']._serialized_start=480
-  _globals['_SEGMENT']._serialized_end=587
-  _globals['_RECOGNIZERESPONSE']._serialized_start=590
-  _globals['_RECOGNIZERESPONSE']._serialized_end=768
-  _globals['_VOICEACTIVITYCONFIG']._serialized_start=770
-  _globals['_VOICEACTIVITYCONFIG']._serialized_end=883
-  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_start=886
-  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_end=1080
-  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_start=1083
-  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_end=1228
-  _globals['_STREAMINGRECOGNITIONRESULT']._serialized_start=1231
-  _globals['_STREAMINGRECOGNITIONRESULT']._serialized_end=1463
-  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_start=1466
-  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_end=1641
-  _globals['_SPEECH']._serialized_start=1930
-  _globals['_SPEECH']._serialized_end=2133
+  _globals['_RECOGNITIONCONFIG']._serialized_end=451
+  _globals['_RECOGNITIONCONFIG_MODELOPTIONSENTRY']._serialized_start=400
+  _globals['_RECOGNITIONCONFIG_MODELOPTIONSENTRY']._serialized_end=451
+  _globals['_RECOGNIZEREQUEST']._serialized_start=453
+  _globals['_RECOGNIZEREQUEST']._serialized_end=537
+  _globals['_WORD']._serialized_start=539
+  _globals['_WORD']._serialized_end=607
+  _globals['_SEGMENT']._serialized_start=609
+  _globals['_SEGMENT']._serialized_end=716
+  _globals['_RECOGNIZERESPONSE']._serialized_start=719
+  _globals['_RECOGNIZERESPONSE']._serialized_end=897
+  _globals['_VOICEACTIVITYCONFIG']._serialized_start=899
+  _globals['_VOICEACTIVITYCONFIG']._serialized_end=1012
+  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_start=1015
+  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_end=1209
+  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_start=1212
+  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_end=1357
+  _globals['_STREAMINGRECOGNITIONRESULT']._serialized_start=1360
+  _globals['_STREAMINGRECOGNITIONRESULT']._serialized_end=1592
+  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_start=1595
+  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_end=1770
+  _globals['_SPEECH']._serialized_start=2059
+  _globals['_SPEECH']._serialized_end=2262
 # @@protoc_insertion_point(module_scope)

@@ -675,7 +675,10 @@ def test_registered_decoders() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_equals_cpu() -> None:
+def test_cuda_equals_cpu(monkeypatch) -> None:
+    # full fp32 on CUDA (cuDNN convolutions default to TF32, which moves near-tied beam scores)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     lens = torch.tensor(LENGTHS)
     with torch.no_grad():
         for name, net, enc, make in _searches():
@@ -686,4 +689,4 @@ def test_cuda_equals_cpu() -> None:
             gpu.step(enc.cuda(), lens.cuda())
             net.model.cpu()
             assert _result(gpu) == _result(cpu), name
-            assert _scores(gpu) == pytest.approx(_scores(cpu), abs=1e-3), name
+            assert _scores(gpu) == pytest.approx(_scores(cpu), abs=1e-4), name

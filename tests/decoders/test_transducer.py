@@ -352,16 +352,18 @@ def test_modified_beam_equals_icefall(icefall_search, monkeypatch, seed, beam) -
         assert len(hyps) <= beam
 
 
-def test_modified_beam_temperature_and_blank_penalty_equal_icefall(icefall_search) -> None:
+def test_modified_beam_temperature_blank_penalty_unk_equal_icefall(icefall_search) -> None:
     model = IcefallModel(14)
+    model.unk_id = 3  # icefall treats <unk> like blank
     enc, lens = _encoder_out(14)
     with torch.no_grad():
         ref = icefall_search.modified_beam_search(model, enc, lens, beam=4, temperature=1.5,
                                                   blank_penalty=0.5, return_timestamps=True)
         nbest = transducer_modified_beam_search(
             IcefallNetwork(model), model.joiner.encoder_proj(enc), lens, beam_size=4,
-            temperature=1.5, blank_penalty=0.5, length_norm_offset=CONTEXT)
+            temperature=1.5, blank_penalty=0.5, unk_id=3, length_norm_offset=CONTEXT)
     _assert_varied(ref.hyps, sum(LENGTHS))
+    assert all(3 not in h.tokens for n in nbest for h in n)
     assert [n[0].tokens for n in nbest] == ref.hyps
     assert [n[0].times for n in nbest] == ref.timestamps
 

@@ -119,7 +119,7 @@ def oasr_backend(ckpt: str, device: str, threads: int, dtype: str | None = None,
                                     decode_processes=decode_processes))  # fmt: skip
     # faster-whisper runs without VAD (vad_filter=False): OASR's VAD gate is off too, so both
     # sides run the same decoding (on these speech clips the gate would pass everything anyway)
-    options = DecodingOptions(beam_size=1, temperature=0.0, vad_gate=False)
+    options = DecodingOptions.build(beam_size=1, temperature=0.0, vad_gate=False)
 
     def run(paths: list[Path]) -> list[str]:
         return [t.text for t in engine.transcribe_offline(paths, options)]

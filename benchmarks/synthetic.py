@@ -153,7 +153,7 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
     else:
         targets = [tokens] * requests
     suppress = resolve_suppress_tokens(tok, (tok.eot,), None)
-    options = DecodingOptions(
+    options = DecodingOptions.build(
         language="en", without_timestamps=True, max_new_tokens=tokens, suppress_tokens=(tok.eot,),
         suppress_blank=False, no_speech_threshold=None, logprob_threshold=None,
         compression_ratio_threshold=None, condition_on_previous_text=False, temperature=0.0,

@@ -25,7 +25,7 @@ def _engine(model, **kw):
 
 @pytest.mark.parametrize("opts", [
     DecodingOptions(),
-    DecodingOptions(without_timestamps=True, condition_on_previous_text=False),
+    DecodingOptions.build(without_timestamps=True, condition_on_previous_text=False),
 ], ids=["timestamps", "no_timestamps"])  # fmt: skip
 def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
     eng = _engine(tiny_en)  # 3 rows for 5 inputs: rows are refilled as windows finish

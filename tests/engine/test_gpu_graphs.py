@@ -23,7 +23,7 @@ def test_cuda_graphs_match_eager(dtype):
     tok = asr.tokenizer
     rng = np.random.default_rng(0)
     audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (30, 12, 30, 7, 20)]
-    opts = DecodingOptions(language="en", max_new_tokens=40, suppress_tokens=(tok.eot,),
+    opts = DecodingOptions.build(language="en", max_new_tokens=40, suppress_tokens=(tok.eot,),
                            no_speech_threshold=None, logprob_threshold=None,
                            compression_ratio_threshold=None)  # fmt: skip
     texts = {}
@@ -60,7 +60,7 @@ def test_encoder_lookahead_keeps_tokens():
     rng = np.random.default_rng(1)
     audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32)
               for s in (30, 12, 45, 7, 20, 30, 3)]  # fmt: skip
-    opts = DecodingOptions(language="en", max_new_tokens=30, suppress_tokens=(tok.eot,),
+    opts = DecodingOptions.build(language="en", max_new_tokens=30, suppress_tokens=(tok.eot,),
                            no_speech_threshold=None, logprob_threshold=None,
                            compression_ratio_threshold=None)  # fmt: skip
     texts, overlapped = {}, {}

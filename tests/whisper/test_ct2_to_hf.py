@@ -111,7 +111,7 @@ def test_generate_decodes_what_oasr_decodes(pair, clip):
     window = _window_mel(mel, 0, mel.shape[-1] - 3000)[None]
     with torch.no_grad():
         tokens = hf.generate(window)[0].tolist()
-    expected = ours.transcribe([audio], DecodingOptions(without_timestamps=True, vad_gate=False))[0]
+    expected = ours.transcribe([audio], DecodingOptions.build(without_timestamps=True, vad_gate=False))[0]
     text_tokens = [t for t in tokens if t < ours.tokenizer.eot]  # generate may strip the prompt/eot
     assert ours.tokenizer.decode(text_tokens).strip() == expected.text
     assert hf_tokenizer(loaded).decode(tokens, skip_special_tokens=True).strip() == expected.text

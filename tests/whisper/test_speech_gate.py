@@ -87,18 +87,20 @@ def decoded(monkeypatch):
 
 # --------------------------------------------------------------------------- options
 def test_option_validation_and_switches():
+    from oasr_models_whisper.options import whisper_options
     from oasr_models_whisper.speech_gate import gate_enabled
 
-    assert DecodingOptions().vad_gate is True
+    assert whisper_options(DecodingOptions()).vad_gate is True
+    assert whisper_options(DecodingOptions.build(vad_gate="no")).vad_gate is False  # as the CLI sends it
     with pytest.raises(InvalidRequestError) as info:
-        DecodingOptions(vad_gate="no")  # type: ignore[arg-type]
+        whisper_options(DecodingOptions.build(vad_gate="maybe"))
     assert info.value.param == "vad_gate"
     assert gate_enabled(DecodingOptions())
-    assert not gate_enabled(DecodingOptions(vad_gate=False))
+    assert not gate_enabled(DecodingOptions.build(vad_gate=False))
     # no_speech_threshold=None turns every no-speech rule off, the gate included
-    assert not gate_enabled(DecodingOptions(no_speech_threshold=None))
+    assert not gate_enabled(DecodingOptions.build(no_speech_threshold=None))
     # the VAD mode runs the detector itself
-    assert not gate_enabled(DecodingOptions(long_form="vad"))
+    assert not gate_enabled(DecodingOptions.build(long_form="vad"))
 
 
 # --------------------------------------------------------------------------- the scan
@@ -161,10 +163,10 @@ def test_gate_on_non_speech_is_empty_and_not_decoded(model, decoded, name):
 
 def test_gate_off_reaches_the_decoder(model, decoded):
     tone = _tone()
-    model.transcribe([tone], DecodingOptions(vad_gate=False))
+    model.transcribe([tone], DecodingOptions.build(vad_gate=False))
     assert decoded == [[len(tone)]]
     # no_speech_threshold=None disables the gate as well
-    model.transcribe([tone], DecodingOptions(no_speech_threshold=None, max_new_tokens=8))
+    model.transcribe([tone], DecodingOptions.build(no_speech_threshold=None, max_new_tokens=8))
     assert decoded == [[len(tone)], [len(tone)]]
 
 
@@ -173,8 +175,8 @@ def test_speech_is_unchanged_by_the_gate(model, decoded):
     # speech after 35 s of silence: found in the second piece of the scan
     clips.append(np.concatenate([np.zeros(35 * SR, np.float32), clips[0]]))
     opts = dict(word_timestamps=True, temperature=FALLBACK)
-    on = model.transcribe(clips, DecodingOptions(**opts))
-    off = model.transcribe(clips, DecodingOptions(**opts, vad_gate=False))
+    on = model.transcribe(clips, DecodingOptions.build(**opts))
+    off = model.transcribe(clips, DecodingOptions.build(**opts, vad_gate=False))
     assert decoded == [[len(c) for c in clips]] * 2  # every input decoded in both runs
     for k, (a, b) in enumerate(zip(on, off, strict=True)):
         assert a.text and a.text == b.text, k
@@ -188,7 +190,7 @@ def test_mixed_batch_decodes_only_speech_in_order(model, decoded):
     seen = []
     outs = model.transcribe(inputs, DecodingOptions(), progress=lambda d, t: seen.append((d, t)))
     assert decoded == [[len(speech)]]
-    (alone,) = model.transcribe([speech], DecodingOptions(vad_gate=False))
+    (alone,) = model.transcribe([speech], DecodingOptions.build(vad_gate=False))
     assert outs[1].to_dict() == alone.to_dict()
     for k in (0, 2, 3):
         assert outs[k].text == "" and outs[k].segments == []
@@ -213,7 +215,7 @@ def test_vad_mode_does_not_run_the_gate(model, monkeypatch):
 
     monkeypatch.setattr(gate, "has_speech", no_scan)
     monkeypatch.setattr(gate, "speech_gate", no_scan)
-    (t,) = model.transcribe([_tone()], DecodingOptions(long_form="vad"))
+    (t,) = model.transcribe([_tone()], DecodingOptions.build(long_form="vad"))
     assert t.text == ""
 
 
@@ -254,7 +256,7 @@ def test_without_a_detector_it_warns_once_and_decodes(model, decoded, no_detecto
     assert "oasr-vad-silero" in warnings[0].getMessage()
     # the gate switched off asks for no detector, so it warns about nothing
     caplog.clear()
-    model.transcribe([np.zeros(SR, np.float32)], DecodingOptions(vad_gate=False))
+    model.transcribe([np.zeros(SR, np.float32)], DecodingOptions.build(vad_gate=False))
     assert not caplog.records
 
 
@@ -293,7 +295,9 @@ def test_cli_vad_gate_switch(ckpt, tmp_path, monkeypatch):
     real = ASREngine.transcribe_arrays
 
     def spy(self, audios, decoding=None, progress=None):
-        seen.append(decoding.vad_gate)
+        from oasr_models_whisper.options import whisper_options
+
+        seen.append(whisper_options(decoding).vad_gate)
         return real(self, audios, decoding, progress)
 
     monkeypatch.setattr(ASREngine, "transcribe_arrays", spy)
@@ -340,11 +344,11 @@ def test_engine_continuous_batching_is_gated(engine):
     assert out.transcript.language == "en"
     assert engine.submit(tone).result(timeout=120).text == ""
     assert executor.stats["tokens"] == decoded_before  # never reached the decoder
-    engine.submit(tone, DecodingOptions(vad_gate=False)).result(timeout=120)
+    engine.submit(tone, DecodingOptions.build(vad_gate=False)).result(timeout=120)
     assert executor.stats["tokens"] > decoded_before  # the same executor decodes it ungated
     # one admission group, gated in one call: order kept, speech decoded as without the gate
     speech = load_speech("en_ls_2830-3980-0043.wav")
     outs = engine.transcribe_outputs([tone, speech, tone])
     assert [o.transcript.text == "" for o in outs] == [True, False, True]
-    ungated = engine.transcribe_outputs([speech], decoding=DecodingOptions(vad_gate=False))[0]
+    ungated = engine.transcribe_outputs([speech], decoding=DecodingOptions.build(vad_gate=False))[0]
     assert outs[1].transcript.text == ungated.transcript.text

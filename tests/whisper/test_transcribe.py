@@ -103,11 +103,11 @@ def test_invalid_requests(tiny):
     with pytest.raises(InvalidRequestError, match="unknown language"):
         tiny.transcribe(silence, DecodingOptions(language="xx-klingon"))
     with pytest.raises(InvalidRequestError, match="length_penalty"):
-        tiny.transcribe(silence, DecodingOptions(length_penalty=2.0))
+        tiny.transcribe(silence, DecodingOptions.build(length_penalty=2.0))
     with pytest.raises(InvalidRequestError, match="max_new_tokens"):
         tiny.transcribe(silence, DecodingOptions(max_new_tokens=1000))
     with pytest.raises(InvalidRequestError, match="suppress_tokens"):
-        tiny.transcribe(silence, DecodingOptions(suppress_tokens=(10**6,)))
+        tiny.transcribe(silence, DecodingOptions.build(suppress_tokens=(10**6,)))
     with pytest.raises(BadAudioError, match="mono"):
         tiny.transcribe([np.zeros((2, 16000), np.float32)], DecodingOptions())
     with pytest.raises(BadAudioError, match="NaN"):
@@ -134,7 +134,7 @@ def test_silence_and_noise_yield_no_text(tiny):
 
 def test_progress_reports_completion(tiny, audio):
     calls = []
-    tiny.transcribe([audio["jfk"]], DecodingOptions(without_timestamps=True),
+    tiny.transcribe([audio["jfk"]], DecodingOptions.build(without_timestamps=True),
                     progress=lambda done, total: calls.append((done, total)))  # fmt: skip
     assert calls and calls[-1][0] == calls[-1][1] > 0
 
@@ -149,7 +149,7 @@ def tiny_ref(tiny_loaded):
 def batch_out(tiny, audio):
     return tiny.transcribe(
         [audio["long"], audio["jfk"], audio["ls"]],
-        DecodingOptions(word_timestamps=True, temperature=FALLBACK, **NO_GATE),
+        DecodingOptions.build(word_timestamps=True, temperature=FALLBACK, **NO_GATE),
     )
 
 
@@ -169,7 +169,7 @@ def test_long_form_and_words_match_openai_transcribe(batch_out, tiny_ref, audio,
 
 @pytest.mark.slow
 def test_prompt_and_no_conditioning_match_openai(tiny, tiny_ref, audio):
-    opts = DecodingOptions(
+    opts = DecodingOptions.build(
         prompt="Sentences from a hearing test.", condition_on_previous_text=False, **NO_GATE
     )
     ours = tiny.transcribe([audio["long"]], opts)[0]
@@ -210,7 +210,7 @@ def rand_pair(tmp_path_factory):
 )
 def test_random_multilingual_long_form_matches_openai(rand_pair, audio, kw):
     ours_model, ref_model = rand_pair
-    opts = DecodingOptions(max_new_tokens=12, **kw, **NO_GATE)
+    opts = DecodingOptions.build(max_new_tokens=12, **kw, **NO_GATE)
     ours = ours_model.transcribe([audio["long"]], opts)[0]
     ref = ref_model.transcribe(audio["long"], fp16=False, temperature=0.0, sample_len=12,
                                language=kw.get("language"), task=kw.get("task", "transcribe"),
@@ -232,7 +232,7 @@ def test_native_round_trip(tiny, tmp_path, audio):
     from oasr.checkpoint import read_native_config
 
     again = WhisperASR.from_native(tmp_path / "native", read_native_config(tmp_path / "native"))
-    opts = DecodingOptions(without_timestamps=True)
+    opts = DecodingOptions.build(without_timestamps=True)
     clip = load_speech("en_ls_2830-3980-0043.wav")
     text = again.transcribe([clip], opts)[0].text
     assert text == tiny.transcribe([clip], opts)[0].text
@@ -270,7 +270,7 @@ def test_openai_pt_checkpoint_without_tokenizer_files(tmp_path, audio):
     assert sorted(map(tuple, heads)) == sorted(
         map(tuple, ref.alignment_heads.to_dense().nonzero().tolist())
     )
-    opts = DecodingOptions(max_new_tokens=12, word_timestamps=True, **NO_GATE)
+    opts = DecodingOptions.build(max_new_tokens=12, word_timestamps=True, **NO_GATE)
     clip = load_speech("en_ls_2830-3980-0043.wav")
     got = ours.transcribe([clip], opts)[0]
     want = ref.transcribe(clip, fp16=False, temperature=0.0, sample_len=12,

@@ -1,4 +1,4 @@
-"""VAD-batched long-form Whisper (``DecodingOptions(long_form="vad")``) on real speech with the
+"""VAD-batched long-form Whisper (Whisper option ``long_form="vad"``) on real speech with the
 real tiny.en: WER against sequential long-form, timestamps on the original timeline, non-speech
 inputs, batching; plus the chunk merging on its own."""
 
@@ -137,7 +137,7 @@ def test_wer_vad_within_half_a_point_of_sequential(model, refs, concat):
         out = {}
         for mode in ("sequential", "vad"):
             t0 = time.perf_counter()
-            (t,) = model.transcribe([audio], DecodingOptions(temperature=FALLBACK, long_form=mode))
+            (t,) = model.transcribe([audio], DecodingOptions.build(temperature=FALLBACK, long_form=mode))
             out[mode] = (_wer(ref, t.text), time.perf_counter() - t0, t)
         rows.append((name, len(audio) / SR, out))
     for name, dur, out in rows:
@@ -166,7 +166,7 @@ def test_timestamps_on_the_original_timeline(model):
     jfk = load_speech("en_jfk_inaugural.flac")
     late = np.concatenate([np.zeros(20 * SR, np.float32), jfk])
     inputs = [late, load_speech(LONG_CLIP)]
-    outs = model.transcribe(inputs, DecodingOptions(word_timestamps=True, long_form="vad"))
+    outs = model.transcribe(inputs, DecodingOptions.build(word_timestamps=True, long_form="vad"))
     for a, t in zip(inputs, outs, strict=True):
         _check_timeline(t, len(a) / SR)
         assert t.words and t.segments
@@ -194,7 +194,7 @@ def non_speech(model):
     inputs = _non_speech_inputs()
     outs = {}
     for mode in ("sequential", "vad"):
-        ts = model.transcribe(list(inputs.values()), DecodingOptions(long_form=mode))
+        ts = model.transcribe(list(inputs.values()), DecodingOptions.build(long_form=mode))
         for (name, a), t in zip(inputs.items(), ts, strict=True):
             outs[mode, name] = (a, t)
     return outs
@@ -214,7 +214,7 @@ def test_vad_mode_drops_a_loud_tone(model):
     the VAD finds no speech, so the VAD mode decodes nothing."""
     t = np.arange(10 * SR) / SR
     tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-    (vad,) = model.transcribe([tone], DecodingOptions(temperature=FALLBACK, long_form="vad"))
+    (vad,) = model.transcribe([tone], DecodingOptions.build(temperature=FALLBACK, long_form="vad"))
     assert vad.text == "" and vad.segments == []
 
 
@@ -227,7 +227,7 @@ def test_batched_inputs_equal_one_at_a_time(model):
         np.zeros(5 * SR, np.float32),
         np.concatenate([np.zeros(20 * SR, np.float32), load_speech("en_ls_1089-134686-0001.wav")]),
     ]
-    opts = DecodingOptions(long_form="vad", word_timestamps=True)
+    opts = DecodingOptions.build(long_form="vad", word_timestamps=True)
     together = model.transcribe(inputs, opts)
     alone = [model.transcribe([a], opts)[0] for a in inputs]
     for k, (b, s) in enumerate(zip(together, alone, strict=True)):
@@ -246,7 +246,7 @@ def test_progress_and_empty_input(model):
     seen = []
     outs = model.transcribe(
         [np.zeros(0, np.float32), load_speech("en_sr_one_two_three.wav")],
-        DecodingOptions(long_form="vad"),
+        DecodingOptions.build(long_form="vad"),
         progress=lambda d, t: seen.append((d, t)),
     )
     assert outs[0].text == "" and outs[0].duration == 0.0
@@ -278,7 +278,7 @@ def test_language_per_input_from_its_first_chunk(random_multilingual):
         [np.zeros(15 * SR, np.float32), load_speech("de_fleurs_000.ogg")]
     )  # 33 s
     inputs = [load_speech(LONG_CLIP), late_de, np.zeros(3 * SR, np.float32)]
-    opts = DecodingOptions(long_form="vad", max_new_tokens=8, word_timestamps=True)
+    opts = DecodingOptions.build(long_form="vad", max_new_tokens=8, word_timestamps=True)
     outs = model.transcribe(inputs, opts)
     for a, t in zip(inputs[:2], outs[:2], strict=True):
         first = speech_chunks(a)[0]
@@ -289,7 +289,7 @@ def test_language_per_input_from_its_first_chunk(random_multilingual):
     # a given language and task reach every chunk
     (tr,) = model.transcribe(
         [late_de],
-        DecodingOptions(long_form="vad", max_new_tokens=8, language="de", task="translate"),
+        DecodingOptions.build(long_form="vad", max_new_tokens=8, language="de", task="translate"),
     )
     assert tr.language == "de" and tr.task == "translate"
     assert all(s.start >= 15.0 for s in tr.segments)
@@ -306,7 +306,9 @@ def test_cli_long_form_option(model, monkeypatch):
     real = ASREngine.transcribe_arrays
 
     def spy(self, audios, decoding=None, progress=None):
-        seen.append(decoding.long_form)
+        from oasr_models_whisper.options import whisper_options
+
+        seen.append(whisper_options(decoding).long_form)
         return real(self, audios, decoding, progress)
 
     monkeypatch.setattr(ASREngine, "transcribe_arrays", spy)
@@ -326,8 +328,8 @@ def test_short_input_is_decoded_whole(random_multilingual):
     a = np.concatenate([np.zeros(8 * SR, np.float32), load_speech("en_jfk_inaugural.flac")])
     (segs,) = speech_segments_batch([a])
     assert segs and segs[0].start > 7 * SR  # the VAD finds the speech after 8 s ...
-    opts = DecodingOptions(max_new_tokens=8, language="en", without_timestamps=True)
-    vad = random_multilingual.transcribe([a], DecodingOptions(**vars(opts) | {"long_form": "vad"}))
+    opts = DecodingOptions.build(max_new_tokens=8, language="en", without_timestamps=True)
+    vad = random_multilingual.transcribe([a], opts.updated(long_form="vad"))
     seq = random_multilingual.transcribe([a], opts)
     # ... but the window holds the whole input: one segment from 0 s, the text of sequential mode
     assert vad[0].text == seq[0].text
@@ -342,7 +344,7 @@ def test_engine_submit_honours_long_form(model):
     engine = ASREngine(EngineConfig(ckpt_dir=str(default_checkpoint())))
     t = np.arange(10 * SR) / SR
     tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)  # ungated sequential writes "A"
-    opts = DecodingOptions(temperature=FALLBACK, long_form="vad")
+    opts = DecodingOptions.build(temperature=FALLBACK, long_form="vad")
     try:
         assert engine.transcribe_arrays([tone], opts)[0].text == ""
         assert engine.submit(tone, opts).result(timeout=120).text == ""

@@ -61,7 +61,7 @@ def test_corpus_wer_matches_faster_whisper(corpus, ours_model, fw_model):
     norm = normalizers.EnglishTextNormalizer()
     # faster-whisper runs with vad_filter=False, so OASR's VAD gate is off too: no VAD either side
     ours = ours_model.transcribe(
-        [a for _, _, a in corpus], DecodingOptions(beam_size=1, temperature=0.0, vad_gate=False)
+        [a for _, _, a in corpus], DecodingOptions.build(beam_size=1, temperature=0.0, vad_gate=False)
     )
     refs, hyp_ours, hyp_fw = [], [], []
     for (name, ref, audio), t in zip(corpus, ours, strict=False):
@@ -102,7 +102,7 @@ def _match_words(ours_words, fw_words):
 def test_word_timestamps_match_faster_whisper(corpus, ours_model, fw_model):
     chosen = [(n, a) for n, _, a in corpus if n in WORD_CLIPS]
     ours = ours_model.transcribe(
-        [a for _, a in chosen], DecodingOptions(word_timestamps=True, vad_gate=False)
+        [a for _, a in chosen], DecodingOptions.build(word_timestamps=True, vad_gate=False)
     )
     worst = 0.0
     n_pairs = n_words = 0

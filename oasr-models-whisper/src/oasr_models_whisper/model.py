@@ -17,6 +17,7 @@ import torch
 
 from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.model import ProgressCallback
+from oasr.options import ResolvedOptions
 from oasr.types import (
     DecodingOptions,
     EngineConfig,
@@ -26,6 +27,7 @@ from oasr.types import (
 )
 from oasr_models_whisper.decoding import resolve_suppress_tokens
 from oasr_models_whisper.network import WhisperNetwork
+from oasr_models_whisper.options import DEFAULT_OPTIONS, WhisperOptions, whisper_options
 from oasr_models_whisper.plugin import CAPABILITIES
 from oasr_models_whisper.speech_gate import empty_transcript, speech_gate
 from oasr_models_whisper.tokenizer import LANGUAGES, WhisperTokenizer, normalize_language
@@ -147,8 +149,13 @@ class WhisperASR:
         return save_native(Path(dst), self.loaded)
 
     # ---------------------------------------------------------------- options
-    def _check(self, options: DecodingOptions) -> str | None:
+    #: Whisper's own options (``DecodingOptions.model_options``) start from openai-whisper's
+    #: transcribe defaults for every checkpoint
+    default_options: WhisperOptions = DEFAULT_OPTIONS
+
+    def _check(self, options: DecodingOptions | ResolvedOptions) -> str | None:
         """Validate ``options`` for this model; return the language code to force (or None)."""
+        options = whisper_options(options)
         if not self.multilingual:
             if options.task == "translate":
                 raise UnsupportedOptionError(
@@ -169,11 +176,6 @@ class WhisperASR:
                 f"{self.name} does not know language {language!r} ({LANGUAGES.get(language, '')}); "
                 f"it supports {len(self.tokenizer.languages)} languages",
                 param="language",
-            )
-        if options.length_penalty is not None and not 0 <= options.length_penalty <= 1:
-            raise InvalidRequestError(
-                "length_penalty must be between 0 and 1 (or unset for plain length normalisation)",
-                param="length_penalty",
             )
         limit = self.network.dims.n_text_ctx // 2
         if options.max_new_tokens is not None and not 1 <= options.max_new_tokens <= limit:
@@ -200,6 +202,7 @@ class WhisperASR:
         progress: ProgressCallback | None = None,
     ) -> list[Transcript]:
         """Recognise mono float32 16 kHz waveforms of any length (long ones in 30 s windows)."""
+        options = whisper_options(options)  # the Whisper options resolved once, read below
         language = self._check(options)
         waves = []
         for k, audio in enumerate(audios):

@@ -1,4 +1,4 @@
-"""Voice-activity gate of sequential long-form Whisper (``DecodingOptions.vad_gate``).
+"""Voice-activity gate of sequential long-form Whisper (the ``vad_gate`` Whisper option).
 
 Whisper writes text on inputs that hold no speech at all, and openai-whisper's no-speech rules
 (no-speech probability + average logprob) do not catch every case: tiny.en writes "A" on a pure
@@ -25,8 +25,10 @@ import torch
 
 from oasr.errors import CheckpointError, MissingPluginError, PluginLoadError
 from oasr.features.whisper import N_SAMPLES, SAMPLE_RATE
+from oasr.options import ResolvedOptions
 from oasr.types import DecodingOptions, Transcript
 from oasr.vad import SegmentationOptions, StreamingSegmenter, VoiceActivityDetector
+from oasr_models_whisper.options import whisper_options
 
 __all__ = ["empty_transcript", "gate_detector", "gate_enabled", "has_speech", "speech_gate"]
 
@@ -34,8 +36,9 @@ log = logging.getLogger(__name__)
 _warned_no_detector = False
 
 
-def gate_enabled(options: DecodingOptions) -> bool:
+def gate_enabled(options: DecodingOptions | ResolvedOptions) -> bool:
     """Whether ``options`` ask for the gate (see the module docstring)."""
+    options = whisper_options(options)
     return (
         options.vad_gate
         and options.no_speech_threshold is not None
@@ -96,7 +99,7 @@ def has_speech(
 
 def speech_gate(
     audios: Sequence[np.ndarray],
-    options: DecodingOptions,
+    options: DecodingOptions | ResolvedOptions,
     device: torch.device | str = "cpu",
     detector: VoiceActivityDetector | None = None,
 ) -> list[bool]:
@@ -118,7 +121,9 @@ def speech_gate(
     return [has_speech(a, det) for a in audios]
 
 
-def empty_transcript(n_samples: int, options: DecodingOptions, language: str | None) -> Transcript:
+def empty_transcript(
+    n_samples: int, options: DecodingOptions | ResolvedOptions, language: str | None
+) -> Transcript:
     """The transcript of an input without speech: no text, no segments, its duration, and the
     given language ("en" on English-only models; None when a multilingual model would have had
     to detect it, as ``long_form="vad"`` does)."""

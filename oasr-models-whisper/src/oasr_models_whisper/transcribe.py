@@ -29,7 +29,7 @@ from oasr.features.whisper import (
     log_mel_spectrogram,
     mel_filters,
 )
-from oasr.types import DecodingOptions, Segment, Transcript
+from oasr.types import Segment, Transcript
 from oasr_models_whisper.alignment import FRAMES_PER_SECOND, add_word_timestamps, last_word_end
 from oasr_models_whisper.decoding import (
     WindowOptions,
@@ -39,6 +39,7 @@ from oasr_models_whisper.decoding import (
     initial_tokens,
 )
 from oasr_models_whisper.network import WhisperNetwork
+from oasr_models_whisper.options import RequestOptions, whisper_options
 from oasr_models_whisper.tokenizer import WhisperTokenizer
 
 INPUT_STRIDE = 2  # mel frames per audio-encoder position
@@ -99,7 +100,8 @@ class _Job:
         return self.seek >= self.content_frames
 
 
-def _needs_fallback(r: WindowResult, o: DecodingOptions) -> bool:
+def _needs_fallback(r: WindowResult, o: RequestOptions) -> bool:
+    o = whisper_options(o)
     bad = False
     if (
         o.compression_ratio_threshold is not None
@@ -119,7 +121,7 @@ def _needs_fallback(r: WindowResult, o: DecodingOptions) -> bool:
 
 
 def _window_options(
-    o: DecodingOptions, temperature: float, suppress: tuple[int, ...]
+    o: RequestOptions, temperature: float, suppress: tuple[int, ...]
 ) -> WindowOptions:
     return WindowOptions(
         temperature=temperature,
@@ -139,11 +141,12 @@ def decode_with_fallback(
     tokenizer: WhisperTokenizer,
     features: torch.Tensor,
     inits: Sequence[Sequence[int]],
-    options: DecodingOptions,
+    options: RequestOptions,
     suppress: tuple[int, ...],
     max_batch_size: int = 16,
 ) -> list[WindowResult]:
     """Decode each row, retrying rows that need it at the next temperature of ``options``."""
+    options = whisper_options(options)
     n = features.shape[0]
     results: list[WindowResult | None] = [None] * n
     pending = list(range(n))
@@ -208,7 +211,7 @@ def transcribe(
     network: WhisperNetwork,
     tokenizer: WhisperTokenizer,
     audios: Sequence[np.ndarray | torch.Tensor],
-    options: DecodingOptions,
+    options: RequestOptions,
     *,
     multilingual: bool,
     language: str | None = None,
@@ -221,6 +224,7 @@ def transcribe(
     ``language`` is the already-validated language code (None: detect per input on multilingual
     models); ``suppress`` the resolved suppress-token ids.
     """
+    options = whisper_options(options)
     n_mels = network.dims.n_mels
     n_ctx = network.dims.n_text_ctx
     task = options.task if multilingual else None
@@ -301,8 +305,9 @@ def _is_silent(samples: torch.Tensor) -> bool:
 
 
 def _advance(job: _Job, size: int, r: WindowResult, feats: torch.Tensor, network, tokenizer,
-             options: DecodingOptions) -> None:  # fmt: skip
+             options: RequestOptions) -> None:  # fmt: skip
     """Turn one decoded window into segments and move ``job.seek`` forward."""
+    options = whisper_options(options)
     time_offset = job.seek * HOP_LENGTH / SAMPLE_RATE
     if options.no_speech_threshold is not None:
         skip = r.no_speech_prob > options.no_speech_threshold

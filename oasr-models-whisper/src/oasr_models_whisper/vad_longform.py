@@ -1,4 +1,4 @@
-"""VAD-batched long-form transcription (``DecodingOptions(long_form="vad")``).
+"""VAD-batched long-form transcription (the Whisper option ``long_form="vad"``).
 
 Instead of seeking through a recording window by window (``transcribe.transcribe``, each window
 conditioned on the text before it), every input is first cut by a voice activity detector:
@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from oasr.features.whisper import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
-from oasr.types import DecodingOptions, Segment, Transcript, Word
+from oasr.types import Segment, Transcript, Word
 from oasr.vad import SegmentationOptions, SpeechSegment, VoiceActivityDetector
 from oasr_models_whisper.alignment import add_word_timestamps
 from oasr_models_whisper.decoding import WindowResult, detect_language, initial_tokens
 from oasr_models_whisper.network import WhisperNetwork
+from oasr_models_whisper.options import RequestOptions, whisper_options
 from oasr_models_whisper.tokenizer import WhisperTokenizer
 from oasr_models_whisper.transcribe import (
     TIME_PRECISION,
@@ -234,7 +235,7 @@ def _chunk_mel(wave: torch.Tensor, chunk: Chunk, n_mels: int) -> tuple[torch.Ten
     return mel, content
 
 
-def _is_non_speech(r: WindowResult, o: DecodingOptions, tokenizer: WhisperTokenizer) -> bool:
+def _is_non_speech(r: WindowResult, o: RequestOptions, tokenizer: WhisperTokenizer) -> bool:
     """The chunk decodes to silence (Whisper's no-speech rule) or to nothing but punctuation
     at a high no-speech probability."""
     if o.no_speech_threshold is None:
@@ -350,7 +351,7 @@ def _uncovered(chunk: Chunk, segs: Sequence[Segment], min_seconds: float,
 
 
 def _decode_group(network, tokenizer, inputs: list[_Input], group: Sequence[Chunk],
-                  options: DecodingOptions, suppress: tuple[int, ...], max_batch_size: int,
+                  options: RequestOptions, suppress: tuple[int, ...], max_batch_size: int,
                   n_ctx: int, n_mels: int, prompt_ids) -> list[tuple[Chunk, list[Segment]]]:  # fmt: skip
     """Encode and decode a batch of chunks; their segments (absolute times) are added to their
     inputs and returned per chunk."""
@@ -401,7 +402,7 @@ def transcribe_vad(
     network: WhisperNetwork,
     tokenizer: WhisperTokenizer,
     audios: Sequence[np.ndarray | torch.Tensor],
-    options: DecodingOptions,
+    options: RequestOptions,
     *,
     multilingual: bool,
     language: str | None = None,
@@ -428,6 +429,7 @@ def transcribe_vad(
     chunk that no decoded segment covers (at least ``min_uncovered`` seconds of one VAD segment)
     is decoded again as a new, shorter chunk, batched, up to ``repair_rounds`` times.
     """
+    options = whisper_options(options)
     n_mels = network.dims.n_mels
     n_ctx = network.dims.n_text_ctx
     task = options.task if multilingual else None

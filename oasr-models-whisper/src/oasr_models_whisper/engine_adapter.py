@@ -43,6 +43,7 @@ from oasr_models_whisper.decoding import (
     initial_tokens,
     resolve_suppress_tokens,
 )
+from oasr_models_whisper.options import whisper_options
 from oasr_models_whisper.speech_gate import empty_transcript, gate_enabled, speech_gate
 from oasr_models_whisper.transcribe import (
     LONG_AUDIO_SAMPLES,
@@ -191,7 +192,7 @@ class WhisperDriver:
 
     # ------------------------------------------------------------------ admission
     def accept(self, request: Request) -> bool:
-        options = request.options
+        options = whisper_options(request.options)  # common + Whisper options as attributes
         language = self.model._check(options)  # typed errors for bad options: this request only
         as_mono_waveform(request.audio)
         if (options.beam_size > 1 and options.temperatures[0] == 0) or options.long_form == "vad":
@@ -221,7 +222,7 @@ class WhisperDriver:
                 ex.finish(request, exc)
 
     def _setup(self, request: Request, language: str | None, ex: AutoregressiveExecutor) -> None:
-        options = request.options
+        options = whisper_options(request.options)  # common + Whisper options as attributes
         wave = torch.as_tensor(as_mono_waveform(request.audio))
         # the log-mel is computed before the first encode (encoder_inputs: batched on CUDA);
         # whole_log_mel gives wave_samples // HOP_LENGTH frames of content

@@ -113,6 +113,8 @@ def test_duplicate_key_names_both_distributions(
         get_registry("architecture")
     message = str(info.value)
     assert "oasr-models-whisper" in message and "oasr-dup-plugin" in message
+    with pytest.raises(DuplicateRegistrationError):  # every access, not only the first
+        get_registry("checkpoint_format")
 
 
 def test_broken_distribution_raises_only_where_it_is_needed(

@@ -33,7 +33,7 @@ from typing import Any
 import pluggy
 
 from oasr import hookspecs
-from oasr.errors import PluginLoadError
+from oasr.errors import DuplicateRegistrationError, PluginLoadError
 from oasr.registry import AXES, LazySpec, Registry, architecture_metadata
 
 ENTRY_POINT_GROUP = "oasr"
@@ -76,36 +76,47 @@ class PluginManager:
         }
         self.plugins: dict[str, PluginInfo] = {}
         self._reported: set[int] = set()  # ids of failures already warned about
+        #: two distributions claiming one key: raised by every access, not only the first
+        self._conflict: DuplicateRegistrationError | None = None
         self._loaded = False
         self._lock = threading.RLock()
 
     # -- loading -----------------------------------------------------------------------------
     def load(self) -> None:
         with self._lock:
+            if self._conflict is not None:
+                raise self._conflict
             if self._loaded:
                 return
             self._loaded = True
-            from oasr import _builtins
+            try:
+                self._load_all()
+            except DuplicateRegistrationError as exc:
+                self._conflict = exc
+                raise
 
-            self._add_plugin(CORE_DISTRIBUTION, _version_of(CORE_DISTRIBUTION), _builtins)
-            allow = _env_set("OASR_PLUGINS")
-            block = _env_set("OASR_DISABLE_PLUGINS") or set()
-            seen: set[str] = set()
-            for ep in metadata.entry_points(group=self.group):
-                dist_name = ep.dist.name if ep.dist is not None else ep.name
-                norm = normalize_name(dist_name)
-                if norm == CORE_DISTRIBUTION or norm in seen:
-                    continue  # core is registered directly; one module per distribution
-                seen.add(norm)
-                if norm in block or (allow is not None and norm not in allow):
-                    continue
-                try:
-                    module = ep.load()
-                except Exception as exc:  # noqa: BLE001 - report any failure, keep going
-                    self.failures.append(PluginLoadError(dist_name, exc))
-                    continue
-                version = ep.dist.version if ep.dist is not None else "unknown"
-                self._add_plugin(dist_name, version, module)
+    def _load_all(self) -> None:
+        from oasr import _builtins
+
+        self._add_plugin(CORE_DISTRIBUTION, _version_of(CORE_DISTRIBUTION), _builtins)
+        allow = _env_set("OASR_PLUGINS")
+        block = _env_set("OASR_DISABLE_PLUGINS") or set()
+        seen: set[str] = set()
+        for ep in metadata.entry_points(group=self.group):
+            dist_name = ep.dist.name if ep.dist is not None else ep.name
+            norm = normalize_name(dist_name)
+            if norm == CORE_DISTRIBUTION or norm in seen:
+                continue  # core is registered directly; one module per distribution
+            seen.add(norm)
+            if norm in block or (allow is not None and norm not in allow):
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # noqa: BLE001 - report any failure, keep going
+                self.failures.append(PluginLoadError(dist_name, exc))
+                continue
+            version = ep.dist.version if ep.dist is not None else "unknown"
+            self._add_plugin(dist_name, version, module)
 
     def register_plugin(self, plugin: object | str, name: str, version: str | None = None) -> bool:
         """Add a plugin without an installed distribution: a module or object with hook

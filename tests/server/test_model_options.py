@@ -66,11 +66,26 @@ def test_extra_form_fields_are_decoding_options(kit, app_factory) -> None:
     kit.run(go())
 
 
+def test_models_lists_the_family_options(kit, app_factory) -> None:
+    app, _ = app_factory(model=_greeting_model(kit))
+
+    async def go():
+        async with kit.serving(app) as c:
+            entry = (await c.get("/v1/models")).json()["data"][0]["oasr"]
+            assert entry["model_options"]["loudness"] == {
+                "type": "a number", "default": 0.5, "description": "how loud"
+            }
+            assert list(entry["model_options"]) == ["greeting", "loudness"]
+
+    kit.run(go())
+
+
 def test_a_model_without_options_refuses_extra_fields(kit, app_factory) -> None:
     app, _ = app_factory()
 
     async def go():
         async with kit.serving(app) as c:
+            assert (await c.get("/v1/models")).json()["data"][0]["oasr"]["model_options"] == {}
             msg = _error(await kit.post_audio(c, fields={"no_speech_threshold": "none"}),
                          "unsupported_option", "no_speech_threshold")  # fmt: skip
             assert "takes no model options" in msg

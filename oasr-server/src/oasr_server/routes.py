@@ -147,6 +147,20 @@ def _extra_fields(form: Form) -> dict[str, Any]:
     return extra
 
 
+def _declared_options(model: Any) -> dict[str, Any]:
+    """The served family's decoding options with the model's defaults (what extra form fields
+    may set), for ``/v1/models``."""
+    from oasr.model import HasModelOptions
+
+    if not isinstance(model, HasModelOptions) or model.default_options is None:
+        return {}
+    defaults = model.default_options
+    return {
+        name: {"type": spec.type_name, "default": getattr(defaults, name), "description": spec.doc}
+        for name, spec in defaults.specs().items()
+    }
+
+
 async def _parse_form(request: Request, state: ServerState) -> Form:
     ctype = request.headers.get("content-type", "")
     boundary_of(ctype)  # refuse a non-multipart body before reading it
@@ -315,6 +329,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 "multilingual": caps.multilingual,
                 "sample_rate": model.feature_spec.sample_rate,
                 "aliases": list(state.config.model_aliases),
+                "model_options": _declared_options(model),
             }
         return JSONResponse({"object": "list", "data": [entry]})
 

@@ -136,6 +136,11 @@ def test_resolve_against_model_defaults() -> None:
     assert DecodingOptions.build(weight=0.7, beam_size=3).validate_for(model) == resolved
     with pytest.raises(UnsupportedOptionError, match="no option 'nope'"):
         DecodingOptions.build(nope=1).validate_for(model)
+    # a request's options survive copying and pickling (dataclasses.asdict deep-copies them)
+    import copy
+    import pickle
+
+    assert copy.deepcopy(resolved) == resolved == pickle.loads(pickle.dumps(resolved))
 
 
 def test_a_model_without_options_refuses_any() -> None:

@@ -320,6 +320,8 @@ class ResolvedOptions:
         self.family = family
 
     def __getattr__(self, name: str) -> Any:  # only names that are not slots reach here
+        if name.startswith("__") or name in ("common", "family"):
+            raise AttributeError(name)  # unset slots and protocol probes (copy, pickle)
         family = self.family
         if family is not None and name in family.specs():
             return getattr(family, name)

@@ -35,6 +35,7 @@ from oasr.decoders.ctc import (
     token_timestamps,
 )
 from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
+from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.options import ResolvedOptions
 from oasr.types import (
@@ -50,18 +51,6 @@ from oasr_models_wenet.config import WenetConfig
 from oasr_models_wenet.nn import ChunkCaches, WenetNet, build_network
 from oasr_models_wenet.options import DecodingMethod, WenetOptions
 from oasr_models_wenet.plugin import CAPABILITIES
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    if name in (None, "auto"):
-        return None
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise InvalidRequestError(f"dtype {name!r} is not supported", param="dtype") from None
 
 
 class Units:
@@ -216,7 +205,7 @@ class WenetASR:
     def _build(cls, cfg: WenetConfig, state: dict, units: list[str], config: EngineConfig | None,
                source: str, path: Path | None) -> WenetASR:
         config = config or EngineConfig()
-        net = build_network(cfg, state, config.device, _dtype(config.dtype))
+        net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
         return cls(net, units, cfg, source_format=source, source_path=path,
                    max_batch_size=config.max_batch_size,
                    name=f"wenet {cfg.input_layer} conformer {cfg.num_blocks}x{cfg.output_size}")
@@ -430,26 +419,25 @@ class WenetASR:
         waves = [self._wave(a, k) for k, a in enumerate(audios)]
         if not waves:
             return []
+        # one model call for exactly this batch: the engine's scheduler bounds it
+        # (max_batch_size) and groups similar lengths; the model does not re-batch
         sr = self.feature_spec.sample_rate
         results: list[Transcript | None] = [None] * len(waves)
-        order = sorted(range(len(waves)), key=lambda i: len(waves[i]))
-        total = sum(len(w) for w in waves) / sr
-        done = 0.0
-        for s in range(0, len(order), self.max_batch_size):
-            idx = order[s : s + self.max_batch_size]
-            short = [i for i in idx if len(waves[i]) < self.feature_spec.win_length]
-            for i in short:
-                results[i] = Transcript(text="", language=None, duration=len(waves[i]) / sr)
-            idx = [i for i in idx if i not in short]
-            if idx:
-                enc, lens = self.encode([waves[i] for i in idx], options.decoding_chunk_size,
-                                        options.num_decoding_left_chunks)
-                outs = self.decode_encoded(enc, lens, options, [len(waves[i]) / sr for i in idx])
-                for i, t in zip(idx, outs, strict=True):
-                    results[i] = t
-            done += sum(len(waves[i]) for i in order[s : s + self.max_batch_size]) / sr
-            if progress is not None:
-                progress(done, total)
+        idx = []
+        for i, w in enumerate(waves):
+            if len(w) < self.feature_spec.win_length:  # not one feature frame: nothing to say
+                results[i] = Transcript(text="", language=None, duration=len(w) / sr)
+            else:
+                idx.append(i)
+        if idx:
+            enc, lens = self.encode([waves[i] for i in idx], options.decoding_chunk_size,
+                                    options.num_decoding_left_chunks)
+            outs = self.decode_encoded(enc, lens, options, [len(waves[i]) / sr for i in idx])
+            for i, t in zip(idx, outs, strict=True):
+                results[i] = t
+        if progress is not None:
+            total = sum(len(w) for w in waves) / sr
+            progress(total, total)
         return [r for r in results if r is not None]
 
     # ------------------------------------------------------------------ streaming

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
+from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback
 from oasr.options import ResolvedOptions
 from oasr.types import (
@@ -35,24 +36,6 @@ from oasr_models_whisper.transcribe import transcribe as _transcribe
 
 if TYPE_CHECKING:
     from oasr_models_whisper.checkpoints import LoadedWhisper
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-    "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}  # fmt: skip
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    if name in (None, "auto"):
-        return None
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise InvalidRequestError(
-            f"dtype {name!r} is not supported; use auto, float32, float16 or bfloat16",
-            param="dtype",
-        ) from None
-
 
 class WhisperASR:
     """A loaded Whisper model: encoder-decoder network + tokenizer + decoding defaults."""
@@ -100,7 +83,7 @@ class WhisperASR:
         from oasr_models_whisper.nn import build_network
 
         config = config or EngineConfig()
-        network = build_network(loaded, config.device, _dtype(config.dtype))
+        network = build_network(loaded, config.device, resolve_dtype(config.dtype))
         files = {k: str(v) for k, v in (loaded.tokenizer_files or {}).items()}
         num_languages = loaded.num_languages if loaded.is_multilingual else None
         if any(Path(f).name in ("tokenizer.json", "vocab.json") or f.endswith(".tiktoken")

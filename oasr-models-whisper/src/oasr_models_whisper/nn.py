@@ -42,6 +42,7 @@ from oasr.layers import (
     KVCache,
     LayerNorm,
     MultiHeadAttention,
+    default_dtype,
     gelu,
     sinusoids,
 )
@@ -50,11 +51,6 @@ from oasr_models_whisper.network import WhisperDims
 
 if TYPE_CHECKING:
     from oasr_models_whisper.checkpoints import LoadedWhisper
-
-
-def default_dtype(device: torch.device | str) -> torch.dtype:
-    """float32 on CPU (and anything that is not CUDA), float16 on CUDA."""
-    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def default_alignment_heads(dims: WhisperDims) -> torch.Tensor:

@@ -71,8 +71,10 @@ from oasr.layers.basic import (
     gelu,
     sinusoids,
 )
+from oasr.layers.dtypes import DTYPE_NAMES, default_dtype, resolve_dtype
 
 __all__ = [
+    "DTYPE_NAMES",
     "KNOWN_OPS",
     "Conv1d",
     "Embedding",
@@ -89,6 +91,7 @@ __all__ = [
     "build_mask",
     "call_op",
     "causal_mask",
+    "default_dtype",
     "gelu",
     "get_override",
     "list_overrides",
@@ -96,6 +99,7 @@ __all__ = [
     "override",
     "paged_decode_attention",
     "register_override",
+    "resolve_dtype",
     "set_overrides_enabled",
     "sinusoids",
     "unregister_override",

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One build-test-benchmark call on a GPU machine that cannot reach a package index (the device
+# tool's H200): install wheels carried in .whl/ (PyAV, soundfile, the server's web stack) into
+# /tmp/wheels, expose this repository's distributions without pip (scripts/dev_site.py), run the
+# GPU tests, then the synthetic Whisper benchmarks beside transformers. With a second source tree
+# in $BASELINE (e.g. `git archive <commit> oasr-* benchmarks scripts | tar -x -C .gpu_baseline`),
+# the same benchmarks also run on it in the same call, for before/after ratios.
+#
+#   OUT=/tmp/out BASELINE=.gpu_baseline scripts/gpu_check.sh [tests|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHAT=${1:-all}
+OUT=${OUT:-/tmp/oasr-gpu-check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/wheels ]; then
+    "$PY" -m pip install -q --no-deps --target /tmp/wheels .whl/*.whl
+fi
+site_for() {  # PYTHONPATH exposing the distributions of source tree $1
+    "$PY" "$1/scripts/dev_site.py" "/tmp/site-$(basename "$1")"
+}
+HERE_PATH="/tmp/wheels:$(site_for "$PWD"):$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+    PYTHONPATH="$HERE_PATH" "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+        tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+fi
+
+bench() {  # $1: label, $2: source tree; the three synthetic workloads of docs/benchmarks.md
+    local label=$1 tree=$2 path
+    path="/tmp/wheels:$(site_for "$tree"):$tree"
+    for spec in "large-v3 64 128" "large-v3 1 4" "large-v3-turbo 64 128"; do
+        set -- $spec
+        (cd "$tree" && PYTHONPATH="$path" "$PY" -m benchmarks.asrbench --workload synthetic --shape "$1" \
+            --device cuda --dtype float16 --batch-size "$2" --requests "$3" --tokens 100 \
+            --json "$OUT/${label}_$1_b$2.json" 2>&1 | tail -6)
+    done
+}
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+    bench after "$PWD"
+    if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE" ]; then
+        bench before "$(cd "$BASELINE" && pwd)"
+    fi
+fi

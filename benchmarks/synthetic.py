@@ -10,7 +10,7 @@ time until its result is available.
 Backends:
   oasr_engine    ASREngine.submit from the caller thread, the scheduler thread batching with
                  continuous batching of the decoder (paged KV cache; CUDA graphs on GPU)
-  oasr_batch     ASREngine.transcribe_arrays: the per-batch path (batches of --batch-size)
+  oasr_batch     WhisperASR.transcribe: the model's per-batch path (batches of --batch-size)
   transformers   WhisperForConditionalGeneration (attn_implementation="sdpa"),
                  GenerationMixin.generate greedy, batches of --batch-size in arrival order,
                  features by WhisperFeatureExtractor on the same device
@@ -194,11 +194,14 @@ def run_synthetic(shape: str = "smoke", device: str = "cpu", dtype: str = "float
                 if name == "oasr_batch":
                     if varied:
                         raise ValueError("oasr_batch needs one options set per call: not with varied")
-                    outs = engine.transcribe_arrays([audios[i] for i in xs], options)
+                    # the model's own per-batch path, beside the engine's scheduler: whole
+                    # batches of batch_size, one WhisperASR.transcribe call each
+                    outs = [o for s in range(0, len(xs), batch_size)
+                            for o in asr.transcribe([audios[i] for i in xs[s:s + batch_size]], options)]
                     sync()
                     t1 = time.perf_counter() - t0
                     return [o.text for o in outs], [t1] * len(xs), len(xs) * tokens  # forced length
-                ex = engine._offline("submit").executor
+                ex = engine.scheduler.executor
                 before = ex.stats.get("tokens", 0)
                 lat: list[float] = [0.0] * len(xs)
                 futs = []

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+#: benchmark smoke runs: skipped by `scripts/test.sh --fast`, run by CI
+pytestmark = pytest.mark.slow
+
 
 def test_asrbench_synthetic_smoke(tmp_path):
     pytest.importorskip("transformers")

@@ -33,7 +33,7 @@ class CountingModel:
     feature_spec = FeatureSpec(kind="none")
 
     def transcribe(self, audios, options, progress=None):
-        return [Transcript(text=str(a.size), language=None, duration=a.size / 16000) for a in audios]
+        return [Transcript(text=f"whole {a.size}", language=None, duration=a.size / 16000) for a in audios]
 
     def new_stream(self, options):
         return _State()
@@ -62,9 +62,37 @@ def test_streaming_api():
     assert finals[a].text == "3300"
     c = eng.add_streaming_request()
     assert eng.abort(c)
-    with pytest.raises(ServiceModeError):
-        eng.submit(np.zeros(16000, np.float32))
-    with pytest.raises(ServiceModeError):
-        eng.transcribe_outputs([np.zeros(16000, np.float32)])
     outs = eng.transcribe_outputs([np.zeros(8000, np.float32)], streaming=True)
     assert outs[0].ok and outs[0].transcript.text == "8000"
+
+
+def test_streaming_engine_also_takes_whole_utterances():
+    """A streaming engine answers whole inputs with its model's offline ``transcribe`` through
+    the request scheduler (the server's uploads in streaming mode)."""
+    eng = ASREngine(EngineConfig(service_mode="streaming", max_batch_size=4), model=CountingModel())
+    assert eng.submit(np.zeros(16000, np.float32)).result(timeout=10).text == "whole 16000"
+    (out,) = eng.transcribe_outputs([np.zeros(800, np.float32)])
+    assert out.ok and out.transcript.text == "whole 800"
+    assert eng.transcribe_offline(np.zeros(320, np.float32)).text == "whole 320"
+    eng.shutdown()
+
+
+def test_transcribe_on_a_streaming_engine_streams_each_input():
+    """``engine.transcribe([...])`` attaches each input as a stream, feeds it chunk by chunk
+    through the streaming scheduler and returns the finals in input order (one in, one out)."""
+    eng = ASREngine(EngineConfig(service_mode="streaming", max_batch_size=2), model=CountingModel())
+    lengths = [4000, 1600, 8000]
+    outs = eng.transcribe([np.zeros(n, np.float32) for n in lengths])
+    assert [t.text for t in outs] == [str(n) for n in lengths]  # the streamed count, not "whole"
+    one = eng.transcribe(np.zeros(2400, np.float32))
+    assert one.text == "2400" and str(one) == "2400"
+    assert not eng.streaming._streams  # every stream was released
+
+
+def test_transcribe_on_an_offline_engine_is_transcribe_offline():
+    eng = ASREngine(EngineConfig(max_batch_size=2), model=CountingModel())
+    audio = np.zeros(1600, np.float32)
+    assert eng.transcribe(audio).text == eng.transcribe_offline(audio).text == "whole 1600"
+    assert [t.text for t in eng.transcribe([audio, audio[:800]])] == ["whole 1600", "whole 800"]
+    with pytest.raises(ServiceModeError):
+        eng.add_streaming_request()

@@ -145,7 +145,7 @@ def test_abort_a_running_request(tiny_en, clips):
     from oasr.scheduler import RequestAbortedError
 
     eng = _engine(tiny_en, max_batch_size=2)
-    sched = eng._offline("test")
+    sched = eng.scheduler
     fa = sched.submit(clips[3], DecodingOptions())  # the 35 s clip: several windows
     fb = sched.submit(clips[0], DecodingOptions())
     sched.step()
@@ -160,17 +160,24 @@ def test_abort_a_running_request(tiny_en, clips):
     assert ex.cache.allocator.num_free == ex.cache.allocator.capacity  # every block came back
 
 
-def test_offline_batches_through_the_scheduler(tiny_en, clips, monkeypatch):
-    """On a GPU, transcribe_arrays goes through the continuous-batching scheduler (forced here
-    on the CPU): results in input order, equal to the per-batch path, progress to the total."""
+def test_offline_batches_through_the_scheduler(tiny_en, clips):
+    """transcribe_arrays goes through the engine's scheduler (the one batching layer): results
+    in input order, equal to the model's own answer for each input, progress up to the total."""
     eng = _engine(tiny_en)
-    eng.transcribe_arrays(clips[:1])  # on the CPU: the per-batch path, no executor pools built
-    assert eng.scheduler is None
-    monkeypatch.setattr(eng, "_continuous_on_gpu", lambda: True)
     seen = []
     outs = eng.transcribe_arrays(clips, progress=lambda d, t: seen.append((d, t)))
-    assert eng.scheduler.executor.stats["tokens"] > 0  # it went through the executor
+    assert eng.scheduler.step_count > 0 and eng.scheduler.stats["max_running"] > 1
     for audio, out in zip(clips, outs, strict=True):
         assert _tokens(out) == _tokens(tiny_en.transcribe([audio], DecodingOptions())[0])
     total = sum(len(a) for a in clips) / 16000
-    assert len(seen) == len(clips) and seen[-1][0] == pytest.approx(total) == seen[-1][1]
+    assert seen[-1][0] == pytest.approx(total) == seen[-1][1]
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))  # never goes back
+
+
+def test_one_input_one_result_a_list_a_list(tiny_en, clips):
+    eng = _engine(tiny_en)
+    one = eng.transcribe_offline(clips[0])
+    assert one.text and str(one) == one.text  # a Transcript prints as its text
+    listed = eng.transcribe_offline([clips[0]])
+    assert isinstance(listed, list) and listed[0].text == one.text
+    assert eng.transcribe(clips[0]).text == one.text  # offline engine: transcribe = transcribe_offline

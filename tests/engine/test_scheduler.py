@@ -143,3 +143,87 @@ def test_batch_executor_isolates_a_failing_request():
     assert fs[0].result().text == "16000" and fs[2].result().text == "32000"
     with pytest.raises(ValueError):
         fs[1].result()
+
+
+def test_one_queue_full_error_503_with_the_old_name_kept():
+    from oasr.errors import EngineOverloadedError
+    from oasr.scheduler import EngineBusyError
+
+    assert EngineBusyError is EngineOverloadedError  # old imports keep working
+    assert (EngineOverloadedError.http_status, EngineOverloadedError.code) == (503, "overloaded")
+    s = Scheduler(FakeExecutor(capacity=1), SchedulerConfig(max_queue=2))
+    with pytest.raises(EngineOverloadedError, match="max_queue=2"):
+        s.submit_many([_audio(1)] * 3, DecodingOptions())  # all or nothing
+    assert s.num_waiting == 0
+
+
+class _BatchRecorder:
+    """A CTC-like model that records every batch it is given (as the lengths in seconds)."""
+
+    name = "recorder"
+
+    def __init__(self, fail_seconds: int | None = None) -> None:
+        from oasr.types import DecodeFamily, FeatureSpec, ModelCapabilities
+
+        self.capabilities = ModelCapabilities(decode_family=DecodeFamily.CTC)
+        self.feature_spec = FeatureSpec(kind="none")
+        self.batches: list[list[int]] = []
+        self.fail_seconds = fail_seconds
+
+    def transcribe(self, audios, options, progress=None):
+        secs = [a.size // 16000 for a in audios]
+        self.batches.append(secs)
+        if self.fail_seconds in secs:
+            raise RuntimeError("this input breaks the model")
+        if progress is not None:
+            progress(0.5, 1.0)
+            progress(1.0, 1.0)
+        return [Transcript(text=str(s), language=None, duration=float(s)) for s in secs]
+
+
+def test_engine_batches_sorted_by_length_through_the_scheduler():
+    """transcribe_arrays queues every input at once, shortest first: the BatchExecutor runs
+    full batches of similar lengths (what the former direct path did), answers in input order,
+    and reports progress per batch up to the total."""
+    from oasr.engine import ASREngine
+    from oasr.types import EngineConfig
+
+    model = _BatchRecorder()
+    eng = ASREngine(EngineConfig(max_batch_size=3), model=model)
+    lengths = [7, 1, 5, 2, 6, 3, 4]
+    seen = []
+    outs = eng.transcribe_arrays([_audio(n) for n in lengths], progress=lambda d, t: seen.append((d, t)))
+    assert [t.text for t in outs] == [str(n) for n in lengths]
+    assert model.batches == [[1, 2, 3], [4, 5, 6], [7]]  # each model call is at most max_batch_size
+    assert seen[-1] == (float(sum(lengths)), float(sum(lengths)))
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_engine_isolates_a_failing_input_once():
+    """A batch that raises is retried one request at a time, by the BatchExecutor alone: the
+    bad input fails with its own error, its neighbours get their answers."""
+    from oasr.engine import ASREngine
+    from oasr.types import EngineConfig
+
+    model = _BatchRecorder(fail_seconds=2)
+    eng = ASREngine(EngineConfig(max_batch_size=4), model=model)
+    outs = eng.transcribe_outputs([_audio(1), _audio(2), _audio(3)])
+    assert [o.ok for o in outs] == [True, False, True]
+    assert isinstance(outs[1].error, RuntimeError) and outs[2].transcript.text == "3"
+    assert model.batches == [[1, 2, 3], [1], [2], [3]]
+    with pytest.raises(RuntimeError, match="breaks the model"):
+        eng.transcribe_arrays([_audio(2)])
+
+
+def test_engine_submit_many_shares_one_batch():
+    """``submit_many`` (the server's path for a request of several pieces) queues the inputs
+    together, so the scheduler thread cannot start a batch between them."""
+    from oasr.engine import ASREngine
+    from oasr.types import EngineConfig
+
+    model = _BatchRecorder()
+    eng = ASREngine(EngineConfig(max_batch_size=4), model=model)
+    futures = eng.submit_many([_audio(1), _audio(2), _audio(3)])
+    assert [f.result(timeout=10).text for f in futures] == ["1", "2", "3"]
+    assert model.batches == [[1, 2, 3]]
+    eng.shutdown()

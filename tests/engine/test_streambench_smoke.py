@@ -10,6 +10,9 @@ import math
 
 import pytest
 
+#: benchmark smoke runs: skipped by `scripts/test.sh --fast`, run by CI
+pytestmark = pytest.mark.slow
+
 
 def test_asrbench_streaming_smoke(tmp_path):
     pytest.importorskip("oasr_models_wenet")

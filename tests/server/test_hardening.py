@@ -130,7 +130,8 @@ def test_worker_uses_the_engine_scheduler(kit, app_factory) -> None:
     async def go() -> None:
         async with kit.serving(app) as client:
             worker = app.state.oasr.worker
-            assert worker.mode == "scheduler" and worker.max_concurrency == 3
+            assert worker.max_concurrency == 3
+            assert type(app.state.oasr.engine.scheduler.executor).__name__ == "PassThroughExecutor"
             durations = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.1]
             import asyncio
 
@@ -174,12 +175,14 @@ def test_scheduler_timeout_aborts_and_keeps_serving(kit, app_factory) -> None:
     kit.run(go())
 
 
-def test_models_without_an_executor_keep_the_batch_path(kit, app_factory) -> None:
+def test_models_without_an_executor_go_through_the_batch_executor(kit, app_factory) -> None:
+    from oasr.scheduler import BatchExecutor
+
     app, _ = app_factory(max_concurrency=2)
 
     async def go() -> None:
         async with kit.serving(app) as client:
-            assert app.state.oasr.worker.mode == "batch"
+            assert isinstance(app.state.oasr.engine.scheduler.executor, BatchExecutor)
             assert (await kit.post_audio(client)).status_code == 200
 
     kit.run(go())
@@ -365,7 +368,7 @@ def test_streaming_mode_serves_a_streaming_model(kit) -> None:
     async def go() -> None:
         async with kit.serving(app) as client:
             assert app.state.oasr.engine.config.service_mode == "streaming"
-            assert app.state.oasr.worker.mode == "batch"
+            assert type(app.state.oasr.engine.scheduler.executor).__name__ == "BatchExecutor"
             r = await kit.post_audio(client, audio=kit.wav_bytes(1.0))
             assert r.status_code == 200, r.text
             assert isinstance(r.json()["text"], str)

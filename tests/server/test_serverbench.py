@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+#: benchmark smoke runs: skipped by `scripts/test.sh --fast`, run by CI
+pytestmark = pytest.mark.slow
+
 
 def test_serverbench_smoke() -> None:
     pytest.importorskip("oasr_models_whisper")

@@ -335,7 +335,7 @@ def test_engine_continuous_batching_is_gated(engine):
     """The scheduler's continuous-batching executor (greedy requests) gates like
     ``WhisperASR.transcribe``: ungated, it decodes the tone and writes a word ("A")."""
     tone = _tone()
-    executor = engine._offline("submit").executor
+    executor = engine.scheduler.executor
     decoded_before = executor.stats["tokens"]
     (out,) = engine.transcribe_outputs([tone])
     assert out.ok, out.error

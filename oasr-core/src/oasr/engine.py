@@ -1,22 +1,28 @@
 """``ASREngine``: one loaded model behind a small, thread-safe API, pinned to a service mode.
 
-Offline mode (``EngineConfig(service_mode="offline")``):
+Every whole-utterance request goes through one request scheduler (:attr:`ASREngine.scheduler`,
+:mod:`oasr.scheduler`): length bucketing, memory-bounded admission, a starvation bound,
+per-request errors, and one executor that groups requests into model calls (the model's
+continuous-batching executor where its plugin offers one, Whisper included; else
+:class:`~oasr.scheduler.BatchExecutor`, one ``model.transcribe`` call per admitted batch of at most
+``max_batch_size``). Nothing else batches requests: models run exactly the batch they are given.
 
-* :meth:`ASREngine.submit` ``(audio, options) -> Future[Transcript]`` from any thread; a scheduler
-  thread batches the requests of all callers (:mod:`oasr.scheduler`: length bucketing, memory-
-  bounded admission, a starvation bound, per-request errors, and continuous batching of the
-  decoder for models whose plugin provides an executor, Whisper included);
-* :meth:`ASREngine.transcribe_outputs` ``(inputs, decoding=...)``: many inputs through the
-  scheduler, one :class:`RequestOutput` each (a failed input carries its error, the others their
-  transcripts);
-* :meth:`transcribe_offline` / :meth:`transcribe_arrays`: the direct per-batch path (sorted by
-  length, batches of ``max_batch_size``, one ``model.transcribe`` call each), unchanged.
+* :meth:`ASREngine.transcribe_offline` ``(inputs)``: one input (a path, bytes, a file object or a
+  1-D float array) gives one :class:`Transcript`, a list gives a list in input order;
+* :meth:`ASREngine.transcribe_arrays`: the same for decoded arrays (always a list);
+* :meth:`ASREngine.submit` ``(audio, options) -> Future[Transcript]`` from any thread (the
+  server's path); :meth:`abort` drops a request;
+* :meth:`ASREngine.transcribe_outputs`: many inputs, one :class:`RequestOutput` each (a failed
+  input carries its error, the others their transcripts).
 
-Streaming mode (``service_mode="streaming"``, models with ``capabilities.streaming``): the
-:class:`oasr.streaming.StreamingScheduler` behind :meth:`add_streaming_request`,
-:meth:`feed_chunk`, :meth:`step`, :meth:`run` and :meth:`abort`.
+These work in both service modes (a streaming engine runs whole utterances through its model's
+offline ``transcribe``). Streaming mode (``service_mode="streaming"``, models with
+``capabilities.streaming``) adds the :class:`oasr.streaming.StreamingScheduler` behind
+:meth:`add_streaming_request`, :meth:`feed_chunk`, :meth:`step`, :meth:`run` and :meth:`abort`;
+:meth:`transcribe` feeds whole inputs through it chunk by chunk. On an offline engine
+:meth:`transcribe` is :meth:`transcribe_offline`.
 
-Calling a method of the other mode raises :class:`ServiceModeError` (a typed 400 error).
+Calling streaming API on an offline engine raises :class:`ServiceModeError` (a typed 400 error).
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Union, overload
 
 from oasr.errors import AudioTooLongError, UnsupportedOptionError
 from oasr.scheduler import (
@@ -47,7 +53,16 @@ if TYPE_CHECKING:
 AudioInput = Union[str, Path, bytes, BinaryIO, "np.ndarray"]
 
 
-__all__ = ["ASREngine", "RequestOutput", "ServiceModeError", "StreamOutput", "RequestAbortedError"]
+__all__ = [
+    "ASREngine",
+    "DecodingOptions",
+    "EngineConfig",
+    "RequestAbortedError",
+    "RequestOutput",
+    "ServiceModeError",
+    "StreamOutput",
+    "Transcript",
+]
 
 
 def _local_input(source: Any) -> bool:
@@ -56,9 +71,15 @@ def _local_input(source: Any) -> bool:
     return not isinstance(source, (str, Path, bytes, bytearray, memoryview))
 
 
+def _is_single(inputs: Any) -> bool:
+    """One input (a path, bytes, a file object or a 1-D array), as opposed to a list of them."""
+    if isinstance(inputs, (str, Path, bytes, bytearray, memoryview)) or hasattr(inputs, "read"):
+        return True
+    return getattr(inputs, "ndim", None) == 1
+
+
 class ServiceModeError(UnsupportedOptionError):
-    """A method of the other service mode was called (streaming API on an offline engine, or the
-    offline API on a streaming engine)."""
+    """A streaming-mode method was called on an offline engine."""
 
     code = "wrong_service_mode"
 
@@ -104,34 +125,30 @@ class ASREngine:
                 f"{self.model.name} cannot stream; start the engine with service_mode='offline'",
                 param="service_mode",
             )
-        self._lock = threading.Lock()
         #: worker processes for decoding many inputs (EngineConfig.decode_processes), on first use
         self._decode_pool: Any = None
         self._pool_lock = threading.Lock()
-        self.scheduler: Scheduler | None = None
+        self.scheduler_config = scheduler_config or SchedulerConfig(max_batch_size=config.max_batch_size)
+        self._scheduler: Scheduler | None = None
+        self._sched_lock = threading.Lock()
         self.streaming = None
-        if config.service_mode == "offline":
-            sc = scheduler_config or SchedulerConfig(max_batch_size=config.max_batch_size)
-            self.scheduler_config = sc
-            self._sched_lock = threading.Lock()
-        else:
+        if config.service_mode == "streaming":
             from oasr.streaming import StreamingScheduler
 
             self.streaming = StreamingScheduler(self.model, max_batch_size=config.max_batch_size)  # type: ignore[arg-type]
 
-    # -- mode checks -----------------------------------------------------------------------------
-    def _offline(self, what: str) -> Scheduler:
-        if self.config.service_mode != "offline":
-            raise ServiceModeError(
-                f"{what} is offline-mode API; this engine runs service_mode='streaming'",
-                param="service_mode",
-            )
-        if self.scheduler is None:
+    # -- the request scheduler -------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler every whole-utterance request goes through, built on first use (a
+        continuous executor reserves its KV-cache pools then). Its ``num_waiting`` /
+        ``num_running`` and ``on_step`` hook are public (the server's metrics read them)."""
+        if self._scheduler is None:
             with self._sched_lock:
-                if self.scheduler is None:
+                if self._scheduler is None:
                     executor = executor_for(self.model, self.scheduler_config)
-                    self.scheduler = Scheduler(executor, self.scheduler_config, self.sample_rate)
-        return self.scheduler
+                    self._scheduler = Scheduler(executor, self.scheduler_config, self.sample_rate)
+        return self._scheduler
 
     def _streaming(self, what: str):  # noqa: ANN202
         if self.streaming is None:
@@ -142,19 +159,26 @@ class ASREngine:
             )
         return self.streaming
 
-    # -- offline: the scheduler ------------------------------------------------------------------
     def submit(self, audio: AudioInput, options: DecodingOptions | None = None,
                request_id: str | None = None) -> Future:  # fmt: skip
         """Queue one input (path, bytes, file object or 1-D float array) from any thread; the
         returned future resolves to its :class:`Transcript` (or raises its error). ``future.rid``
-        is the request id (for :meth:`abort`). Starts the scheduler thread on first use."""
-        sched = self._offline("submit")
-        options = options or DecodingOptions()
-        options.check_supported(self.model.capabilities, self.model.name)
-        wave = self.load_audio(audio)
-        fut = sched.submit(wave, options, request_id)
+        is the request id (for :meth:`abort`). Starts the scheduler thread on first use. A full
+        queue (``SchedulerConfig.max_queue``) raises :class:`~oasr.errors.EngineOverloadedError`."""
+        return self.submit_many([audio], options, [request_id])[0]
+
+    def submit_many(self, audios: Sequence[AudioInput], options: DecodingOptions | None = None,
+                    request_ids: Sequence[str | None] | None = None) -> list[Future]:  # fmt: skip
+        """:meth:`submit` for several inputs at once: they reach the scheduler together, so they
+        can share a batch (the server's chunked uploads). The options are checked and every input
+        decoded before anything is queued: an error here queues nothing."""
+        sched = self.scheduler
+        # refused before any work; the requests carry the family options resolved
+        options = (options or DecodingOptions()).validate_for(self.model)
+        waves = [self.load_audio(a) for a in audios]
+        futures = sched.submit_many(waves, options, request_ids)
         sched.start()
-        return fut
+        return futures
 
     def transcribe_outputs(
         self,
@@ -168,18 +192,8 @@ class ASREngine:
         options = decoding or DecodingOptions()
         if streaming:
             return self._transcribe_streaming(inputs, options)
-        sched = self._offline("transcribe_outputs")
         t0 = time.perf_counter()
-        futures: list[Future | BaseException] = []
-        for audio in self.load_audios(inputs):
-            try:
-                if isinstance(audio, BaseException):
-                    raise audio
-                options.check_supported(self.model.capabilities, self.model.name)
-                futures.append(sched.submit(audio, options))
-            except Exception as exc:  # noqa: BLE001 - this input fails alone
-                futures.append(exc)
-        sched.wait_all([f for f in futures if isinstance(f, Future)])
+        futures = self._run_requests(self.load_audios(inputs), options)
         out: list[RequestOutput] = []
         for k, f in enumerate(futures):
             if isinstance(f, BaseException):
@@ -190,6 +204,54 @@ class ASREngine:
             lat = getattr(f, "finish_time", time.perf_counter()) - t0
             out.append(RequestOutput(rid, None if exc else f.result(), exc, lat))
         return out
+
+    def _run_requests(self, audios: Sequence[np.ndarray | BaseException], options: DecodingOptions,
+                      progress: ProgressCallback | None = None) -> list[Future | BaseException]:  # fmt: skip
+        """Run ``audios`` through the scheduler and wait: a Future (done) per input, in order, or
+        the input's own error. The inputs are queued shortest first in one call, so the first
+        step sees them all and admits full batches of similar lengths (what the former direct
+        per-batch path did by hand); the caller's thread drives the steps unless the scheduler
+        thread runs (continuous executors always run in that thread, as ``submit`` does)."""
+        try:
+            options = options.validate_for(self.model)
+        except Exception as exc:  # noqa: BLE001 - every input fails with it
+            return [exc for _ in audios]
+        todo = sorted((k for k, a in enumerate(audios) if not isinstance(a, BaseException)),
+                      key=lambda k: audios[k].shape[-1])  # type: ignore[union-attr]  # fmt: skip
+        sched = self.scheduler
+        report = None if progress is None else self._progress_reporter(audios, todo, progress)
+        futures = sched.submit_many([audios[k] for k in todo], options,  # type: ignore[misc]
+                                    on_progress=report)  # fmt: skip
+        if report is not None:
+            for j, fut in enumerate(futures):
+                fut.add_done_callback(lambda _f, j=j: report(j, 1.0))
+        if not isinstance(sched.executor, BatchExecutor):
+            sched.start()
+        sched.wait_all(futures)
+        out: list[Future | BaseException] = list(audios)  # type: ignore[arg-type]
+        for k, fut in zip(todo, futures, strict=True):
+            out[k] = fut
+        return out
+
+    def _progress_reporter(self, audios: Sequence[Any], todo: list[int], progress: ProgressCallback) -> Any:
+        """``report(j, share)`` for the j-th queued input -> ``progress(seconds done, total)``:
+        per finished input, and within a batch where the executor reports the model's progress."""
+        seconds = [audios[k].shape[-1] / self.sample_rate for k in todo]
+        total = float(sum(seconds))
+        shares = [0.0] * len(todo)
+        lock = threading.Lock()
+        last = [-1.0]
+
+        def report(j: int, share: float) -> None:
+            with lock:
+                shares[j] = max(shares[j], share)
+                done = sum(s * sec for s, sec in zip(shares, seconds, strict=True))
+                if done <= last[0]:
+                    return
+                last[0] = done
+            progress(done, total)
+
+        return report
 
     def _transcribe_streaming(self, inputs: Sequence[AudioInput], options: DecodingOptions) -> list[RequestOutput]:
         sched = self._streaming("transcribe_outputs(streaming=True)")
@@ -208,8 +270,8 @@ class ASREngine:
 
     def shutdown(self) -> None:
         """Stop the scheduler thread (queued requests stay queued) and the decode processes."""
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        if self._scheduler is not None:
+            self._scheduler.stop()
         pool, self._decode_pool = self._decode_pool, None
         if pool is not None:
             pool.shutdown()
@@ -234,10 +296,10 @@ class ASREngine:
         return self._streaming("run").run()
 
     def abort(self, rid: str) -> bool:
-        """Drop a stream (streaming mode) or a queued/running request (offline mode)."""
-        if self.streaming is not None:
-            return self.streaming.abort(rid)
-        return self._offline("abort").abort(rid)
+        """Drop a stream (streaming mode) or a queued/running whole-utterance request."""
+        if self.streaming is not None and self.streaming.abort(rid):
+            return True
+        return self._scheduler is not None and self._scheduler.abort(rid)
 
     @property
     def sample_rate(self) -> int:
@@ -296,23 +358,31 @@ class ASREngine:
                 self._decode_pool = AudioDecodePool(self.config.decode_processes)
         return self._decode_pool
 
+    @overload
+    def transcribe_offline(self, inputs: str | Path | bytes | BinaryIO, decoding: DecodingOptions | None = None,
+                           progress: ProgressCallback | None = None) -> Transcript: ...  # fmt: skip
+    @overload
+    def transcribe_offline(self, inputs: Sequence[AudioInput], decoding: DecodingOptions | None = None,
+                           progress: ProgressCallback | None = None) -> list[Transcript]: ...  # fmt: skip
+
     def transcribe_offline(
         self,
         inputs: AudioInput | Sequence[AudioInput],
         decoding: DecodingOptions | None = None,
         progress: ProgressCallback | None = None,
-    ) -> list[Transcript]:
-        """Transcribe one or several inputs (paths, bytes, file objects or 1-D float arrays).
-        Returns one :class:`Transcript` per input, in input order."""
-        if isinstance(inputs, (str, Path, bytes)) or hasattr(inputs, "read") or (
-            hasattr(inputs, "ndim") and getattr(inputs, "ndim", 0) == 1
-        ):
-            inputs = [inputs]  # type: ignore[list-item]
-        audios = self.load_audios(list(inputs))  # type: ignore[arg-type]
+    ) -> Transcript | list[Transcript]:
+        """Transcribe whole inputs (paths, bytes, file objects or 1-D float arrays) through the
+        scheduler. One input gives one :class:`Transcript`; a list gives a list, in input order.
+        ``progress(seconds_done, seconds_total)`` is called as the work advances. The first
+        input that fails raises its error (:meth:`transcribe_outputs` keeps the others)."""
+        single = _is_single(inputs)
+        items = [inputs] if single else list(inputs)  # type: ignore[arg-type]
+        audios = self.load_audios(items)  # type: ignore[arg-type]
         for audio in audios:
             if isinstance(audio, BaseException):
                 raise audio
-        return self.transcribe_arrays(audios, decoding, progress)  # type: ignore[arg-type]
+        out = self.transcribe_arrays(audios, decoding, progress)  # type: ignore[arg-type]
+        return out[0] if single else out
 
     def transcribe_arrays(
         self,
@@ -320,55 +390,37 @@ class ASREngine:
         decoding: DecodingOptions | None = None,
         progress: ProgressCallback | None = None,
     ) -> list[Transcript]:
-        options = decoding or DecodingOptions()
-        options.check_supported(self.model.capabilities, self.model.name)
-        total = float(sum(a.shape[-1] for a in audios)) / self.sample_rate
-        if self._continuous_on_gpu():
-            return self._transcribe_scheduled(audios, options, total, progress)
-        order = sorted(range(len(audios)), key=lambda i: audios[i].shape[-1])
-        done = 0.0
-        results: list[Transcript | None] = [None] * len(audios)
-        batch = self.config.max_batch_size
-        with self._lock:
-            for start in range(0, len(order), batch):
-                idx = order[start : start + batch]
-                batch_seconds = sum(audios[i].shape[-1] for i in idx) / self.sample_rate
-                base = done
+        """Decoded mono float32 arrays at the model's rate -> one :class:`Transcript` each, in
+        order, through the scheduler (see :meth:`transcribe_offline`)."""
+        results = self._run_requests(list(audios), decoding or DecodingOptions(), progress)
+        out: list[Transcript] = []
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+            out.append(r.result())
+        return out
 
-                def batch_progress(d: float, t: float, base: float = base, span: float = batch_seconds) -> None:
-                    if progress is not None and t > 0:
-                        progress(base + span * min(d / t, 1.0), total)
-
-                outs = self.model.transcribe([audios[i] for i in idx], options, batch_progress)
-                for i, out in zip(idx, outs, strict=True):
-                    results[i] = out
-                done += batch_seconds
-                if progress is not None:
-                    progress(done, total)
-        return [r for r in results if r is not None]
-
-    def _continuous_on_gpu(self) -> bool:
-        """Whether offline batches go through the scheduler: on a GPU with a continuous-batching
-        executor (CUDA graphs, rows refilled as windows finish), that path is several times
-        faster than whole batches. On the CPU the per-batch path is kept (measured the faster)."""
-        # the model's device first: building the executor reserves its KV-cache pools, which a
-        # CPU engine that never submits must not pay for
-        from oasr.model import SupportsExecutor, model_device
-
-        on_gpu = model_device(self.model).startswith("cuda")
-        if not on_gpu or self.config.service_mode != "offline" or not isinstance(self.model, SupportsExecutor):
-            return False
-        return not isinstance(self._offline("transcribe").executor, BatchExecutor)
-
-    def _transcribe_scheduled(self, audios: Sequence[np.ndarray], options: DecodingOptions,
-                              total: float, progress: ProgressCallback | None) -> list[Transcript]:  # fmt: skip
-        sched = self._offline("transcribe")
-        futures = [sched.submit(a, options) for a in audios]
-        sched.start()
-        if progress is not None:  # progress by finished inputs
-            seconds = {f: a.shape[-1] / self.sample_rate for f, a in zip(futures, audios, strict=True)}
-            done = 0.0
-            for fut in as_completed(futures):
-                done += seconds[fut]
-                progress(done, total)
-        return [fut.result() for fut in futures]
+    def transcribe(
+        self,
+        inputs: AudioInput | Sequence[AudioInput],
+        decoding: DecodingOptions | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> Transcript | list[Transcript]:
+        """Transcribe whole inputs the way this engine serves: on a streaming engine each input
+        is attached as one stream and fed chunk by chunk through the streaming scheduler
+        (concurrent streams batched per step; the answer equals a live stream's); on an offline
+        engine this is :meth:`transcribe_offline`. One input gives one :class:`Transcript`, a
+        list gives a list in input order; a failed input raises its error."""
+        if self.streaming is None:
+            return self.transcribe_offline(inputs, decoding, progress)
+        single = _is_single(inputs)
+        items = [inputs] if single else list(inputs)  # type: ignore[arg-type]
+        outs = self._transcribe_streaming(items, decoding or DecodingOptions())  # type: ignore[arg-type]
+        for o in outs:
+            if o.error is not None:
+                raise o.error
+        if progress is not None:  # streams finish together: report the whole at the end
+            total = sum(o.transcript.duration for o in outs if o.transcript is not None)
+            progress(total, total)
+        transcripts = [o.transcript for o in outs]
+        return transcripts[0] if single else transcripts  # type: ignore[return-value]

@@ -114,8 +114,15 @@ class CheckpointError(OASRError):
 
 
 class EngineOverloadedError(OASRError):
-    """The engine's queue is full; retry later."""
+    """Too many requests are already waiting (the server's or the engine's queue is full); retry
+    after a short pause. One error for every "queue full": HTTP 503 (the service is overloaded,
+    as OpenAI answers for an overloaded engine; 429 would say this client exceeded its own rate)
+    with ``Retry-After``, gRPC ``UNAVAILABLE``."""
 
-    http_status = 429
+    http_status = 503
     code = "overloaded"
-    error_type = "rate_limit_error"
+    error_type = "server_error"
+
+
+#: the scheduler's former name for the same error (``from oasr.scheduler import EngineBusyError``)
+EngineBusyError = EngineOverloadedError

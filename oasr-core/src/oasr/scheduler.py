@@ -25,6 +25,7 @@ steps run in one thread (the scheduler thread started by :meth:`Scheduler.start`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -33,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from oasr.errors import InvalidRequestError, OASRError
+from oasr.errors import EngineBusyError, EngineOverloadedError, InvalidRequestError, OASRError
 from oasr.model import HoldsExtraRequests, SupportsExecutor
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchExecutor",
     "EngineBusyError",
+    "EngineOverloadedError",
     "Executor",
     "Request",
     "RequestAbortedError",
@@ -52,14 +54,6 @@ __all__ = [
     "SchedulerConfig",
     "executor_for",
 ]
-
-
-class EngineBusyError(OASRError):
-    """The waiting queue is full; retry later."""
-
-    http_status = 503
-    code = "engine_busy"
-    error_type = "server_error"
 
 
 class RequestAbortedError(OASRError):
@@ -76,7 +70,8 @@ class SchedulerConfig:
     max_batch_size: int = 16
     #: starvation bound, in scheduler steps (see the module docstring)
     max_wait_steps: int = 256
-    #: most requests waiting (None: unbounded); beyond it ``submit`` raises EngineBusyError
+    #: most requests waiting (None: unbounded); beyond it ``submit`` raises
+    #: EngineOverloadedError (503, ``overloaded``; ``EngineBusyError`` is its old name)
     max_queue: int | None = None
     #: width of a length bucket, seconds of audio
     bucket_seconds: float = 5.0
@@ -115,6 +110,9 @@ class Request:
     admitted_step: int | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None
+    #: called with the share (0..1) of this request's work done, by executors that can tell
+    #: (``BatchExecutor``: from the model's progress during its batch)
+    on_progress: Callable[[float], None] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -143,8 +141,11 @@ class Executor(Protocol):
 
 class BatchExecutor:
     """Any :class:`ASRModel`: admitted requests with equal options run as one
-    ``model.transcribe`` batch per step; a failing batch is retried request by request so only
-    the bad request fails."""
+    ``model.transcribe`` batch per step, at most ``max_batch_size`` of them (models do not
+    re-batch: they run exactly the batch they are given). A failing batch is retried request by
+    request so only the bad request fails. The only place in OASR that groups whole requests
+    into model calls: the engine's ``transcribe_offline`` / ``transcribe_arrays`` /
+    ``transcribe_outputs`` and the server's uploads all come here through the scheduler."""
 
     def __init__(self, model: ASRModel, max_batch_size: int) -> None:
         self.model = model
@@ -175,18 +176,29 @@ class BatchExecutor:
         if not batch:
             return []
         try:
-            outs = self.model.transcribe([r.audio for r in batch], batch[0].options)
-            return list(zip(batch, outs, strict=True))
-        except Exception:  # noqa: BLE001 - isolate the bad request
+            return list(zip(batch, self._transcribe(batch), strict=True))
+        except Exception as exc:  # noqa: BLE001 - isolate the bad request
             if len(batch) == 1:
-                raise
+                return [(batch[0], exc)]
         done: list[tuple[Request, Transcript | BaseException]] = []
         for r in batch:
             try:
-                done.append((r, self.model.transcribe([r.audio], r.options)[0]))
-            except Exception as exc:  # noqa: BLE001
+                done.append((r, self._transcribe([r])[0]))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
                 done.append((r, exc))
         return done
+
+    def _transcribe(self, batch: list[Request]) -> list[Transcript]:
+        watchers = [r.on_progress for r in batch if r.on_progress is not None]
+
+        def progress(done: float, total: float) -> None:
+            # the model reports its batch as a whole; every request in it moves together
+            share = min(done / total, 1.0) if total > 0 else 1.0
+            for watch in watchers:
+                watch(share)
+
+        return self.model.transcribe([r.audio for r in batch], batch[0].options,
+                                     progress if watchers else None)  # fmt: skip
 
 
 def executor_for(model: ASRModel, config: SchedulerConfig) -> Any:
@@ -225,16 +237,33 @@ class Scheduler:
 
     # -- submission (any thread) ---------------------------------------------------------------
     def submit(self, audio: np.ndarray, options: DecodingOptions, rid: str | None = None) -> Future:
+        return self.submit_many([audio], options, [rid])[0]
+
+    def submit_many(self, audios: Sequence[np.ndarray], options: DecodingOptions,
+                    rids: Sequence[str | None] | None = None,
+                    on_progress: Callable[[int, float], None] | None = None) -> list[Future]:  # fmt: skip
+        """Queue several requests at once: the next step sees all of them, so they are admitted
+        as full batches (a step between two single submits would start a batch of one).
+        ``on_progress(k, share)`` reports the share of input ``k`` done where the executor can
+        tell. All or nothing: beyond ``max_queue`` nothing is queued."""
         with self._lock:
-            if self.config.max_queue is not None and len(self._waiting) >= self.config.max_queue:
-                raise EngineBusyError(
-                    f"{len(self._waiting)} requests are waiting; retry later", param=None
+            limit = self.config.max_queue
+            if limit is not None and len(self._waiting) + len(audios) > limit:
+                raise EngineOverloadedError(
+                    f"{len(self._waiting)} requests are already waiting (SchedulerConfig.max_queue="
+                    f"{limit}); retry after a short pause"
                 )
-            req = Request(rid or f"r{next(self._ids)}", audio, options, next(self._seq), self.step_count)
-            req.future.rid = req.rid  # type: ignore[attr-defined]
-            self._waiting.append(req)
+            futures = []
+            for k, audio in enumerate(audios):
+                rid = (rids[k] if rids is not None else None) or f"r{next(self._ids)}"
+                req = Request(rid, audio, options, next(self._seq), self.step_count)
+                if on_progress is not None:
+                    req.on_progress = functools.partial(on_progress, k)
+                req.future.rid = req.rid  # type: ignore[attr-defined]
+                self._waiting.append(req)
+                futures.append(req.future)
             self._wake.notify_all()
-        return req.future
+        return futures
 
     def abort(self, rid: str) -> bool:
         with self._lock:
@@ -386,6 +415,7 @@ class Scheduler:
         self._thread = None
 
     def _loop(self) -> None:
+        _settle_torch_threads()
         while True:
             with self._lock:
                 while not self._stop and not self._waiting and not self._running:
@@ -393,3 +423,17 @@ class Scheduler:
                 if self._stop:
                     return
             self.step()
+
+
+def _settle_torch_threads() -> None:
+    """Fix this (model) thread's torch intra-op thread count now, from the process setting:
+    threads started later (a server's single-threaded VAD pool) may change the default that a
+    thread reads on its first parallel op."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        try:
+            torch.get_num_threads()
+        except Exception:  # noqa: BLE001 - only an optimisation
+            pass

@@ -268,6 +268,10 @@ class Transcript:
     segments: list[Segment] = field(default_factory=list)
     task: Task = "transcribe"
 
+    def __str__(self) -> str:
+        """The recognised text (``print(engine.transcribe_offline("a.wav"))`` prints it)."""
+        return self.text
+
     @property
     def words(self) -> list[Word]:
         return [w for s in self.segments for w in s.words]

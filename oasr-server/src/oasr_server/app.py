@@ -212,8 +212,8 @@ class ServerState:
                 max_concurrency=self.config.max_concurrency,
             )
             log.info(
-                "engine worker: %s mode (max %d requests in the engine)",
-                worker.mode,
+                "engine worker: requests go through the engine's scheduler (%s; max %d in the engine)",
+                type(engine.scheduler.executor).__name__,
                 worker.max_concurrency,
             )
             stream_engine = None

@@ -45,7 +45,7 @@ def serve_command(
     max_queue: Annotated[
         int,
         typer.Option(
-            "--max-queue", min=1, help="Requests that may wait for the engine (429 above)."
+            "--max-queue", min=1, help="Requests that may wait for the engine (503 overloaded above)."
         ),
     ] = 64,
     request_timeout: Annotated[
@@ -119,7 +119,8 @@ def serve_command(
             "--max-concurrency",
             min=1,
             help="Most requests in the engine at once (the rest wait in the queue). "
-            "Default: --max-batch-size.",
+            "Default: --max-batch-size (twice that for models without a continuous-batching "
+            "executor, so the next batch gathers while one runs).",
         ),
     ] = None,
     realtime_idle_timeout: Annotated[

@@ -16,7 +16,7 @@ class ServerConfig:
     max_upload_bytes: int = 25 * 1024 * 1024
     #: Longest accepted audio in seconds (checked while decoding).
     max_audio_seconds: float = 3600.0
-    #: Requests allowed to wait for the engine; one more is answered 429.
+    #: Requests allowed to wait for the engine; one more is answered 503 ``overloaded``.
     max_queue: int = 64
     #: Seconds from acceptance to answer before a request is answered 504.
     request_timeout: float = 600.0
@@ -26,8 +26,8 @@ class ServerConfig:
     served_model_name: str = "oasr"
     #: Other ``model`` values accepted as the served model (OpenAI clients send "whisper-1").
     model_aliases: tuple[str, ...] = ("whisper-1",)
-    #: Most requests merged into one ``engine.transcribe_arrays`` call (None: the engine's
-    #: ``max_batch_size``).
+    #: The batch size the engine worker plans with (``max_concurrency``'s default; None: the
+    #: engine's ``max_batch_size``, which bounds every model call).
     max_batch_size: int | None = None
     #: Concurrent audio decodes in threads, when no decode processes are used (never on the
     #: event loop); also the number of VAD threads.
@@ -38,7 +38,7 @@ class ServerConfig:
     decode_processes: int | None = None
     #: Run one short transcription before reporting ready.
     warmup: bool = True
-    #: Seconds a 429 answer asks the client to wait (Retry-After).
+    #: Seconds an ``overloaded`` answer asks the client to wait (Retry-After).
     retry_after_s: int = 1
     #: ``HOST:PORT`` for the gRPC API (``oasr.speech.v1.Speech``, health, reflection); None: off.
     #: Port 0 picks a free port (see ``app.state.grpc_server.oasr_port``).
@@ -50,8 +50,9 @@ class ServerConfig:
     #: audio (offline mode; a streaming engine's partials follow its chunks instead). 0: no
     #: interim results, only the final transcript of each turn.
     partial_interval_ms: int = 1000
-    #: Most requests in the engine at once when it runs its continuous-batching scheduler
-    #: (None: ``max_batch_size``, else the engine's); the others wait in the queue.
+    #: Most requests in the engine at once, running or waiting in its scheduler (None:
+    #: ``max_batch_size`` with a continuous-batching executor, twice that with the
+    #: ``BatchExecutor``: the next batch gathers while one runs); the others wait in the queue.
     max_concurrency: int | None = None
     #: Seconds a ``/v1/realtime`` WebSocket may stay silent (no message from the client) before
     #: the server sends an ``idle_timeout`` error and closes it with code 1008 (0: no limit).

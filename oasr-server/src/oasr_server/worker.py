@@ -1,37 +1,31 @@
-"""The engine worker: one dedicated thread owns the engine; the event loop never runs model code.
+"""The engine worker: admission control between the event loop and the engine's scheduler.
 
-Requests enter a bounded queue (``submit`` never blocks: a full queue raises
-:class:`~oasr.errors.EngineOverloadedError`, answered 429). The worker takes the oldest waiting
-request, drains whatever else is waiting (up to ``max_batch_size``), groups the requests whose
-decoding options are equal and runs each group as one ``engine.transcribe_arrays`` call. Results
-go back to the waiting coroutines through ``loop.call_soon_threadsafe``.
-
-Two ways to run the engine (chosen once, when the worker is built):
-
-* **scheduler** (offline engines whose model plugin provides a continuous-batching executor,
-  Whisper included): the worker thread hands each request's inputs to ``engine.submit``, so
-  requests join the engine scheduler's continuous batch as soon as a row frees up. At most
-  ``max_concurrency`` requests are in the engine at once; the rest wait in the bounded queue.
-  A request that times out or whose client leaves is aborted in the engine (``engine.abort``).
-* **batch** (every other model, and streaming-mode engines): the direct path described above.
+Requests enter a queue (``submit`` never blocks). When the requests waiting here and in the
+engine's scheduler reach ``max_queue``, ``submit`` raises
+:class:`~oasr.errors.EngineOverloadedError` (503 ``overloaded`` with ``Retry-After``). One worker
+thread takes the oldest job and hands its inputs to the engine through its public API
+(``engine.submit_many``: a job's inputs arrive together, so a chunked upload shares a batch), as
+soon as fewer than ``max_concurrency`` inputs are in the engine. The engine's scheduler does all
+the batching (length buckets, one options set per model call, continuous batching where the model
+offers it) and isolates a failing input; the worker never groups requests itself. Results go
+back to the waiting coroutines through ``loop.call_soon_threadsafe``. A request that times out or
+whose client leaves is skipped, or aborted in the engine (``engine.abort``).
 
 Guarantees: every accepted request is answered exactly once (a result, its own error, or, when
-the caller gave up first, nothing is computed for it); a failing batch is retried one request at
-a time so one bad input cannot fail its neighbours; ``stop`` finishes everything accepted before
-it returns.
+the caller gave up first, nothing is computed for it); ``stop`` finishes everything accepted
+before it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -48,25 +42,19 @@ log = logging.getLogger("oasr_server")
 _STOP = object()
 
 
-def options_key(options: DecodingOptions) -> str:
-    """Requests whose keys are equal may share one engine call."""
-    return json.dumps(asdict(options), sort_keys=True, default=repr)
-
-
 @dataclass(eq=False)
 class Job:
     #: one input, or (``multi``) a list of inputs answered with a list of transcripts; a multi
-    #: job takes one queue slot and its inputs run in the same engine call as its group
+    #: job takes one queue slot and its inputs reach the engine together
     audio: np.ndarray | list[np.ndarray]
     options: DecodingOptions
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Transcript]
-    key: str = ""
     enqueued_at: float = field(default_factory=time.monotonic)
     #: set by the caller when it stopped waiting (timeout, disconnect): the work is skipped
     abandoned: bool = False
     multi: bool = False
-    #: scheduler mode: the engine futures of this job's inputs (for abort)
+    #: the engine futures of this job's inputs (for abort)
     engine_futures: list[Any] = field(default_factory=list)
 
     @property
@@ -86,20 +74,25 @@ class EngineWorker:
         max_batch_size: int | None = None,
         on_batch: BatchCallback | None = None,
         max_concurrency: int | None = None,
-        use_scheduler: bool | None = None,
     ) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size or engine.config.max_batch_size
-        #: most requests in the engine at once (scheduler mode)
-        self.max_concurrency = max_concurrency or self.max_batch_size
-        if use_scheduler is None:
-            use_scheduler = scheduler_available(engine)
-        #: "scheduler" or "batch" (see the module docstring)
-        self.mode = "scheduler" if use_scheduler else "batch"
+        if max_concurrency is None:
+            from oasr.scheduler import BatchExecutor
+
+            # a BatchExecutor runs one batch per step: room for the next batch to gather in the
+            # scheduler while the current one runs (else requests trickle in as batches of
+            # one); a continuous executor refills its rows as they free
+            whole_batches = isinstance(engine.scheduler.executor, BatchExecutor)
+            max_concurrency = self.max_batch_size * (2 if whole_batches else 1)
+        #: most inputs in the engine at once (running or waiting in its scheduler)
+        self.max_concurrency = max_concurrency
+        #: most requests waiting (here and in the engine's scheduler) before ``submit`` refuses
+        self.max_queue = max_queue
         self._slots = threading.Condition()
         self._engine_active = 0
         self._inputs_finished = 0
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[Any] = queue.Queue()
         self._on_batch = on_batch
         self._thread: threading.Thread | None = None
         self._accepting = False
@@ -112,10 +105,9 @@ class EngineWorker:
         if self._thread is not None:
             return
         self._accepting = True
-        if self.mode == "scheduler":
-            self._attach_step_metrics()
-        target = self._run_scheduled if self.mode == "scheduler" else self._run
-        self._thread = threading.Thread(target=target, name="oasr-engine-worker", daemon=True)
+        self.engine.scheduler  # noqa: B018 - built now (executor pools), not on a first request
+        self._attach_step_metrics()
+        self._thread = threading.Thread(target=self._run, name="oasr-engine-worker", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -124,14 +116,14 @@ class EngineWorker:
             self._accepting = False
         if self._thread is None:
             return
-        self._queue.put(_STOP)  # blocks only while the worker is still draining a full queue
+        self._queue.put(_STOP)
         self._thread.join(timeout)
         self._thread = None
 
     @property
     def depth(self) -> int:
-        """Requests waiting in the queue (not yet taken by the worker)."""
-        return self._queue.qsize()
+        """Requests waiting: in this queue, and handed to the engine but not running yet."""
+        return self._queue.qsize() + self.engine.scheduler.num_waiting
 
     @property
     def running(self) -> bool:
@@ -143,19 +135,18 @@ class EngineWorker:
     ) -> Job:
         """Queue one input (or, with ``multi``, a list of inputs answered by a list)."""
         loop = asyncio.get_running_loop()
-        job = Job(audio, options, loop, loop.create_future(), options_key(options), multi=multi)
+        job = Job(audio, options, loop, loop.create_future(), multi=multi)
         with self._submit_lock:
             if not self._accepting:
                 from oasr_server.errors import NotReadyError
 
                 raise NotReadyError("the server is shutting down; retry on another instance")
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
+            if self.depth >= self.max_queue:
                 raise EngineOverloadedError(
-                    f"the server is busy ({self._queue.maxsize} requests are already waiting); "
+                    f"the server is busy ({self.max_queue} requests are already waiting); "
                     "retry after the time given in Retry-After"
-                ) from None
+                )
+            self._queue.put_nowait(job)
         return job
 
     def abandon(self, job: Job) -> None:
@@ -175,14 +166,11 @@ class EngineWorker:
 
         threading.Thread(target=abort, name="oasr-abort", daemon=True).start()
 
-    # -- worker thread: scheduler mode -------------------------------------------------------
+    # -- worker thread -----------------------------------------------------------------------
     def _attach_step_metrics(self) -> None:
         if self._on_batch is None:
             return
-        try:
-            sched = self.engine._offline("submit")  # builds the scheduler and its executor
-        except Exception:  # noqa: BLE001
-            return
+        sched = self.engine.scheduler  # builds the scheduler and its executor
         last = [time.monotonic()]
         seen = [0]
         on_batch = self._on_batch
@@ -201,7 +189,7 @@ class EngineWorker:
 
         sched.on_step = on_step
 
-    def _run_scheduled(self) -> None:
+    def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -264,123 +252,17 @@ class EngineWorker:
             if last:
                 finish()
 
-        submitted = 0
         try:
-            for k, audio in enumerate(inputs):
-                fut = self.engine.submit(audio, job.options)
-                job.engine_futures.append(fut)
-                submitted += 1
-                fut.add_done_callback(partial(on_done, k))
-        except BaseException as exc:  # noqa: BLE001 - this request fails alone
-            with lock:
-                errors.append(exc)
-                unsent = n - submitted
-                remaining[0] -= unsent
-                last = remaining[0] == 0
-            for f in job.engine_futures:
-                if not f.done():
-                    try:
-                        self.engine.abort(f.rid)
-                    except Exception:  # noqa: BLE001
-                        pass
-            if last:
-                finish()
+            futures = self.engine.submit_many(inputs, job.options)
+        except BaseException as exc:  # noqa: BLE001 - this request fails alone (nothing queued)
+            errors.append(exc)
+            finish()
             return
+        job.engine_futures.extend(futures)
+        for k, fut in enumerate(futures):
+            fut.add_done_callback(partial(on_done, k))
         if job.abandoned:
             self.abandon(job)
-
-    # -- worker thread: batch mode -----------------------------------------------------------
-    def _run(self) -> None:
-        fix_torch_threads()
-        stopping = False
-        while not stopping:
-            item = self._queue.get()
-            if item is _STOP:
-                break
-            batch: list[Job] = [item]
-            while len(batch) < self.max_batch_size:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _STOP:
-                    stopping = True
-                    break
-                batch.append(nxt)
-            self.in_flight = len(batch)
-            try:
-                self._process(batch)
-            except BaseException:  # noqa: BLE001 - never let the worker die
-                log.exception("engine worker: unexpected failure")
-                from oasr_server.errors import EngineFailureError
-
-                for job in batch:
-                    _deliver(job, error=EngineFailureError("internal error in the engine worker"))
-            finally:
-                self.in_flight = 0
-
-    def _process(self, batch: list[Job]) -> None:
-        groups: dict[str, list[Job]] = {}
-        for job in batch:
-            if job.abandoned:
-                continue
-            groups.setdefault(job.key, []).append(job)
-        for jobs in groups.values():
-            jobs = [j for j in jobs if not j.abandoned]
-            if jobs:
-                self._run_group(jobs)
-
-    def _run_group(self, jobs: list[Job]) -> None:
-        started = time.monotonic()
-        try:
-            inputs = [x for j in jobs for x in j.inputs]
-            results = self.engine.transcribe_arrays(inputs, jobs[0].options) if inputs else []
-        except BaseException as exc:  # noqa: BLE001
-            if len(jobs) > 1 and not isinstance(exc, OASRError):
-                # isolate the request that breaks the batch; the others still get answers
-                for job in jobs:
-                    if not job.abandoned:
-                        self._run_group([job])
-                return
-            if not isinstance(exc, OASRError):
-                log.exception("engine failed on a request")
-                from oasr_server.errors import EngineFailureError
-
-                exc = EngineFailureError(
-                    f"the model failed on this request ({type(exc).__name__}); "
-                    "the details are in the server log"
-                )
-            for job in jobs:
-                _deliver(job, error=exc)
-            return
-        finally:
-            if self._on_batch is not None:
-                try:
-                    self._on_batch(len(jobs), time.monotonic() - started)
-                except Exception:  # noqa: BLE001 - metrics must never break serving
-                    log.exception("batch metrics callback failed")
-        pos = 0
-        for job in jobs:
-            n = len(job.inputs)
-            part = results[pos : pos + n]
-            pos += n
-            _deliver(job, result=list(part) if job.multi else part[0])
-
-
-def scheduler_available(engine: Any) -> bool:
-    """Whether ``engine`` offers ``submit`` with a continuous-batching executor (offline mode and
-    a model plugin that provides one); else the worker uses the direct batch path."""
-    config = getattr(engine, "config", None)
-    if getattr(config, "service_mode", "offline") != "offline" or not hasattr(engine, "submit"):
-        return False
-    try:
-        from oasr.scheduler import BatchExecutor
-
-        sched = engine._offline("submit")
-    except Exception:  # noqa: BLE001 - no scheduler: the direct path
-        log.debug("engine scheduler unavailable", exc_info=True)
-        return False
-    return not isinstance(sched.executor, BatchExecutor)
 
 
 def fix_torch_threads() -> None:

@@ -326,17 +326,6 @@ def register(app: typer.Typer) -> None:
              long_form=long_form.value if long_form else None, vad_gate=vad_gate,
              model_options=option, decode_processes=decode_processes)
 
-    @app.command("convert")
-    def convert(
-        src: Annotated[str, typer.Argument(help="Source checkpoint: directory, file or Hub id.")],
-        dst: Annotated[Path, typer.Argument(help="Directory to write OASR's native format to.")],
-    ) -> None:
-        """Convert a checkpoint to OASR's native format (safetensors + json + tokenizer)."""
-        from oasr.checkpoint import convert_checkpoint
+    from oasr.cli.convert import convert  # the same function as the ``oasr-convert`` command
 
-        try:
-            arch = convert_checkpoint(src, dst)
-        except OASRError as exc:
-            err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
-            raise typer.Exit(1) from None
-        err_console.print(f"wrote {arch} checkpoint to {dst}")
+    app.command("convert")(convert)

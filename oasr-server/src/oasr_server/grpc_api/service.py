@@ -14,7 +14,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from oasr.errors import InvalidRequestError, OASRError
+from oasr.errors import EngineOverloadedError, InvalidRequestError, OASRError
 from oasr_server.errors import AuthenticationError, EngineFailureError, UploadTooLargeError
 from oasr_server.grpc_api import speech_pb2, speech_pb2_grpc
 
@@ -79,6 +79,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
         trailing = [("oasr-error-code", exc.code)]
         if exc.param:
             trailing.append(("oasr-error-param", exc.param))
+        if isinstance(exc, EngineOverloadedError):  # as HTTP's Retry-After header, in seconds
+            trailing.append(("retry-after", str(self.state.config.retry_after_s)))
         context.set_trailing_metadata(tuple(trailing))
         await context.abort(status, exc.message)
 

@@ -266,7 +266,7 @@ def test_cli_lists_example_and_install_hints(example_site: Path, run_oasr) -> No
     example = next(p for p in plugins if p["distribution"] == "oasr-plugin-example")
     assert example["version"] == "0.1.0"
     assert example["hooks"] == ["register_architectures", "register_checkpoint_formats", "register_commands"]
-    assert example["registered"]["architecture"] == ["example_energy"]
+    assert example["registered"]["architecture"] == ["example_energy", "example_ctc"]
 
     models = {r["architecture"]: r for r in json.loads(run_oasr("models", "--json", paths=paths).stdout)}
     assert models["example_energy"]["installed"] is True

@@ -31,6 +31,8 @@ def test_server_uses_only_the_public_engine_api(kit) -> None:
 
     async def go() -> list[Any]:
         async with kit.serving(app) as client:
+            # BatchExecutor: one batch runs while the next gathers in the engine's scheduler
+            assert app.state.oasr.worker.max_concurrency == 2 * 4
             model.batches.clear()
             return await asyncio.gather(
                 *(kit.post_audio(client, audio=kit.wav_bytes(s)) for s in (0.5, 1.0, 1.5))

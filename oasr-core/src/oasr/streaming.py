@@ -118,11 +118,9 @@ class StreamingScheduler:
     def feed_chunk(self, rid: str, audio: Any = None, is_last: bool = False) -> None:
         """Append mono float32 samples (at the model's rate; any length, None or empty allowed)
         to stream ``rid``; ``is_last=True`` marks the end of its audio."""
-        a = np.zeros(0, np.float32) if audio is None else np.asarray(audio, dtype=np.float32).reshape(-1)
-        if a.size and not np.isfinite(a).all():
-            from oasr.errors import BadAudioError
+        from oasr.audio import as_mono_waveform
 
-            raise BadAudioError("audio chunk contains NaN or infinite samples")
+        a = np.zeros(0, np.float32) if audio is None else as_mono_waveform(np.asarray(audio).reshape(-1), "audio chunk")
         with self._lock:
             s = self._get(rid)
             if s.last_received:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from oasr.audio import as_mono_waveform
 from oasr.decoders.ctc import (
     CTCGreedySearch,
     CTCHypothesis,
@@ -34,7 +35,7 @@ from oasr.decoders.ctc import (
     group_words,
     token_timestamps,
 )
-from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
+from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.options import ResolvedOptions
@@ -268,13 +269,7 @@ class WenetASR:
 
     @staticmethod
     def _wave(audio: Any, k: int) -> np.ndarray:
-        a = np.asarray(audio.detach().cpu() if isinstance(audio, torch.Tensor) else audio)
-        if a.ndim != 1:
-            raise BadAudioError(f"audio #{k} must be a mono 1-D waveform, got shape {a.shape}")
-        a = a.astype(np.float32, copy=False)
-        if not np.isfinite(a).all():
-            raise BadAudioError(f"audio #{k} contains NaN or infinite samples")
-        return a
+        return as_mono_waveform(audio, f"audio #{k}")
 
     def _transcript(self, hyp: CTCHypothesis, duration: float, options: DecodingOptions, *,
                     confidences: list[float] | None = None, num_frames: int | None = None) -> Transcript:

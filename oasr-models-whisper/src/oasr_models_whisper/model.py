@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from oasr.errors import BadAudioError, CheckpointError, InvalidRequestError, UnsupportedOptionError
+from oasr.audio import as_mono_waveform
+from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback
 from oasr.options import ResolvedOptions
@@ -187,15 +188,7 @@ class WhisperASR:
         """Recognise mono float32 16 kHz waveforms of any length (long ones in 30 s windows)."""
         options = whisper_options(options)  # the Whisper options resolved once, read below
         language = self._check(options)
-        waves = []
-        for k, audio in enumerate(audios):
-            a = np.asarray(audio.detach().cpu() if isinstance(audio, torch.Tensor) else audio)
-            if a.ndim != 1:
-                raise BadAudioError(f"audio #{k} must be a mono 1-D waveform, got shape {a.shape}")
-            a = a.astype(np.float32, copy=False)
-            if not np.isfinite(a).all():
-                raise BadAudioError(f"audio #{k} contains NaN or infinite samples")
-            waves.append(a)
+        waves = [as_mono_waveform(audio, f"audio #{k}") for k, audio in enumerate(audios)]
         if not waves:
             return []
         suppress = resolve_suppress_tokens(

@@ -310,7 +310,6 @@ class Scheduler:
                        key=lambda r: (self._bucket(r), r.seq))  # fmt: skip
         admitted: list[Request] = []
         failed: list[tuple[Request, BaseException]] = []
-        blocked = False
         # a continuous executor may hold more requests than it decodes at once (windows
         # encoded ahead of a free row); it says how many through ``max_requests``
         capacity = (self.executor.max_requests if isinstance(self.executor, HoldsExtraRequests)
@@ -327,9 +326,7 @@ class Scheduler:
             if ok:
                 admitted.append(r)
             elif starving:
-                blocked = True  # hold the room for the oldest starved request
-                break
-        del blocked
+                break  # hold the room for the oldest starved request: nothing younger goes first
         with self._lock:
             for r in admitted:
                 if r in self._waiting:

@@ -31,10 +31,8 @@ def resolve_checkpoint_dir(ckpt: str | Path) -> Path:
     (its cache, ``HF_HOME`` and ``HF_HUB_OFFLINE`` are honoured)."""
     path = Path(ckpt).expanduser()
     if path.exists():
-        if not path.is_dir():
-            # A single-file checkpoint (e.g. openai-whisper's .pt) is opened by its parent's
-            # format detectors with the file as the path.
-            return path
+        # a directory, or a single-file checkpoint (openai-whisper's .pt) that the format
+        # detectors open with the file as the path
         return path
     text = str(ckpt)
     if not _HUB_ID.match(text):
@@ -42,10 +40,8 @@ def resolve_checkpoint_dir(ckpt: str | Path) -> Path:
             f"checkpoint {text!r} is neither an existing local path nor a Hugging Face Hub id "
             f"like 'openai/whisper-tiny'"
         )
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as exc:  # pragma: no cover - huggingface_hub is a core dependency
-        raise UnknownModelError("install huggingface_hub to load models by Hub id") from exc
+    from huggingface_hub import snapshot_download  # a core dependency, imported only for Hub ids
+
     try:
         return Path(snapshot_download(repo_id=text))
     except Exception as exc:  # noqa: BLE001 - network/cache errors: tell the user what to do

@@ -188,6 +188,18 @@ def test_a_units_file_of_another_checkpoint_is_refused(ckpt: Path, tmp_path: Pat
         ASREngine(EngineConfig(ckpt_dir=str(bad)))
 
 
+def test_engine_dtype_is_honoured(ckpt: Path, audios) -> None:  # noqa: ANN001
+    import torch
+
+    from oasr.engine import ASREngine
+
+    engine = ASREngine(EngineConfig(ckpt_dir=str(ckpt), dtype="bfloat16"))
+    assert engine.model.dtype is torch.bfloat16
+    assert engine.transcribe(audios[0]).text
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        ASREngine(EngineConfig(ckpt_dir=str(ckpt), dtype="int3"))
+
+
 # -- offline through the batch executor -----------------------------------------------------------
 
 

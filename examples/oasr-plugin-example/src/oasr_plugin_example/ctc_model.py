@@ -54,6 +54,20 @@ from oasr_plugin_example.ctc_options import ExampleCTCOptions
 from oasr_plugin_example.plugin import CTC_CAPABILITIES
 
 WORD_START = "\u2581"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
+
+
+def model_dtype(name: str, device: str) -> torch.dtype:
+    """``EngineConfig.dtype`` as a torch dtype: ``auto`` is float32 on the CPU, float16 on a GPU."""
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.float16
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise InvalidRequestError(
+            f"dtype {name!r} is not supported; use auto, float32, float16 or bfloat16", param="dtype"
+        ) from None
 
 
 class Units:
@@ -105,7 +119,7 @@ class ExampleCTC:
     capabilities: ModelCapabilities = CTC_CAPABILITIES
 
     def __init__(self, net: ExampleCTCNet, units: Sequence[str], *, device: str = "cpu",
-                 name: str | None = None) -> None:  # fmt: skip
+                 dtype: torch.dtype = torch.float32, name: str | None = None) -> None:  # fmt: skip
         config = net.config
         if len(units) != config.vocab_size:
             raise CheckpointError(
@@ -113,7 +127,7 @@ class ExampleCTC:
                 f"outputs; units.txt does not belong to this checkpoint"
             )
         self.config: CTCConfig = config
-        self.net = net.to(device).eval()
+        self.net = net.to(device, dtype).eval()
         self.units = Units(units)
         self.name = name or f"example_ctc {config.num_layers}x{config.d_model}"
         self.feature_spec = FeatureSpec(
@@ -140,11 +154,16 @@ class ExampleCTC:
             net.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
         except (RuntimeError, OSError) as exc:
             raise CheckpointError(f"{path}: the weights do not match {cfg}: {exc}") from exc
-        return cls(net, units, device=(config or EngineConfig()).device)
+        config = config or EngineConfig()
+        return cls(net, units, device=config.device, dtype=model_dtype(config.dtype, config.device))
 
     @property
     def device(self) -> torch.device:
         return self.net.ctc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.ctc.weight.dtype
 
     @property
     def frame_shift(self) -> float:
@@ -216,7 +235,7 @@ class ExampleCTC:
         if todo:
             feats, flens = self.fbank.extract([torch.from_numpy(waves[i]) for i in todo])
             with torch.no_grad():
-                log_probs, lens = self.net(feats.to(self.device), flens.to(self.device),
+                log_probs, lens = self.net(feats.to(self.device, self.dtype), flens.to(self.device),
                                            resolved.chunk_size, resolved.num_left_chunks)  # fmt: skip
             log_probs = self._penalised(log_probs.cpu(), resolved)
             for row, i in enumerate(todo):
@@ -308,7 +327,8 @@ class ExampleCTC:
         offsets = torch.tensor([st.offset for st in states], device=dev)
         with torch.no_grad():
             log_probs, lens, new = self.net.forward_chunk(
-                feats.to(dev), flens.to(dev), offsets, caches, torch.tensor(cache_lengths, device=dev)
+                feats.to(dev, self.dtype), flens.to(dev), offsets, caches,
+                torch.tensor(cache_lengths, device=dev),
             )
         log_probs = log_probs.cpu()
         for i, st in enumerate(states):

@@ -273,6 +273,19 @@ def test_streams_equal_offline_with_beam_search_and_options(offline, streaming, 
         _same(got, want)
 
 
+def test_streams_with_different_options_share_steps(offline, streaming, audios) -> None:  # noqa: ANN001
+    """Rows of one batched step may have different chunk sizes and contexts."""
+    per_stream = [DecodingOptions.build(chunk_size=c, num_left_chunks=left) for c, left in ((2, 0), (5, -1), (3, 2))]
+    rids = [streaming.add_streaming_request(o) for o in per_stream]
+    for rid, audio in zip(rids, audios[:3], strict=True):
+        for part in np.array_split(audio, 5):
+            streaming.feed_chunk(rid, part)
+        streaming.feed_chunk(rid, None, is_last=True)
+    finals = streaming.run()
+    for rid, audio, options in zip(rids, audios, per_stream, strict=False):
+        _same(finals[rid], offline.transcribe_arrays([audio], options)[0])
+
+
 # -- the CLI ---------------------------------------------------------------------------------------
 
 

@@ -126,3 +126,30 @@ def test_asrbench_run_profile_smoke_backend_oasr_engine(tmp_path):
     (result,) = report["results"]
     assert len(result["hypotheses"]) == 2 and all(h.strip() for h in result["hypotheses"])
     assert result["wer"] < 50.0
+
+
+def test_streaming_transcribe_equals_live_streams():
+    """On a real streaming model (the bundled random-weight WeNet U2++), ``engine.transcribe``
+    gives each input the final text a live stream fed chunk by chunk gets, in input order."""
+    pytest.importorskip("oasr_models_wenet")
+    from oasr.engine import ASREngine, DecodingOptions, EngineConfig
+
+    ckpt = REPO / "tests" / "data" / "wenet" / "u2pp_conformer"
+    engine = ASREngine(EngineConfig(ckpt_dir=str(ckpt), service_mode="streaming"))
+    rng = np.random.default_rng(0)
+    audios = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (9000, 4000, 16000)]
+
+    def live(audio: np.ndarray, chunk: int = 2400) -> str:
+        rid = engine.add_streaming_request(DecodingOptions())
+        outputs = []
+        for i in range(0, len(audio), chunk):
+            engine.feed_chunk(rid, audio[i : i + chunk], is_last=i + chunk >= len(audio))
+            outputs += engine.step()
+        while not any(o.is_final for o in outputs):
+            outputs += engine.step()
+        engine.abort(rid)
+        return next(o.text for o in outputs if o.is_final)
+
+    expected = [live(a) for a in audios]
+    assert [t.text for t in engine.transcribe(audios)] == expected
+    assert engine.transcribe(audios[1]).text == expected[1]  # one input, one result

@@ -317,13 +317,31 @@ def _frame_to_mono(frame: Any) -> np.ndarray:
         return arr.reshape(-1, channels).mean(axis=1, dtype=np.float32)
 
 
+def _open_container(av: Any, source: Any) -> Any:
+    """``av.open`` for reading, tolerant of undecodable metadata on every PyAV we support: PyAV
+    18 and older take ``metadata_errors="ignore"``; PyAV 19 dropped the argument (and no longer
+    fails on such tags), so it is passed only where it is accepted."""
+    if _AV_METADATA_ERRORS[0]:
+        try:
+            return av.open(source, mode="r", metadata_errors="ignore")
+        except TypeError as e:
+            if "metadata_errors" not in str(e):
+                raise
+            _AV_METADATA_ERRORS[0] = False
+    return av.open(source, mode="r")
+
+
+#: whether this PyAV's ``av.open`` takes ``metadata_errors`` (learnt on the first call)
+_AV_METADATA_ERRORS = [True]
+
+
 def _decode_container(
     source: Any, sample_rate: int, budget: _Budget, name: str
 ) -> np.ndarray:
     import av
 
     try:
-        container = av.open(source, mode="r", metadata_errors="ignore")
+        container = _open_container(av, source)
     except av.FFmpegError as e:
         raise BadAudioError(
             f"could not open {name} as audio: {_ffmsg(e)}; the data is not a supported "

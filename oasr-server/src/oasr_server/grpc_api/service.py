@@ -68,6 +68,16 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             "missing or incorrect API key; send metadata 'authorization: Bearer <key>'"
         )
 
+    def _error_metadata(self, exc: OASRError) -> tuple[tuple[str, str], ...]:
+        """The trailing metadata of an error: its code and field, as the HTTP error body; a full
+        queue also says when to retry (``retry-after``, seconds, as HTTP's header)."""
+        trailing = [("oasr-error-code", exc.code)]
+        if exc.param:
+            trailing.append(("oasr-error-param", exc.param))
+        if isinstance(exc, EngineOverloadedError):
+            trailing.append(("retry-after", str(self.state.config.retry_after_s)))
+        return tuple(trailing)
+
     async def _fail(self, exc: BaseException, context: aio.ServicerContext, where: str) -> Any:
         """Abort the call with the status (and trailing metadata) of ``exc``; returns the
         status for the metrics."""
@@ -76,12 +86,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
             exc = EngineFailureError("internal server error; the failure is in the server log")
         self.state.metrics_error(exc)
         status = STATUS_FOR_HTTP.get(exc.http_status, grpc.StatusCode.INTERNAL)
-        trailing = [("oasr-error-code", exc.code)]
-        if exc.param:
-            trailing.append(("oasr-error-param", exc.param))
-        if isinstance(exc, EngineOverloadedError):  # as HTTP's Retry-After header, in seconds
-            trailing.append(("retry-after", str(self.state.config.retry_after_s)))
-        context.set_trailing_metadata(tuple(trailing))
+        context.set_trailing_metadata(self._error_metadata(exc))
         await context.abort(status, exc.message)
 
     def _config_options(self, cfg: Any, engine: Any) -> Any:
@@ -379,10 +384,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
                 exc = EngineFailureError("internal server error; the failure is in the server log")
             state.metrics_error(exc)
             status = STATUS_FOR_HTTP.get(exc.http_status, grpc.StatusCode.INTERNAL)
-            trailing = [("oasr-error-code", exc.code)]
-            if exc.param:
-                trailing.append(("oasr-error-param", exc.param))
-            context.set_trailing_metadata(tuple(trailing))
+            context.set_trailing_metadata(self._error_metadata(exc))
             await context.abort(status, exc.message)
             raise  # unreachable: abort raises
         finally:

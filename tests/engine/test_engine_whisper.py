@@ -23,6 +23,7 @@ def _engine(model, **kw):
     return ASREngine(EngineConfig(max_batch_size=sc.max_batch_size), model=model, scheduler_config=sc)
 
 
+@pytest.mark.slow  # parity with the per-batch path on 5 real clips
 @pytest.mark.parametrize("opts", [
     DecodingOptions(),
     DecodingOptions.build(without_timestamps=True, condition_on_previous_text=False),
@@ -45,6 +46,7 @@ def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
     assert len(outs[3].transcript.segments) > 1  # the 35 s clip took several windows
 
 
+@pytest.mark.slow  # parity with the per-batch path
 def test_encoder_lookahead_matches_transcribe(tiny_en, clips):
     """Windows encoded ahead of a free row (on the CPU: in the same stream, earlier) wait with
     their features and decode to the same tokens; the executor holds more requests than rows."""
@@ -160,6 +162,7 @@ def test_abort_a_running_request(tiny_en, clips):
     assert ex.cache.allocator.num_free == ex.cache.allocator.capacity  # every block came back
 
 
+@pytest.mark.slow  # parity with each input decoded alone
 def test_offline_batches_through_the_scheduler(tiny_en, clips):
     """transcribe_arrays goes through the engine's scheduler (the one batching layer): results
     in input order, equal to the model's own answer for each input, progress up to the total."""
@@ -171,7 +174,7 @@ def test_offline_batches_through_the_scheduler(tiny_en, clips):
         assert _tokens(out) == _tokens(tiny_en.transcribe([audio], DecodingOptions())[0])
     total = sum(len(a) for a in clips) / 16000
     assert seen[-1][0] == pytest.approx(total) == seen[-1][1]
-    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))  # never goes back
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:], strict=False))  # never goes back
 
 
 def test_one_input_one_result_a_list_a_list(tiny_en, clips):

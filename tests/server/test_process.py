@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 
 def _free_port() -> int:
@@ -89,6 +90,7 @@ def _realtime(port: int) -> None:
     assert kinds[-1]["transcript"].startswith("[speech]")  # one per energy segment
 
 
+@pytest.mark.slow  # a real server process, every route over sockets
 def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -> None:
     port, grpc_port = _free_port(), _free_port()
     base = f"http://127.0.0.1:{port}"

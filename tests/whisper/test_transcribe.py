@@ -178,6 +178,7 @@ def test_prompt_and_no_conditioning_match_openai(tiny, tiny_ref, audio):
     assert_matches_reference(ours, ref)
 
 
+@pytest.mark.slow  # parity: a batch against each input alone
 def test_batch_equals_single(tiny):
     a = load_speech("en_ls_2830-3980-0043.wav")
     b = load_speech("en_ls_4507-16021-0012.wav")

@@ -223,7 +223,7 @@ class WhisperDriver:
 
     def _setup(self, request: Request, language: str | None, ex: AutoregressiveExecutor) -> None:
         options = whisper_options(request.options)  # common + Whisper options as attributes
-        wave = torch.as_tensor(as_mono_waveform(request.audio))
+        wave = torch.as_tensor(np.asarray(request.audio, dtype=np.float32))  # checked by accept
         # the log-mel is computed before the first encode (encoder_inputs: batched on CUDA);
         # whole_log_mel gives wave_samples // HOP_LENGTH frames of content
         job = _Job(0, wave, None, wave.shape[0] // HOP_LENGTH, wave.shape[0] / SAMPLE_RATE)

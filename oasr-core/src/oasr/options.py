@@ -313,18 +313,21 @@ class ResolvedOptions:
     resolved (``family``, or None for a model that declares none). Both read as attributes:
     ``resolved.beam_size``, ``resolved.temperatures``, ``resolved.patience``."""
 
-    __slots__ = ("common", "family")
+    __slots__ = ("common", "family", "_family_values")
 
     def __init__(self, common: Any, family: ModelOptions | None) -> None:
         self.common = common
         self.family = family
+        # the family's values by name, read once: decoders read options in their inner loops,
+        # and a dict lookup costs a fraction of asking the dataclass for its fields each time
+        self._family_values = {n: getattr(family, n) for n in family.specs()} if family is not None else {}
 
     def __getattr__(self, name: str) -> Any:  # only names that are not slots reach here
-        if name.startswith("__") or name in ("common", "family"):
+        if name.startswith("__") or name in ResolvedOptions.__slots__:
             raise AttributeError(name)  # unset slots and protocol probes (copy, pickle)
-        family = self.family
-        if family is not None and name in family.specs():
-            return getattr(family, name)
+        values = self._family_values
+        if name in values:
+            return values[name]
         return getattr(self.common, name)
 
     def __eq__(self, other: object) -> bool:

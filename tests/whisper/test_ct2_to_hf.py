@@ -97,6 +97,7 @@ def test_logits_equal_oasr_network_on_real_speech(pair):
     assert expected.abs().max() > 10  # real, decisive logits, not a degenerate pair
 
 
+@pytest.mark.slow  # parity with transformers' generate
 @pytest.mark.parametrize("clip", ["en_sr_one_two_three.wav", "en_fleurs_004.ogg"])
 def test_generate_decodes_what_oasr_decodes(pair, clip):
     """Greedy ``generate`` (exported generation config: prompt, suppress lists) on OASR's window

@@ -18,6 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures_decoding import load_speech, multilingual_tokenizer_json  # noqa: E402
 
+#: parity with transformers' generate, 15-35 s a case: skipped by `scripts/test.sh --fast`
+pytestmark = pytest.mark.slow
+
 from oasr.features.whisper import N_SAMPLES, log_mel_spectrogram, pad_or_trim  # noqa: E402
 from oasr_models_whisper.decoding import (  # noqa: E402
     WindowOptions,

@@ -412,7 +412,7 @@ class Scheduler:
         self._thread = None
 
     def _loop(self) -> None:
-        _settle_torch_threads()
+        settle_torch_threads()
         while True:
             with self._lock:
                 while not self._stop and not self._waiting and not self._running:
@@ -422,10 +422,11 @@ class Scheduler:
             self.step()
 
 
-def _settle_torch_threads() -> None:
-    """Fix this (model) thread's torch intra-op thread count now, from the process setting:
-    threads started later (a server's single-threaded VAD pool) may change the default that a
-    thread reads on its first parallel op."""
+def settle_torch_threads() -> None:
+    """Fix the calling (model) thread's torch intra-op thread count now, from the process
+    setting: threads started later (a server's single-threaded VAD pool) may change the default
+    that a thread reads on its first parallel op. Every thread that runs a model calls it first
+    (the scheduler's, the server's streaming worker)."""
     import sys
 
     torch = sys.modules.get("torch")

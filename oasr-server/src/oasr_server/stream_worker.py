@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from oasr_server.worker import BatchCallback, as_oasr_error, fix_torch_threads
+from oasr.scheduler import settle_torch_threads
+from oasr_server.worker import BatchCallback, as_oasr_error
 
 if TYPE_CHECKING:
     from oasr.engine import ASREngine, StreamOutput
@@ -146,7 +147,7 @@ class StreamingEngineLoop:
 
     # -- loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        fix_torch_threads()
+        settle_torch_threads()
         busy = False
         while True:
             with self._cond:

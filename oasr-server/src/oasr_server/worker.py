@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -263,17 +262,6 @@ class EngineWorker:
             fut.add_done_callback(partial(on_done, k))
         if job.abandoned:
             self.abandon(job)
-
-
-def fix_torch_threads() -> None:
-    """Fix the calling (model) thread's torch intra-op thread count now, from the process
-    setting: threads started later (the VAD threads) may change the default they pick up."""
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "get_num_threads"):
-        try:
-            torch.get_num_threads()
-        except Exception:  # noqa: BLE001 - only an optimisation
-            pass
 
 
 def as_oasr_error(exc: BaseException) -> BaseException:

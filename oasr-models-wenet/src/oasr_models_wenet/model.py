@@ -16,7 +16,6 @@ attention rescoring over the whole utterance's encoder output.
 from __future__ import annotations
 
 import functools
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,7 +49,7 @@ from oasr.types import (
 )
 from oasr_models_wenet.config import WenetConfig
 from oasr_models_wenet.nn import ChunkCaches, WenetNet, build_network
-from oasr_models_wenet.options import DecodingMethod, WenetOptions
+from oasr_models_wenet.options import WenetOptions
 from oasr_models_wenet.plugin import CAPABILITIES
 
 
@@ -126,8 +125,7 @@ class WenetASR:
     capabilities: ModelCapabilities = CAPABILITIES
 
     def __init__(self, net: WenetNet, units: Sequence[str], config: WenetConfig, *, name: str = "wenet conformer",
-                 source_format: str = "wenet", source_path: Path | None = None,
-                 max_batch_size: int = 16) -> None:
+                 source_format: str = "wenet", source_path: Path | None = None) -> None:
         self.net = net
         self.config = config
         self.units = Units(units)
@@ -139,7 +137,6 @@ class WenetASR:
         self.name = name
         self.source_format = source_format
         self.source_path = source_path
-        self.max_batch_size = max_batch_size
         # WeNet streams only models trained with chunk masks (dynamic or static); a full-context
         # model would see a context it was never trained on
         trained_chunked = config.use_dynamic_chunk or config.static_chunk_size > 0
@@ -208,7 +205,6 @@ class WenetASR:
         config = config or EngineConfig()
         net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
         return cls(net, units, cfg, source_format=source, source_path=path,
-                   max_batch_size=config.max_batch_size,
                    name=f"wenet {cfg.input_layer} conformer {cfg.num_blocks}x{cfg.output_size}")
 
     @classmethod
@@ -329,8 +325,6 @@ class WenetASR:
         net = self.net
         with torch.no_grad():
             return net.encoder(feats.to(net.device, net.dtype), flens.to(net.device), chunk_size, left_chunks)
-
-    METHODS = typing.get_args(DecodingMethod)
 
     def _method(self, options: ResolvedOptions) -> str:
         m = options.decoding_method

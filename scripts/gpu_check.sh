@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One build-test-benchmark call on a GPU machine that cannot reach a package index (the device
-# tool's H200): install wheels carried in .whl/ (PyAV, soundfile, the server's web stack) into
+# tool's H200): install wheels carried in .whl/ (scripts/fetch_gpu_wheels.sh downloads them) into
 # /tmp/wheels, expose this repository's distributions without pip (scripts/dev_site.py), run the
 # GPU tests, then the synthetic Whisper benchmarks beside transformers. With a second source tree
 # in $BASELINE (e.g. `git archive <commit> oasr-* benchmarks scripts | tar -x -C .gpu_baseline`),

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Download, on a machine with a package index, the Python 3.12 wheels that the GPU machine (no
+# index; torch, transformers, CuPy already there) needs for `scripts/gpu_check.sh`: PyAV 19,
+# soundfile + cffi, the server's web and gRPC stack, the test references. Into .whl/ (keep it out
+# of git: `echo /.whl/ >> .git/info/exclude`), then carry it: the device tool's `carry: [".whl"]`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
+     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl)
+"${PIP[@]}" 'av==19.*' soundfile==0.14.0 cffi pycparser fastapi==0.165.0 starlette==1.10.0 \
+    uvicorn==0.54.0 websockets==17.4 python-multipart==0.0.34 pydantic pydantic-core annotated-types \
+    typing-inspection grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+    kaldi-native-fbank==1.23.0 more-itertools==11.2.1 zipformer==0.1.3
+# openai-whisper is published as a source archive only: build its wheel here
+python3 -m pip wheel -q --no-deps openai-whisper==20250625 -w .whl
+du -sh .whl

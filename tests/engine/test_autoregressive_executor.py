@@ -68,7 +68,7 @@ class TinyStepModel:
     """:class:`oasr.executors.autoregressive.StepModel` over :class:`TinyDecoder`."""
 
     num_layers, num_kv_heads, head_dim = LAYERS, HEADS, D // HEADS
-    max_positions, vocab_size, cross_shape = CONTEXT, VOCAB, None
+    max_positions, vocab_size, cross_shape, extra_bytes = CONTEXT, VOCAB, None, 0
 
     def __init__(self, net: TinyDecoder) -> None:
         self.net = net

@@ -340,15 +340,26 @@ class ResolvedOptions:
     def __repr__(self) -> str:
         return f"ResolvedOptions({self.common!r}, {self.family!r})"
 
+    def validate_for(self, model: Any) -> ResolvedOptions:
+        """:meth:`DecodingOptions.validate_for`, without parsing the family options again when
+        they were resolved for this model's family (the engine resolves once at submit; the
+        executors and models check again per request or batch)."""
+        self.common.check_supported(model.capabilities, model.name)
+        return resolve_options(model, self)
+
 
 def resolve_options(model: Any, options: Any) -> ResolvedOptions:
     """``options`` for ``model``: its ``default_options`` overridden by the request's
     ``model_options``. A model that declares no options refuses any."""
     from oasr.model import HasModelOptions
 
-    if isinstance(options, ResolvedOptions):
-        options = options.common
     defaults = model.default_options if isinstance(model, HasModelOptions) else None
+    if isinstance(options, ResolvedOptions):
+        if defaults is None and options.family is None:
+            return options  # resolved already, for a model without options
+        if defaults is None:
+            options = options.common
+        # else: defaults.resolve keeps options resolved for this family as they are
     if defaults is None:
         if options.model_options:
             names = sorted(options.model_options)

@@ -219,6 +219,10 @@ class Scheduler:
     def __init__(self, executor: Executor, config: SchedulerConfig | None = None,
                  sample_rate: int = 16000) -> None:  # fmt: skip
         self.executor = executor
+        # a continuous executor may hold more requests than it decodes at once (windows encoded
+        # ahead of a free row); it says how many through ``max_requests`` (asked once: a
+        # runtime Protocol check is too slow for every step)
+        self._holds_extra = isinstance(executor, HoldsExtraRequests)
         self.config = config or SchedulerConfig()
         self.sample_rate = sample_rate
         self._lock = threading.Lock()
@@ -310,10 +314,7 @@ class Scheduler:
                        key=lambda r: (self._bucket(r), r.seq))  # fmt: skip
         admitted: list[Request] = []
         failed: list[tuple[Request, BaseException]] = []
-        # a continuous executor may hold more requests than it decodes at once (windows
-        # encoded ahead of a free row); it says how many through ``max_requests``
-        capacity = (self.executor.max_requests if isinstance(self.executor, HoldsExtraRequests)
-                    else self.config.max_batch_size)
+        capacity = self.executor.max_requests if self._holds_extra else self.config.max_batch_size
         for r in (*starved, *fresh):
             if len(self._running) + len(admitted) >= capacity:
                 break

@@ -80,6 +80,8 @@ class StepModel(Protocol):
     vocab_size: int
     #: per-row cross-attention memory (frames, width) per layer, or None without cross-attention
     cross_shape: tuple[int, int] | None
+    #: device memory the step model holds beyond the executor's pools (e.g. fused weights)
+    extra_bytes: int
 
     def encode(self, inputs: torch.Tensor) -> torch.Tensor:
         """Encoder features (B, frames, d) of a batch of encoder inputs."""
@@ -174,8 +176,6 @@ class Row:
     sum_logprob: Any = None
     suppress_mask: torch.Tensor | None = None  # (V,) bool
     begin_mask: torch.Tensor | None = None  # (V,) bool, or None
-    #: the driver's per-row scratch (Whisper: no-speech probability, latest timestamp)
-    extra: dict[str, Any] = field(default_factory=dict)
     uid: int = field(default_factory=lambda: next(_UIDS))
 
     @property
@@ -310,7 +310,7 @@ class AutoregressiveExecutor:
             self.cross_k = [torch.zeros(shape, **kw) for _ in range(sm.num_layers)]
             self.cross_v = [torch.zeros(shape, **kw) for _ in range(sm.num_layers)]
         self.memory_bytes = self.cache.nbytes + sum(t.numel() * esize for t in (*self.cross_k, *self.cross_v))
-        self.memory_bytes += int(getattr(sm, "extra_bytes", 0))
+        self.memory_bytes += int(sm.extra_bytes)
         # kernel providers (oasr-kernels: paged decode attention) for models built without
         # load_model, e.g. from an in-memory checkpoint
         install_kernel_providers(self.device.type)

@@ -12,6 +12,9 @@
 * NeMo RNN-T greedy and TDT greedy against restatements of NeMo's loops written here (NeMo is
   not installed): ``GreedyRNNTInfer._greedy_decode`` and the batched TDT label-looping
   ``GreedyBatchedTDTLabelLoopingComputer.torch_impl``, on an LSTM prediction network.
+* TDT greedy against ``transformers``' own ``ParakeetForTDT.generate`` (its duration-aware
+  greedy loop, run in the test on a tiny random Parakeet TDT: encoder, LSTM prediction network,
+  joint with the duration head): tokens, frames and durations.
 * batched == one utterance at a time, chunked (streaming) == offline, CUDA == CPU (gpu mark).
 """
 
@@ -534,6 +537,91 @@ def test_tdt_greedy_equals_restated_nemo_label_looping(seed, max_symbols) -> Non
                                                      lens[b : b + 1], max_symbols)[0]
         assert alone["tokens"] == r["tokens"]
         assert h.durations == alone["durations"]
+
+
+class ParakeetTDTNetwork:
+    """The TransducerNetwork of a ``transformers`` ParakeetForTDT: its LSTM prediction network
+    (state ``(h, c)``) and its joint (token logits, then duration logits)."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001
+        self.model = model
+
+    def initial_state(self, batch_size, device):
+        cfg = self.model.config
+        z = torch.zeros(cfg.num_decoder_layers, batch_size, cfg.decoder_hidden_size, device=device)
+        return (z, z.clone())
+
+    def predict(self, tokens, state):
+        dec = self.model.decoder
+        out, (h, c) = dec.lstm(dec.embedding(tokens)[:, None], state)
+        return dec.decoder_projector(out[:, 0]), (h, c)
+
+    def select_state(self, state, index):
+        return (state[0][:, index], state[1][:, index])
+
+    def merge_state(self, state, new_state, update):
+        m = update.view(1, -1, 1)
+        return (torch.where(m, new_state[0], state[0]), torch.where(m, new_state[1], state[1]))
+
+    def join(self, encoder_frames, decoder_out):
+        return self.model.joint(decoder_hidden_states=decoder_out, encoder_hidden_states=encoder_frames)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_tdt_greedy_equals_transformers_parakeet_tdt_generate(seed) -> None:
+    transformers = pytest.importorskip("transformers")
+    blank = 12
+    config = transformers.ParakeetTDTConfig(
+        vocab_size=blank + 1, blank_token_id=blank, pad_token_id=blank, decoder_start_token_id=blank,
+        decoder_hidden_size=16, num_decoder_layers=2, durations=[0, 1, 2, 3, 4],
+        encoder_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                        "intermediate_size": 32, "subsampling_factor": 4,
+                        "subsampling_conv_channels": 8, "num_mel_bins": 20, "dropout": 0.0,
+                        "layerdrop": 0.0, "activation_dropout": 0.0, "attention_dropout": 0.0},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.ParakeetForTDT(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        # transformers' generate takes each step's token as the argmax over the token AND
+        # duration logits (only its frame advance splits them): keep the duration logits below
+        # the tokens' so that never picks a duration; a uniform shift leaves their argmax alone
+        model.joint.head.bias[blank + 1 :] -= 50.0
+    feats = torch.randn(3, 120, 20, generator=g)
+    mask = torch.ones(3, 120, dtype=torch.long)
+    mask[1, 80:] = 0
+    mask[2, 50:] = 0
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(input_features=feats, attention_mask=mask, max_new_tokens=400)
+        enc = model.get_audio_features(input_features=feats, attention_mask=mask,
+                                       output_attention_mask=True)  # fmt: skip
+        lengths = enc.attention_mask.sum(-1).tolist()
+        # transformers has no per-frame symbol limit: give ours one it never reaches
+        ours = tdt_greedy_search(ParakeetTDTNetwork(model), enc.pooler_output, lengths,
+                                 durations=config.durations, blank_id=blank,
+                                 max_symbols_per_frame=10_000)  # fmt: skip
+    all_durations, all_blanks = [], 0
+    for b, hyp in enumerate(ours):
+        # replay the reference's steps (after its start token): each emits a token (blank
+        # included) at the current frame and advances by its duration, until the frames end
+        frame, tokens, times, durations = 0, [], [], []
+        for tok, dur in zip(out.sequences[b, 1:].tolist(), out.durations[b, 1:].tolist(), strict=True):
+            if frame >= lengths[b]:
+                break
+            all_blanks += tok == blank
+            if tok != blank:
+                tokens.append(tok)
+                times.append(frame)
+                durations.append(dur)
+            frame += dur
+        assert frame >= lengths[b], "the reference stopped before the end of its frames"
+        assert len(set(tokens)) >= 3, tokens  # varied
+        assert (hyp.tokens, hyp.times, hyp.durations) == (tokens, times, durations)
+        all_durations += durations
+    assert len(set(all_durations)) >= 2 and all_blanks > 0, (all_durations, all_blanks)  # not all blank
 
 
 # -- batching, streaming, types ----------------------------------------------------------------------------

@@ -360,7 +360,7 @@ def test_max_streams_and_api_key(client_for) -> None:
             "/v1/realtime", headers={"Authorization": "Bearer s3cret"}
         ) as second:
             err = second.receive_json()
-            assert err["type"] == "error" and err["error"]["code"] == "too_many_streams"
+            assert err["type"] == "error" and err["error"]["code"] == "overloaded"
             with pytest.raises(WebSocketDisconnect) as closed:
                 second.receive_json()
             assert closed.value.code == 1013

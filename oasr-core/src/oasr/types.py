@@ -112,8 +112,12 @@ class DecodingOptions:
     model_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.beam_size < 1:
-            raise InvalidRequestError("beam_size must be >= 1", param="beam_size")
+        if not 1 <= self.beam_size <= MAX_BEAM_SIZE:
+            raise InvalidRequestError(
+                f"beam_size must be between 1 and {MAX_BEAM_SIZE}, not {self.beam_size}",
+                param="beam_size",
+            )
+        self._check_sizes()
         if self.task not in ("transcribe", "translate"):
             raise InvalidRequestError(
                 f"task must be 'transcribe' or 'translate', not {self.task!r}", param="task"
@@ -148,6 +152,54 @@ class DecodingOptions:
                     f"model_options (DecodingOptions.build splits the names for you)",
                     param=name,
                 )
+
+    def _check_sizes(self) -> None:
+        """Bounds on what a client controls, checked before any work: an absurd value (a
+        megabyte prompt, ten thousand hotwords) is a 400, not minutes of tokenizing."""
+        if self.prompt is not None and len(self.prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(
+                f"prompt is {len(self.prompt)} characters; at most {MAX_PROMPT_CHARS} are "
+                "accepted (Whisper reads only the last 223 tokens of it)",
+                param="prompt",
+            )
+        if self.language is not None and len(self.language) > MAX_LANGUAGE_CHARS:
+            raise InvalidRequestError(
+                f"language must be a language code such as 'en', not a "
+                f"{len(self.language)}-character string",
+                param="language",
+            )
+        if len(self.temperatures) > MAX_TEMPERATURES:
+            raise InvalidRequestError(
+                f"at most {MAX_TEMPERATURES} fallback temperatures, not {len(self.temperatures)}",
+                param="temperature",
+            )
+        if self.max_new_tokens is not None and self.max_new_tokens > MAX_NEW_TOKENS:
+            raise InvalidRequestError(
+                f"max_new_tokens must be at most {MAX_NEW_TOKENS}", param="max_new_tokens"
+            )
+        if self.hotwords is not None and not isinstance(self.hotwords, str):
+            if len(self.hotwords) > MAX_HOTWORDS:
+                raise InvalidRequestError(
+                    f"at most {MAX_HOTWORDS} hotwords, not {len(self.hotwords)}", param="hotwords"
+                )
+            if any(len(str(h)) > MAX_HOTWORD_CHARS for h in self.hotwords):
+                raise InvalidRequestError(
+                    f"a hotword is longer than {MAX_HOTWORD_CHARS} characters", param="hotwords"
+                )
+        options = self.model_options
+        if isinstance(options, Mapping):
+            if len(options) > MAX_MODEL_OPTIONS:
+                raise InvalidRequestError(
+                    f"at most {MAX_MODEL_OPTIONS} model options, not {len(options)}",
+                    param="model_options",
+                )
+            for name, value in options.items():
+                if len(str(name)) > MAX_OPTION_CHARS or _text_size(value) > MAX_OPTION_CHARS:
+                    raise InvalidRequestError(
+                        f"model option {str(name)[:64]!r} is longer than {MAX_OPTION_CHARS} "
+                        "characters",
+                        param=str(name)[:64],
+                    )
 
     @classmethod
     def build(cls, **options: Any) -> DecodingOptions:
@@ -204,6 +256,25 @@ class DecodingOptions:
 
         self.check_supported(model.capabilities, model.name)
         return resolve_options(model, self)
+
+
+#: Bounds on client-controlled option sizes (documented in docs/serving.md, "Limits").
+MAX_PROMPT_CHARS = 8192
+MAX_BEAM_SIZE = 64
+MAX_LANGUAGE_CHARS = 32
+MAX_TEMPERATURES = 16
+MAX_NEW_TOKENS = 1 << 16
+MAX_HOTWORDS = 1024
+MAX_HOTWORD_CHARS = 256
+MAX_MODEL_OPTIONS = 64
+MAX_OPTION_CHARS = 16384
+
+
+def _text_size(value: Any) -> int:
+    """Characters in an option value as sent (a list counts all of its items)."""
+    if isinstance(value, (list, tuple)):
+        return sum(len(str(v)) for v in value)
+    return len(value) if isinstance(value, str) else 0
 
 
 _COMMON_OPTIONS = frozenset(

@@ -78,12 +78,10 @@ class EngineFailureError(OASRError):
     error_type = "server_error"
 
 
-class TooManyStreamsError(OASRError):
-    """``--max-streams`` live streams are already open."""
-
-    http_status = 429
-    code = "too_many_streams"
-    error_type = "rate_limit_error"
+class TooManyStreamsError(EngineOverloadedError):
+    """``--max-streams`` live streams are already open. The same "busy" answer as a full queue
+    (503 ``overloaded`` with ``Retry-After``; WebSocket close 1013, gRPC ``UNAVAILABLE``): a
+    client needs one rule for "try again shortly", whichever limit it hit."""
 
 
 class VADUnavailableError(InvalidRequestError):

@@ -10,7 +10,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from oasr.errors import InvalidRequestError
 
 MAX_PARTS = 64
-MAX_FIELD_BYTES = 1024 * 1024
+#: a text field (prompt, option) is small; bounds on what it may hold are in oasr.types
+MAX_FIELD_BYTES = 64 * 1024
 
 
 @dataclass

@@ -25,9 +25,10 @@ SOURCE = Path(paged_attention.__file__).parent / "csrc" / "paged_decode_attentio
 KERNELS = [f"oasr_paged_decode_attention_{t}_d{d}" for t in ("f32", "f16", "bf16") for d in (64, 128)]
 PARAMS = (
     "const void* q, long long sb, long long sh, const void* k, const void* v, "
-    "const long long* tables, const long long* lengths, void* out, int h, int nb, int bs, float scale"
+    "const long long* tables, const long long* lengths, void* out, int h, int hkv, int nb, int bs, "
+    "float scale"
 )
-ARGS = "q, sb, sh, k, v, tables, lengths, out, h, nb, bs, scale"
+ARGS = "q, sb, sh, k, v, tables, lengths, out, h, hkv, nb, bs, scale"
 
 
 def _translate(source: str) -> str:
@@ -84,7 +85,7 @@ extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned threa
     dll = ctypes.CDLL(str(lib))
     dll.launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 4 + [
         ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_float,
     ]  # fmt: skip
     return dll
@@ -132,3 +133,20 @@ def test_emulated_kernel_scale_and_non_unit_q_stride(emulator) -> None:
     tables, lengths = torch.tensor([[3, 1], [9, 9]]), torch.tensor([20, 32])
     out = run_emulated(emulator, q, k_pool, v_pool, tables, lengths, 0.37)
     torch.testing.assert_close(out.double(), reference(q, k_pool, v_pool, tables, lengths, 0.37), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hkv", [(4, 2), (6, 1)])
+def test_emulated_kernel_grouped_query_heads(emulator, dtype, h, hkv) -> None:
+    """Pools of H_kv heads: query head h reads kv head h // (H // H_kv), as repeat_kv does."""
+    g = torch.Generator().manual_seed(h * 10 + hkv)
+    d, bs, nb, b = 64, 16, 3, 3
+    k_pool = torch.randn(12, bs, hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(12, bs, hkv, d, generator=g).to(dtype)
+    q = torch.randn(b, h, 1, d, generator=g).to(dtype)
+    tables = (torch.randperm(11, generator=g)[: b * nb] + 1).view(b, nb)
+    lengths = torch.tensor([nb * bs, 1, 21])
+    out = run_emulated(emulator, q, k_pool, v_pool, tables, lengths)
+    rep = h // hkv
+    want = reference(q, k_pool.repeat_interleave(rep, 2), v_pool.repeat_interleave(rep, 2), tables, lengths)
+    torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])

@@ -93,3 +93,27 @@ def test_op_is_overridable():
     with L.override("paged_decode_attention", "cpu", lambda *a: NotImplemented):
         out = L.paged_decode_attention(q, kp, vp, tables, lengths)
     torch.testing.assert_close(out.double(), reference(q, kp, vp, tables, lengths), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 2), (6, 1), (8, 4)])
+def test_native_grouped_query_heads(h, hkv):
+    """Pools hold H_kv heads; query head h reads kv head h // (H // H_kv) (transformers' repeat_kv)."""
+    q, kp, vp, tables, lengths = make_inputs(b=4, h=h, d=16, bs=4, nb=5)
+    kp, vp = kp[:, :, :hkv].contiguous(), vp[:, :, :hkv].contiguous()
+    out = L.paged_decode_attention(q, kp, vp, tables, lengths)
+    assert out.shape == q.shape
+    g = h // hkv
+    want = reference(q, kp.repeat_interleave(g, dim=2), vp.repeat_interleave(g, dim=2), tables, lengths)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_attention_with_a_causal_mask_equals_repeated_heads():
+    from oasr.layers.attention import grouped_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    mask = (torch.arange(9)[None, None, :] <= torch.tensor([[4, 5, 6, 7, 8], [0, 1, 2, 3, 4]])[:, :, None])[:, None]
+    out = grouped_attention(q, k, v, mask)
+    want = L.attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), mask)
+    torch.testing.assert_close(out, want)

@@ -65,8 +65,10 @@ def unsupported_reason(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         return "q, k_pool and v_pool dtypes differ"
     if d not in HEAD_DIMS:
         return f"head size {d} (supported: {HEAD_DIMS})"
-    if k_pool.dim() != 4 or k_pool.shape[2:] != (h, d) or v_pool.shape != k_pool.shape:
-        return "pools must both be (num_blocks, block_size, H, D)"
+    if k_pool.dim() != 4 or k_pool.shape[3] != d or v_pool.shape != k_pool.shape:
+        return "pools must both be (num_blocks, block_size, H_kv, D)"
+    if k_pool.shape[2] < 1 or h % k_pool.shape[2]:
+        return f"{h} query heads cannot share {k_pool.shape[2]} key/value heads"
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         return "pools must be contiguous"
     if k_pool.data_ptr() % 16 or v_pool.data_ptr() % 16:
@@ -151,7 +153,7 @@ def launch_config(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         np.uint64(k_pool.data_ptr()), np.uint64(v_pool.data_ptr()),
         np.uint64(block_tables.data_ptr()), np.uint64(lengths.data_ptr()),
         np.uint64(out.data_ptr()),
-        np.int32(h), np.int32(nb), np.int32(bs), np.float32(scale),
+        np.int32(h), np.int32(k_pool.shape[2]), np.int32(nb), np.int32(bs), np.float32(scale),
     )  # fmt: skip
     name = f"oasr_paged_decode_attention_{_DTYPES[q.dtype]}_d{d}"
     return name, (h, b), (_THREADS,), args, _smem_bytes(nb, bs, d)

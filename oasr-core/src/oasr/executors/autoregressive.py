@@ -45,7 +45,7 @@ import torch
 from oasr.errors import InvalidRequestError
 from oasr.kv_cache import PagedKVCache, blocks_for
 from oasr.layers import install_kernel_providers, paged_decode_attention
-from oasr.layers.attention import attention
+from oasr.layers.attention import grouped_attention
 
 if TYPE_CHECKING:
     from oasr.scheduler import Request, SchedulerConfig
@@ -74,7 +74,7 @@ class StepModel(Protocol):
     device: torch.device
     dtype: torch.dtype
     num_layers: int  # decoder layers with a self-attention KV cache
-    num_kv_heads: int
+    num_kv_heads: int  # key/value heads stored per layer (fewer than the query heads: GQA)
     head_dim: int
     max_positions: int  # the decoder's context length (prompt + sampled tokens)
     vocab_size: int
@@ -95,7 +95,9 @@ class StepModel(Protocol):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Logits (B, T, V) for ``tokens``/``positions`` (B, T); self-attention goes through
         ``ctx.self_attention`` (it writes the new K/V into the paged cache), cross-attention
-        reads ``ctx.cross_kv``."""
+        reads ``ctx.cross_kv``. ``positions`` are absolute (rotary embeddings read them). A
+        family whose prompts carry embeddings (``Window.embeds``) passes its token embeddings
+        through ``ctx.input_embeddings`` before the first layer."""
         ...
 
 
@@ -117,8 +119,9 @@ class RequestDriver(Protocol):
         """The requests admitted since the last step, in one batch: queue their first windows."""
         ...
 
-    def encoder_inputs(self, windows: list[Window]) -> torch.Tensor:
-        """The encoder input of each window, stacked, on the step model's device and dtype."""
+    def encoder_inputs(self, windows: list[Window]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The encoder input of each window, stacked, on the step model's device and dtype (a
+        tensor, or a tuple of tensors that ``StepModel.encode`` takes as one argument)."""
         ...
 
     def encoded(self, windows: list[Window], features: torch.Tensor,
@@ -162,6 +165,13 @@ class Window:
     suppress: tuple[int, ...] = ()  # masked at every step
     begin_suppress: tuple[int, ...] = ()  # masked at the first sampled token only
     stop_tokens: tuple[int, ...] = ()
+    #: ``transformers``' repetition penalty over the prompt and the sampled tokens (1: none)
+    repetition_penalty: float = 1.0
+    #: seed of the row's own random generator (sampling reproducible whatever shares the batch)
+    seed: int | None = None
+    #: decoder inputs given as vectors: (prompt positions (n,), embeddings (n, d)) replace the
+    #: token embeddings there in the prefill (a speech-LLM's audio in place of its placeholders)
+    embeds: tuple[Sequence[int], torch.Tensor] | None = None
 
 
 @dataclass(eq=False)
@@ -176,6 +186,8 @@ class Row:
     sum_logprob: Any = None
     suppress_mask: torch.Tensor | None = None  # (V,) bool
     begin_mask: torch.Tensor | None = None  # (V,) bool, or None
+    seen: torch.Tensor | None = None  # (V,) bool: tokens in the sequence (repetition penalty)
+    generator: torch.Generator | None = None  # the window's seeded generator
     uid: int = field(default_factory=lambda: next(_UIDS))
 
     @property
@@ -194,12 +206,25 @@ class AttentionContext:
         self.tables = tables  # (B, nb) block ids
         self.lengths = lengths  # (B,) keys valid after this call's write
         self.rows = rows  # cross-pool rows: an int n for rows [0, n), or indices (B,)
+        #: embeddings given for some inputs: (flat indices into B*T, vectors (n, d)), or None
+        self.embeds: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None
+
+    def input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """The decoder inputs ``x`` (B, T, d) (token embeddings) with the given embeddings in
+        place (``Window.embeds``; prefill only, so the captured decode step never has any)."""
+        if self.embeds is None:
+            return x
+        index, values = self.embeds
+        b, t, d = x.shape
+        return x.reshape(b * t, d).index_copy(0, index, values.to(x.dtype)).view(b, t, d)
 
     def self_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store ``k``/``v`` (B, T, kv_heads * head_dim) in the cache, attend with ``q``
         (B, heads, T, head_dim) over every cached key of the row up to its position; returns
-        (B, heads, T, head_dim). A decode step (T = 1) reads the blocks in place."""
+        (B, heads, T, head_dim). ``heads`` may be a multiple of ``kv_heads`` (grouped-query
+        attention: only the kv heads are stored). A decode step (T = 1) reads the blocks in
+        place."""
         ex = self._ex
         cache = ex.cache
         b, t = self.positions.shape
@@ -211,7 +236,7 @@ class AttentionContext:
             keys = torch.arange(self.tables.shape[1] * cache.block_size, device=q.device)
             self._mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # causal
         kk, vv = cache.gather(layer, self.tables)
-        return attention(q, kk, vv, self._mask)
+        return grouped_attention(q, kk, vv, self._mask)
 
     def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This batch's rows of the cross-attention pools of ``layer``: K, V (B, frames, width)."""
@@ -442,7 +467,8 @@ class AutoregressiveExecutor:
                     event = torch.cuda.Event()
                     event.record()
                 # tell the allocator which stream uses what, so no block is reused early
-                inputs.record_stream(self._enc_stream)
+                for x in inputs if isinstance(inputs, tuple) else (inputs,):
+                    x.record_stream(self._enc_stream)
                 feats.record_stream(main)
                 self._encoding = (event, batch, feats)
                 self.stats["overlapped_encodes"] += 1
@@ -521,6 +547,7 @@ class AutoregressiveExecutor:
             slots = self._slot_ids(tables, positions)
             lengths = torch.full((len(rows),), t, dtype=torch.long, device=self.device)
             ctx = AttentionContext(self, positions, slots, tables, lengths, torch.tensor(idx, device=self.device))
+            ctx.embeds = self._prompt_embeds(rows, t)
             logits = self.step_model.forward(tokens, positions, ctx)
             self.driver.prefilled(rows, logits)
             last = logits[:, -1].float().clone()
@@ -529,9 +556,35 @@ class AutoregressiveExecutor:
             finished.extend(self._sample(rows, idx, last))
         self._retire(finished)
 
+    def _prompt_embeds(self, rows: list[Row], t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The windows' given embeddings as (flat indices into the (B, T) prefill, vectors)."""
+        index: list[int] = []
+        values: list[torch.Tensor] = []
+        for k, r in enumerate(rows):
+            if r.window.embeds is None:
+                continue
+            pos, vec = r.window.embeds
+            pos = [int(p) for p in pos]
+            if len(pos) != vec.shape[0] or any(not 0 <= p < t for p in pos):
+                raise ValueError(f"{len(pos)} embedding positions for {vec.shape[0]} vectors in a prompt of {t}")
+            index.extend(k * t + p for p in pos)
+            values.append(vec.to(self.device))
+        if not values:
+            return None
+        return torch.tensor(index, dtype=torch.long, device=self.device), torch.cat(values)
+
     def _row_masks(self, row: Row) -> None:
         w = row.window
         v = self.step_model.vocab_size
+        if w.repetition_penalty != 1.0:
+            seen = torch.zeros(v, dtype=torch.bool, device=self.device)
+            ids = [t for t in w.prompt if 0 <= t < v]
+            if ids:
+                seen[torch.tensor(ids, device=self.device)] = True
+            row.seen = seen
+        if w.seed is not None and w.temperature > 0:
+            row.generator = torch.Generator(device=self.device)
+            row.generator.manual_seed(int(w.seed))
         sup = torch.zeros(v, dtype=torch.bool, device=self.device)
         ids = [t for t in w.suppress if 0 <= t < v]
         if ids:
@@ -624,6 +677,9 @@ class AutoregressiveExecutor:
         (into ``self.rows``) of the rows that finished."""
         b = logits.shape[0]
         dev = self.device
+        penal = [i for i, r in enumerate(rows) if r.seen is not None]
+        if penal:
+            self._penalize(logits, [rows[i] for i in penal], penal)
         begin_rows = [i for i, r in enumerate(rows) if r.begin_mask is not None and not r.sampled]
         if begin_rows:
             sup = torch.stack([r.suppress_mask for r in rows])
@@ -639,11 +695,18 @@ class AutoregressiveExecutor:
         next_tokens = logits.argmax(dim=-1)
         hot = [i for i, r in enumerate(rows) if r.window.temperature > 0]
         if hot:
-            next_tokens[hot] = self._draw(logits[hot], [rows[i].window for i in hot])
+            next_tokens[hot] = self._draw(logits[hot], [rows[i].window for i in hot],
+                                          [rows[i].generator for i in hot])  # fmt: skip
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs[torch.arange(b, device=dev), next_tokens]
         # one device-to-host sync per step: token ids (< 2**24) and float32 log-probs are both
         # exact in float64
+        if penal:
+            pi = torch.tensor(penal, device=dev)
+            seen = torch.stack([rows[i].seen for i in penal])
+            seen[torch.arange(len(penal), device=dev), next_tokens[pi]] = True
+            for k, i in enumerate(penal):
+                rows[i].seen = seen[k]
         toks_f, picked_f = torch.stack((next_tokens.double(), picked.double())).tolist()
         for r, p in zip(rows, picked_f, strict=True):
             r.sum_logprob = np.float32(r.sum_logprob) + np.float32(p)
@@ -659,7 +722,20 @@ class AutoregressiveExecutor:
                 raise RuntimeError("KV blocks exhausted")  # cannot happen: blocks cover prompt + budget
         return finished
 
-    def _draw(self, logits: torch.Tensor, windows: list[Window]) -> torch.Tensor:
+    @staticmethod
+    def _penalize(logits: torch.Tensor, rows: list[Row], idx: list[int]) -> None:
+        """``transformers``' repetition penalty, in place: the logit of a token already in the
+        row's sequence (prompt included) is divided by the penalty when positive, multiplied
+        when negative."""
+        dev = logits.device
+        i = torch.tensor(idx, device=dev)
+        sub = logits[i]
+        seen = torch.stack([r.seen for r in rows])
+        p = torch.tensor([r.window.repetition_penalty for r in rows], device=dev, dtype=sub.dtype)[:, None]
+        logits[i] = torch.where(seen, torch.where(sub < 0, sub * p, sub / p), sub)
+
+    def _draw(self, logits: torch.Tensor, windows: list[Window],
+              generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:  # fmt: skip
         """Sample one token per row at the rows' temperatures, within their top-k / top-p."""
         dev = logits.device
         temps = torch.tensor([w.temperature for w in windows], device=dev)[:, None]
@@ -676,7 +752,12 @@ class AutoregressiveExecutor:
             drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= ps[:, None]
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             scaled = scaled.masked_fill(drop, -math.inf)
-        return torch.multinomial(torch.softmax(scaled, dim=-1), 1)[:, 0]
+        probs = torch.softmax(scaled, dim=-1)
+        if generators is None or all(g is None for g in generators):
+            return torch.multinomial(probs, 1)[:, 0]
+        # a seeded row draws from its own generator, so its tokens do not depend on its batch
+        return torch.cat([torch.multinomial(probs[k : k + 1], 1, generator=g)[:, 0]
+                          for k, g in enumerate(generators)])  # fmt: skip
 
     # ------------------------------------------------------------------ finishing rows
     def _drop_row(self, i: int) -> Row:

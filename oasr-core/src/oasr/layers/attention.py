@@ -103,6 +103,37 @@ def attention(
 _PAGED_DECODE_ATTENTION = declare_op("paged_decode_attention")
 
 
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`attention` with fewer key/value heads than query heads (grouped-query attention).
+
+    ``q`` (B, H, T, D); ``k``/``v`` (B, H_kv, S, D) with ``H % H_kv == 0``: query head ``h``
+    attends with key/value head ``h // (H // H_kv)`` (the grouping of ``transformers``'
+    ``repeat_kv``). ``mask`` broadcastable to (B, 1, T, S) (one mask for every head). The group's
+    queries are folded into the time axis, (B, H_kv, G * T, D), so the keys and values are read
+    in place and never repeated. With ``H_kv == H`` this is :func:`attention`."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    if hkv == h:
+        return attention(q, k, v, mask, False, scale)
+    if h % hkv:
+        raise ValueError(f"{h} query heads cannot share {hkv} key/value heads")
+    g = h // hkv
+    qg = q.reshape(b, hkv, g * t, d)
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[1] != 1:
+            raise ValueError("grouped attention takes a mask broadcastable to (B, 1, T, S)")
+        m = mask.expand(mask.shape[0], 1, t, mask.shape[-1])
+        mask = m[:, :, None].expand(m.shape[0], 1, g, t, m.shape[-1]).reshape(m.shape[0], 1, g * t, m.shape[-1])
+    out = attention(qg, k, v, mask, False, scale)
+    return out.reshape(b, h, t, v.shape[-1])
+
+
 def _paged_decode_attention_native(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -111,18 +142,18 @@ def _paged_decode_attention_native(
     lengths: torch.Tensor,
     scale: float | None,
 ) -> torch.Tensor:
-    # Gather every row's blocks into dense (B, H, nb * block_size, D) keys/values and mask the
-    # tail. Shapes depend only on (B, nb) and nothing reads back to the host, so this stays
-    # capturable in a CUDA graph.
-    b, h, _, d = q.shape
+    # Gather every row's blocks into dense (B, H_kv, nb * block_size, D) keys/values and mask
+    # the tail. Shapes depend only on (B, nb) and nothing reads back to the host, so this stays
+    # capturable in a CUDA graph. Fewer key/value heads than query heads: grouped_attention.
+    b = q.shape[0]
     nb = block_tables.shape[1]
-    bs = k_pool.shape[1]
+    bs, hkv = k_pool.shape[1], k_pool.shape[2]
     flat = block_tables.reshape(-1)
-    k = k_pool.index_select(0, flat).view(b, nb * bs, h, d).transpose(1, 2)
-    v = v_pool.index_select(0, flat).view(b, nb * bs, h, v_pool.shape[-1]).transpose(1, 2)
+    k = k_pool.index_select(0, flat).view(b, nb * bs, hkv, k_pool.shape[-1]).transpose(1, 2)
+    v = v_pool.index_select(0, flat).view(b, nb * bs, hkv, v_pool.shape[-1]).transpose(1, 2)
     keys = torch.arange(nb * bs, device=q.device)
     mask = (keys[None, :] < lengths.to(q.device)[:, None])[:, None, None, :]  # (B, 1, 1, S)
-    return attention(q, k, v, mask, False, scale)
+    return grouped_attention(q, k, v, mask, scale)
 
 
 def paged_decode_attention(
@@ -135,13 +166,16 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One decode step of attention over a paged KV cache (:class:`oasr.kv_cache.PagedKVCache`).
 
-    ``q`` (B, H, 1, D); ``k_pool``/``v_pool`` (num_blocks, block_size, H, D), one layer's pools;
+    ``q`` (B, H, 1, D); ``k_pool``/``v_pool`` (num_blocks, block_size, H_kv, D), one layer's
+    pools, with ``H_kv`` dividing ``H`` (grouped-query attention: query head ``h`` reads key/value
+    head ``h // (H // H_kv)``; ``H_kv == H`` is plain multi-head attention);
     ``block_tables`` (B, nb) int64 block ids; ``lengths`` (B,) int64 valid keys per row, with
     ``1 <= lengths[b] <= nb * block_size``. Key ``p`` of row ``b`` is at block
     ``block_tables[b, p // block_size]``, offset ``p % block_size``. Returns (B, H, 1, D) in
     ``q``'s dtype: ``softmax(q k^T * scale) v`` over each row's first ``lengths[b]`` keys
     (``scale`` defaults to ``D ** -0.5``). Overridable op ``"paged_decode_attention"``; the
-    native code gathers the blocks and calls :func:`attention` with a key-padding mask."""
+    native code gathers the blocks and calls :func:`grouped_attention` with a key-padding mask.
+    A kernel that does not handle grouped heads returns ``NotImplemented`` for them."""
     return call_op(
         _PAGED_DECODE_ATTENTION,
         q.device.type,

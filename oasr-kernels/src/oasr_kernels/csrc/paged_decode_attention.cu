@@ -2,7 +2,8 @@
 //
 //   out[b, h, :] = softmax(q[b, h, :] . K[b, j, h, :] * scale, j < len[b]) @ V[b, j, h, :]
 //
-// K/V live in pools of shape (num_blocks, block_size, H, D); key j of row b is at slot
+// K/V live in pools of shape (num_blocks, block_size, H_kv, D) (H_kv divides H: grouped-query
+// attention, query head h reads kv head h / (H / H_kv)); key j of row b is at slot
 // tables[b, j / block_size] * block_size + j % block_size. One thread block per (head, row).
 //
 // Compiled by NVRTC (through CuPy) with no headers: fp16/bf16 are handled as raw 16-bit words,
@@ -132,7 +133,8 @@ __device__ __forceinline__ void paged_decode_attention(
     const void* __restrict__ q_raw, long long q_stride_b, long long q_stride_h,
     const void* __restrict__ k_raw, const void* __restrict__ v_raw,
     const long long* __restrict__ tables, const long long* __restrict__ lengths,
-    void* __restrict__ out_raw, int num_heads, int nb, int block_size, float scale) {
+    void* __restrict__ out_raw, int num_heads, int num_kv_heads, int nb, int block_size,
+    float scale) {
   typedef Elem<KIND> E;
   typedef typename E::T T;
   constexpr int EPL = E::kPerVec;  // elements per lane per load
@@ -171,8 +173,9 @@ __device__ __forceinline__ void paged_decode_attention(
 
   const T* K = static_cast<const T*>(k_raw);
   const T* V = static_cast<const T*>(v_raw);
-  const long long slot_stride = (long long)num_heads * D;  // elements per slot
-  const long long head_off = (long long)h * D + g * EPL;
+  const long long slot_stride = (long long)num_kv_heads * D;  // elements per slot
+  const int kv_head = h / (num_heads / num_kv_heads);  // the group's shared key/value head
+  const long long head_off = (long long)kv_head * D + g * EPL;
   const int first = warp * KPW + ks;  // this thread's key within a round, before u * KPB
 
   // Pass 1: scores[j] = q . K[j] * scale
@@ -266,9 +269,11 @@ __device__ __forceinline__ void paged_decode_attention(
       const void* __restrict__ q, long long q_stride_b, long long q_stride_h,                 \
       const void* __restrict__ k, const void* __restrict__ v,                                 \
       const long long* __restrict__ tables, const long long* __restrict__ lengths,            \
-      void* __restrict__ out, int num_heads, int nb, int block_size, float scale) {           \
+      void* __restrict__ out, int num_heads, int num_kv_heads, int nb, int block_size,        \
+      float scale) {                                                                          \
     oasr_pda::paged_decode_attention<KIND, D>(q, q_stride_b, q_stride_h, k, v, tables,        \
-                                              lengths, out, num_heads, nb, block_size, scale); \
+                                              lengths, out, num_heads, num_kv_heads, nb,      \
+                                              block_size, scale);                             \
   }
 
 OASR_PDA_KERNEL(oasr_paged_decode_attention_f32_d64, 0, 64)

@@ -1,0 +1,79 @@
+"""Pieces of decoder-only language models (Qwen2, Llama-style): RMSNorm, rotary position
+embeddings and the gated SiLU feed-forward block.
+
+``RMSNorm`` is an overridable op (``"rms_norm"``); its native code is ``transformers``'
+(normalise in float32, cast back, then scale). Rotary embeddings take absolute positions as a
+tensor, so a decode step over a paged cache (positions differ per row) stays capturable in a
+CUDA graph: nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasr.layers._dispatch import declare_op
+from oasr.layers.basic import Linear, Op
+
+__all__ = ["RMSNorm", "RotaryEmbedding", "SiLUGatedMLP", "apply_rotary"]
+
+
+class RMSNorm(Op):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, computed in float32."""
+
+    op_name = declare_op("rms_norm")
+
+    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (the "default" rope of ``transformers``): ``cos``/``sin``
+    (B, T, head_dim) for absolute ``positions`` (B, T), computed in float32."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, T, D) by ``cos``/``sin`` (B, T, D) (halves rotated, as ``transformers``'
+    ``rotate_half``)."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SiLUGatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, the feed-forward block of Qwen2 / Llama."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.gate_proj = Linear(dim, hidden, bias=bias, **kw)
+        self.up_proj = Linear(dim, hidden, bias=bias, **kw)
+        self.down_proj = Linear(hidden, dim, bias=bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

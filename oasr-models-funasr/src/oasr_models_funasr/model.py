@@ -1,0 +1,372 @@
+"""``ParaformerASR``: FunASR Paraformer / BiCifParaformer as an OASR :class:`~oasr.model.ASRModel`.
+
+One non-autoregressive pass per batch: FunASR fbank + LFR + CMVN (core frontend, the release's
+``am.mvn``) -> SANM encoder -> CIF predictor (token count and acoustic embeddings,
+:mod:`oasr.decoders.cif`) -> SANM decoder -> argmax per token. The engine's batch executor hands
+``transcribe`` one length-bucketed batch at a time; rows are padded and masked so that a row's
+result does not depend on its batch.
+
+Timestamps (``word_timestamps=True``) follow FunASR: Paraformer's from the CIF fires of the
+predictor, BiCif's from its upsampled timestamp predictor; CJK characters are words, ``@@``
+pieces are joined into words (:mod:`oasr_models_funasr.text`).
+
+Long inputs (longer than ``max_segment_s``, by default; ``long_form="vad"`` for every input) are
+cut at the speech segments the core's VAD finds (Silero), each segment at most
+``max_segment_s`` long, and all segments of all inputs of the batch run as one batch; each
+segment becomes one :class:`~oasr.types.Segment` with its own times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from oasr.audio import as_mono_waveform
+from oasr.decoders.cif import add_tail, cif_cumsum, cif_fires, cif_loop, cif_timestamps
+from oasr.errors import CheckpointError
+from oasr.features.funasr import FunASRFbankLFR
+from oasr.layers import resolve_dtype
+from oasr.model import ProgressCallback
+from oasr.options import ResolvedOptions
+from oasr.types import (
+    DecodingOptions,
+    EngineConfig,
+    FeatureSpec,
+    ModelCapabilities,
+    Segment,
+    Transcript,
+    Word,
+)
+from oasr_models_funasr.checkpoints import ParaformerConfig, load_release
+from oasr_models_funasr.nn import ParaformerNet
+from oasr_models_funasr.options import ParaformerOptions
+from oasr_models_funasr.plugin import CAPABILITIES
+from oasr_models_funasr.text import postprocess
+
+
+@dataclass
+class Decoded:
+    """One decoded piece of audio: tokens (ids and strings, specials filtered as FunASR does),
+    token log-probabilities and, when asked, token times in ms from the piece's start."""
+
+    ids: list[int]
+    tokens: list[str]
+    logprobs: list[float]
+    times: list[tuple[int, int]] | None = None
+
+
+def frontend_spec(fc: dict[str, Any]) -> FeatureSpec:
+    """The core FunASR frontend spec of a release's ``frontend_conf`` (dither forced to 0)."""
+    fs = int(fc.get("fs", 16000))
+    frame_length = float(fc.get("frame_length", 25))
+    frame_shift = float(fc.get("frame_shift", 10))
+    return FeatureSpec(
+        kind="funasr_fbank_lfr",
+        sample_rate=fs,
+        num_bins=int(fc.get("n_mels", 80)),
+        hop_length=int(fs * frame_shift / 1000),
+        win_length=int(fs * frame_length / 1000),
+        n_fft=512,
+        options={
+            "lfr_m": int(fc.get("lfr_m", 1)),
+            "lfr_n": int(fc.get("lfr_n", 1)),
+            "window_type": str(fc.get("window", "hamming")),
+            "snip_edges": bool(fc.get("snip_edges", True)),
+            "upscale": bool(fc.get("upsacle_samples", True)),
+            "frame_length_ms": frame_length,
+            "frame_shift_ms": frame_shift,
+            "dither": 0.0,
+        },
+    )
+
+
+class ParaformerASR:
+    """A loaded Paraformer (``model: Paraformer``) or BiCifParaformer."""
+
+    capabilities: ModelCapabilities = CAPABILITIES
+
+    def __init__(
+        self,
+        net: ParaformerNet,
+        cfg: ParaformerConfig,
+        tokens: Sequence[str],
+        *,
+        cmvn: np.ndarray | None = None,
+        name: str = "paraformer",
+        source_path: Path | None = None,
+    ) -> None:
+        if len(tokens) != cfg.vocab_size or net.vocab_size != cfg.vocab_size:
+            raise CheckpointError(
+                f"the token list has {len(tokens)} entries but the model has {net.vocab_size} outputs"
+            )
+        self.net = net
+        self.config = cfg
+        self.tokens = list(tokens)
+        self.name = name
+        self.source_format = "funasr"
+        self.source_path = source_path
+        self.feature_spec = frontend_spec(cfg.frontend)
+        self.frontend = FunASRFbankLFR(self.feature_spec, cmvn=cmvn)
+        if self.frontend.dim != cfg.encoder.input_size:
+            raise CheckpointError(
+                f"frontend features have {self.frontend.dim} dims but the encoder takes {cfg.encoder.input_size}"
+            )
+        self.default_options = ParaformerOptions()
+        lfr_n = int(self.feature_spec.options["lfr_n"])
+        #: seconds per encoder frame (one LFR frame: 60 ms for lfr_n 6)
+        self.frame_shift = lfr_n * self.feature_spec.hop_length / self.feature_spec.sample_rate
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_release(cls, path: str | Path, config: EngineConfig | None = None) -> ParaformerASR:
+        from oasr.features.funasr import load_am_mvn
+
+        config = config or EngineConfig()
+        cfg, state, tokens, cmvn_path = load_release(Path(path))
+        net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
+        cmvn = load_am_mvn(cmvn_path) if cmvn_path is not None else None
+        e = cfg.encoder
+        name = f"funasr {cfg.model} {e.num_blocks}x{e.output_size}"
+        return cls(net, cfg, tokens, cmvn=cmvn, name=name, source_path=Path(path))
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.device
+
+    # ------------------------------------------------------------------ features and network
+    def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """LFR + CMVN features (B, T, D) float32 on the model's device, and their lengths."""
+        dev = self.device
+        lens = torch.tensor([len(w) for w in waves])
+        batch = torch.zeros(len(waves), int(lens.max()), dtype=torch.float32)
+        for i, w in enumerate(waves):
+            batch[i, : len(w)] = torch.from_numpy(np.asarray(w, dtype=np.float32))
+        feats, flens = self.frontend.extract(batch.to(dev), lens.to(dev))
+        return feats, flens
+
+    @torch.no_grad()
+    def encode(self, feats: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Encoder output (B, T, d) float32, zero past each length."""
+        return self.net.encoder(feats.to(self.net.dtype), lens).float()
+
+    @torch.no_grad()
+    def decode_batch(self, waves: Sequence[np.ndarray], timestamps: bool) -> list[Decoded]:
+        """One non-autoregressive pass over a batch of waveforms."""
+        feats, flens = self.features(waves)
+        enc = self.encode(feats, flens)
+        net, cfg = self.net, self.config
+        pc = cfg.predictor
+        conv, alphas = net.predictor(enc, flens)
+        alphas = alphas.float()
+        if pc.tail_threshold > 0:
+            hidden, alphas_t, token_num = add_tail(
+                enc,
+                alphas,
+                flens if (pc.tail_mask or pc.kind == "CifPredictorV3") else None,
+                pc.tail_threshold,
+            )
+        else:
+            hidden, alphas_t, token_num = enc, alphas, alphas.sum(-1)
+        if pc.kind == "CifPredictorV3":
+            embeds, fires = cif_loop(hidden, alphas_t, pc.threshold)
+        else:
+            embeds, fires = cif_cumsum(hidden, alphas_t)
+        if pc.tail_threshold > 0:
+            embeds = embeds[:, : int(token_num.max())]
+        ntok = token_num.round().long()
+        b = len(waves)
+        if b == 0 or int(ntok.max()) < 1:
+            return [Decoded([], [], [], [] if timestamps else None) for _ in range(b)]
+        logits = net.decoder(enc.to(net.dtype), flens, embeds.to(net.dtype), ntok)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        best, ids = logp.max(dim=-1)
+        ids_l, best_l, ntok_l = ids.cpu().tolist(), best.cpu().tolist(), ntok.cpu().tolist()
+        us_alphas = None
+        if timestamps and pc.kind == "CifPredictorV3":
+            us_alphas = net.predictor.upsampled_alphas(enc, conv, flens, ntok).float().cpu()
+        flens_l = flens.cpu().tolist()
+        out = []
+        drop = {cfg.blank_id, cfg.sos, cfg.eos}
+        for i in range(b):
+            row = [
+                (t, s)
+                for t, s in zip(ids_l[i][: ntok_l[i]], best_l[i][: ntok_l[i]], strict=True)
+                if t not in drop
+            ]
+            tids = [t for t, _ in row]
+            toks = [self.tokens[t] for t in tids]
+            d = Decoded(tids, toks, [s for _, s in row])
+            if timestamps:
+                if pc.kind == "CifPredictorV3":
+                    n = flens_l[i] * pc.upsample_times
+                    ua = us_alphas[i, :n]
+                    uf = torch.from_numpy(cif_fires(ua, float(pc.threshold - 1e-4)))
+                    ts = cif_timestamps(
+                        ua,
+                        uf,
+                        toks,
+                        upsample_rate=pc.upsample_times,
+                        frame_ms=self.frame_shift * 1000,
+                    )
+                else:
+                    # FunASR passes the CIF fires as the weights and the alphas as the fires
+                    n = (
+                        flens_l[i] + (1 if pc.tail_threshold > 0 else 0)
+                        if pc.tail_mask
+                        else fires.shape[1]
+                    )
+                    n = min(n, fires.shape[1], alphas_t.shape[1])
+                    ts = cif_timestamps(
+                        fires[i, :n],
+                        alphas_t[i, :n],
+                        toks,
+                        upsample_rate=1,
+                        frame_ms=self.frame_shift * 1000,
+                    )
+                d.times = ts.tokens
+            out.append(d)
+        return out
+
+    # ------------------------------------------------------------------ requests
+    def _check(self, options: DecodingOptions | ResolvedOptions) -> ResolvedOptions:
+        return options.validate_for(self)
+
+    def transcribe(
+        self,
+        audios: Sequence[np.ndarray],
+        options: DecodingOptions,
+        progress: ProgressCallback | None = None,
+    ) -> list[Transcript]:
+        options = self._check(options)
+        sr = self.feature_spec.sample_rate
+        waves = [as_mono_waveform(a, f"audio #{k}") for k, a in enumerate(audios)]
+        if not waves:
+            return []
+        # pieces: (input index, start sample, waveform)
+        pieces: list[tuple[int, int, np.ndarray]] = []
+        max_len = int(options.max_segment_s * sr)
+        for i, w in enumerate(waves):
+            use_vad = options.long_form == "vad" or (
+                options.long_form == "auto" and len(w) > max_len
+            )
+            if use_vad:
+                for s, e in self._speech_spans(w, options):
+                    pieces.append((i, s, w[s:e]))
+            else:
+                pieces.append((i, 0, w))
+        pieces = [p for p in pieces if len(p[2]) >= self.feature_spec.win_length]
+        decoded: list[Decoded] = []
+        if pieces:
+            decoded = self.decode_batch([p[2] for p in pieces], options.word_timestamps)
+        per_input: list[list[tuple[int, np.ndarray, Decoded]]] = [[] for _ in waves]
+        for (i, start, w), d in zip(pieces, decoded, strict=True):
+            per_input[i].append((start, w, d))
+        if progress is not None:
+            total = sum(len(w) for w in waves) / sr
+            progress(total, total)
+        return [
+            self._transcript(parts, len(w) / sr, options)
+            for parts, w in zip(per_input, waves, strict=True)
+        ]
+
+    def _speech_spans(self, wave: np.ndarray, options: ResolvedOptions) -> list[tuple[int, int]]:
+        from oasr.vad import SegmentationOptions, get_speech_segments
+
+        sr = self.feature_spec.sample_rate
+        seg_opts = SegmentationOptions(max_speech_s=options.max_segment_s)
+        return [(s.start, s.end) for s in get_speech_segments(wave, sr, options=seg_opts)]
+
+    def _language(self) -> str | None:
+        from oasr_models_funasr.text import _is_cjk
+
+        body = [t for t in self.tokens if t and not t.startswith("<")]
+        if not body:
+            return None
+        cjk = sum(1 for t in body if _is_cjk(t) and not t.isdigit())
+        return "zh" if cjk > 0.5 * len(body) else "en"
+
+    def _transcript(
+        self,
+        parts: list[tuple[int, np.ndarray, Decoded]],
+        duration: float,
+        options: ResolvedOptions,
+    ) -> Transcript:
+        sr = self.feature_spec.sample_rate
+        segments: list[Segment] = []
+        texts: list[str] = []
+        for start, w, d in parts:
+            text, words, spans = postprocess(d.tokens, d.times if options.word_timestamps else None)
+            if not text:
+                continue
+            off = start / sr
+            seg_words: list[Word] = []
+            if options.word_timestamps and len(words) == len(spans):
+                conf = float(np.exp(np.mean(d.logprobs))) if d.logprobs else 0.0
+                seg_words = [
+                    Word(word, round(off + s / 1000.0, 3), round(off + e / 1000.0, 3), conf)
+                    for word, (s, e) in zip(words, spans, strict=True)
+                ]
+            avg = float(np.mean(d.logprobs)) if d.logprobs else 0.0
+            segments.append(
+                Segment(
+                    id=len(segments),
+                    start=round(off, 3),
+                    end=round(off + len(w) / sr, 3),
+                    text=text,
+                    tokens=list(d.ids),
+                    words=seg_words,
+                    avg_logprob=avg,
+                )
+            )
+            texts.append(text)
+        sep = "" if self._language() == "zh" else " "
+        return Transcript(
+            text=sep.join(texts).strip(),
+            language=self._language(),
+            duration=duration,
+            segments=segments,
+        )
+
+
+def build_network(
+    cfg: ParaformerConfig,
+    state: dict[str, torch.Tensor],
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+) -> ParaformerNet:
+    """The network with the release's weights (strict: missing / misshapen tensors are listed;
+    the CTC head some releases carry is ignored)."""
+    with torch.device("meta"):
+        net = ParaformerNet(cfg.encoder, cfg.decoder, cfg.predictor, cfg.vocab_size)
+    expected = {k: v.shape for k, v in net.state_dict().items()}
+    state = {k: v for k, v in state.items() if not k.startswith("ctc.")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    bad = sorted(
+        k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k])
+    )
+    if missing or unexpected or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if bad:
+            parts.append(
+                "misshapen "
+                + ", ".join(f"{k} {tuple(state[k].shape)} != {tuple(expected[k])}" for k in bad[:5])
+            )
+        raise CheckpointError("model.pt does not match config.yaml: " + "; ".join(parts))
+    if dtype is None:
+        dtype = torch.float16 if str(device).startswith("cuda") else torch.float32
+    net.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    net.predictor.float()  # the predictor and CIF run in float32, as in FunASR (autocast off)
+    return net.to(device).eval()
+
+
+__all__ = ["Decoded", "ParaformerASR", "build_network", "frontend_spec"]

@@ -1,0 +1,376 @@
+"""Paraformer's network on ``oasr.layers``, with FunASR's parameter names (``model.pt`` loads as
+released, no renaming).
+
+* ``encoder``: SANM encoder (``SANMEncoder``, ``input_layer: pe``): input x sqrt(d) + sinusoidal
+  positions (1-based, FunASR's ``SinusoidalPositionEncoder``), ``encoders0`` (one layer whose
+  input is the LFR feature width, so no attention residual) and ``encoders`` (the rest); each
+  layer is pre-norm SANM self-attention (multi-head attention plus an FSMN memory: a depthwise
+  convolution over the values) and a ReLU feed-forward; ``after_norm``.
+* ``predictor``: CIF predictor V2 (Paraformer) or V3 (BiCif: also a transposed-convolution
+  timestamp head upsampling time by ``upsample_times``).
+* ``decoder``: Paraformer SANM decoder: ``decoders`` (FSMN self-memory + cross-attention),
+  ``decoders2`` (FSMN only), ``decoders3`` (feed-forward only), ``after_norm``,
+  ``output_layer``. The training-time token embedding (``decoder.embed``) is loaded and unused.
+
+Padding: encoder outputs past each row's length are zeroed before the predictor, so a row's
+result does not depend on the rows it is batched with (FunASR, which runs one input at a time,
+gives the same result as a batch of one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasr.layers import Conv1d, LayerNorm, Linear, attention
+from oasr.layers.conformer import DepthwiseConv1d
+
+LN_EPS = 1e-12  # FunASR's LayerNorm
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    input_size: int = 560
+    output_size: int = 512
+    attention_heads: int = 4
+    linear_units: int = 2048
+    num_blocks: int = 50
+    kernel_size: int = 11
+    sanm_shfit: int = 0
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    attention_heads: int = 4
+    linear_units: int = 2048
+    num_blocks: int = 16
+    att_layer_num: int = 16
+    kernel_size: int = 11
+    sanm_shfit: int = 0
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    kind: str = "CifPredictorV2"  # or "CifPredictorV3"
+    idim: int = 512
+    l_order: int = 1
+    r_order: int = 1
+    threshold: float = 1.0
+    smooth_factor: float = 1.0
+    noise_threshold: float = 0.0
+    tail_threshold: float = 0.45
+    tail_mask: bool = True
+    # V3 (BiCif timestamp head)
+    smooth_factor2: float = 1.0
+    noise_threshold2: float = 0.0
+    upsample_times: int = 3
+    upsample_type: str = "cnn"
+    use_cif1_cnn: bool = True
+
+
+def sinusoid_positions(
+    t: int, depth: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """FunASR's ``SinusoidalPositionEncoder.encode`` for positions 1..t: (t, depth)."""
+    pos = torch.arange(1, t + 1, device=device).to(dtype)
+    inc = torch.log(torch.tensor([10000.0], dtype=dtype, device=device)) / (depth / 2 - 1)
+    inv = torch.exp(torch.arange(depth / 2, device=device).to(dtype) * (-inc))
+    scaled = pos[:, None] * inv[None, :]
+    return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
+
+
+class FeedForward(nn.Module):
+    """``w_2(relu(w_1 x))`` (encoder)."""
+
+    def __init__(self, d: int, units: int) -> None:
+        super().__init__()
+        self.w_1 = Linear(d, units)
+        self.w_2 = Linear(units, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(F.relu(self.w_1(x)))
+
+
+class FeedForwardDecoder(nn.Module):
+    """``w_2(norm(relu(w_1 x)))``, ``w_2`` without bias (decoder)."""
+
+    def __init__(self, d: int, units: int) -> None:
+        super().__init__()
+        self.w_1 = Linear(d, units)
+        self.w_2 = Linear(units, d, bias=False)
+        self.norm = LayerNorm(units, eps=LN_EPS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(self.norm(F.relu(self.w_1(x))))
+
+
+def fsmn_pads(kernel_size: int, shift: int) -> tuple[int, int]:
+    """FunASR's FSMN zero padding: ``left = (k-1)//2 + shift``, ``right = k-1-left``."""
+    left = (kernel_size - 1) // 2 + (shift if shift > 0 else 0)
+    return left, kernel_size - 1 - left
+
+
+def fsmn_memory(
+    block: DepthwiseConv1d, pads: tuple[int, int], x: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The FSMN memory: a depthwise convolution (no bias) over the masked input, plus it."""
+    if mask is not None:
+        x = x * mask
+    y = block(F.pad(x.transpose(1, 2), pads)).transpose(1, 2) + x
+    return y * mask if mask is not None else y
+
+
+class SANMAttention(nn.Module):
+    """``MultiHeadedAttentionSANM``: attention over ``linear_q_k_v`` projections plus the FSMN
+    memory of the values."""
+
+    def __init__(self, heads: int, in_feat: int, d: int, kernel_size: int, shift: int) -> None:
+        super().__init__()
+        self.h, self.d_k = heads, d // heads
+        self.linear_q_k_v = Linear(in_feat, 3 * d)
+        self.linear_out = Linear(d, d)
+        self.fsmn_block = DepthwiseConv1d(d, kernel_size, padding=0, bias=False)
+        self.pads = fsmn_pads(kernel_size, shift)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.linear_q_k_v(x).split(self.h * self.d_k, dim=-1)
+        mem = fsmn_memory(self.fsmn_block, self.pads, v, mask)
+        qh, kh, vh = (z.reshape(b, t, self.h, self.d_k).transpose(1, 2) for z in (q, k, v))
+        out = attention(qh, kh, vh, attn_mask, scale=self.d_k**-0.5)
+        out = self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))
+        return out + mem
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, in_size: int, cfg: EncoderConfig) -> None:
+        super().__init__()
+        d = cfg.output_size
+        self.residual = in_size == d
+        self.self_attn = SANMAttention(
+            cfg.attention_heads, in_size, d, cfg.kernel_size, cfg.sanm_shfit
+        )
+        self.feed_forward = FeedForward(d, cfg.linear_units)
+        self.norm1 = LayerNorm(in_size, eps=LN_EPS)
+        self.norm2 = LayerNorm(d, eps=LN_EPS)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn(self.norm1(x), mask, attn_mask)
+        x = x + a if self.residual else a
+        return x + self.feed_forward(self.norm2(x))
+
+
+class SANMEncoder(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoders0 = nn.ModuleList([EncoderLayer(cfg.input_size, cfg)])
+        self.encoders = nn.ModuleList(
+            [EncoderLayer(cfg.output_size, cfg) for _ in range(cfg.num_blocks - 1)]
+        )
+        self.after_norm = LayerNorm(cfg.output_size, eps=LN_EPS)
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(B, T, input_size) -> (B, T, d), zero past each row's length."""
+        b, t, dim = feats.shape
+        valid = torch.arange(t, device=feats.device)[None, :] < lengths[:, None]
+        mask = valid[:, :, None].to(feats.dtype)
+        attn_mask = valid[:, None, None, :]
+        x = feats * self.cfg.output_size**0.5
+        x = x + sinusoid_positions(t, dim, feats.device, torch.float32).to(x.dtype)
+        for layer in self.encoders0:
+            x = layer(x, mask, attn_mask)
+        for layer in self.encoders:
+            x = layer(x, mask, attn_mask)
+        return self.after_norm(x) * mask
+
+
+class CifPredictor(nn.Module):
+    """CIF predictor V2 / V3: per-frame weights from a convolution over the encoder output;
+    V3 adds the upsampled timestamp head (``upsample_cnn`` + ``cif_output2``)."""
+
+    def __init__(self, cfg: PredictorConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.idim
+        self.cif_conv1d = Conv1d(d, d, cfg.l_order + cfg.r_order + 1)
+        self.cif_output = Linear(d, 1)
+        if cfg.kind == "CifPredictorV3":
+            if cfg.upsample_type != "cnn":
+                from oasr.errors import CheckpointError
+
+                raise CheckpointError(
+                    f"CifPredictorV3 upsample_type {cfg.upsample_type!r} is not supported (only 'cnn')"
+                )
+            self.upsample_cnn = nn.ConvTranspose1d(d, d, cfg.upsample_times, cfg.upsample_times)
+            self.cif_output2 = Linear(d, 1)
+
+    def _conv(self, hidden: torch.Tensor) -> torch.Tensor:
+        ctx = F.pad(hidden.transpose(1, 2), (self.cfg.l_order, self.cfg.r_order))
+        return F.relu(self.cif_conv1d(ctx))  # (B, d, T)
+
+    def forward(
+        self, hidden: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, d) -> (conv output (B, d, T), alphas (B, T), zero past each length)."""
+        c = self.cfg
+        conv = self._conv(hidden)
+        alphas = torch.sigmoid(self.cif_output(conv.transpose(1, 2)))
+        alphas = F.relu(alphas * c.smooth_factor - c.noise_threshold).squeeze(-1)
+        valid = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]
+        return conv, alphas * valid.to(alphas.dtype)
+
+    def upsampled_alphas(
+        self,
+        hidden: torch.Tensor,
+        conv: torch.Tensor,
+        lengths: torch.Tensor,
+        token_num: torch.Tensor,
+    ) -> torch.Tensor:
+        """V3's timestamp weights (B, T * upsample_times), rescaled to sum to ``token_num``."""
+        c = self.cfg
+        src = conv if c.use_cif1_cnn else hidden.transpose(1, 2)
+        out2 = self.upsample_cnn(src).transpose(1, 2)
+        a2 = torch.sigmoid(self.cif_output2(out2))
+        a2 = F.relu(a2 * c.smooth_factor2 - c.noise_threshold2).squeeze(-1)
+        t = hidden.shape[1]
+        valid = torch.arange(t, device=hidden.device)[None, :] < lengths[:, None]
+        a2 = a2 * valid.repeat_interleave(c.upsample_times, dim=1).to(a2.dtype)
+        total = a2.sum(-1)
+        return a2 * (token_num / total)[:, None]
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, heads: int, d: int) -> None:
+        super().__init__()
+        self.h, self.d_k = heads, d // heads
+        self.linear_q = Linear(d, d)
+        self.linear_k_v = Linear(d, 2 * d)
+        self.linear_out = Linear(d, d)
+
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor, mem_mask: torch.Tensor
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.linear_q(x).reshape(b, n, self.h, self.d_k).transpose(1, 2)
+        k, v = self.linear_k_v(memory).split(self.h * self.d_k, dim=-1)
+        k = k.reshape(b, -1, self.h, self.d_k).transpose(1, 2)
+        v = v.reshape(b, -1, self.h, self.d_k).transpose(1, 2)
+        out = attention(q, k, v, mem_mask, scale=self.d_k**-0.5)
+        return self.linear_out(out.transpose(1, 2).reshape(b, n, self.h * self.d_k))
+
+
+class DecoderSelfMemory(nn.Module):
+    """``MultiHeadedAttentionSANMDecoder``: the FSMN memory alone."""
+
+    def __init__(self, d: int, kernel_size: int, shift: int) -> None:
+        super().__init__()
+        self.fsmn_block = DepthwiseConv1d(d, kernel_size, padding=0, bias=False)
+        self.pads = fsmn_pads(kernel_size, shift)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return fsmn_memory(self.fsmn_block, self.pads, x, mask)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, d: int, cfg: DecoderConfig, self_attn: bool, src_attn: bool, shift: int
+    ) -> None:
+        super().__init__()
+        self.feed_forward = FeedForwardDecoder(d, cfg.linear_units)
+        self.norm1 = LayerNorm(d, eps=LN_EPS)
+        self.self_attn = DecoderSelfMemory(d, cfg.kernel_size, shift) if self_attn else None
+        if self_attn:
+            self.norm2 = LayerNorm(d, eps=LN_EPS)
+        self.src_attn = CrossAttention(cfg.attention_heads, d) if src_attn else None
+        if src_attn:
+            self.norm3 = LayerNorm(d, eps=LN_EPS)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, memory: torch.Tensor, mem_mask: torch.Tensor
+    ) -> torch.Tensor:
+        residual = x
+        t = self.feed_forward(self.norm1(x))
+        if self.self_attn is None:
+            x = t
+        else:
+            x = residual + self.self_attn(self.norm2(t), mask)
+        if self.src_attn is not None:
+            x = x + self.src_attn(self.norm3(x), memory, mem_mask)
+        return x
+
+
+class ParaformerDecoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig, d: int, vocab_size: int) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Embedding(vocab_size, d))  # training only (sampler)
+        shift = cfg.sanm_shfit if cfg.sanm_shfit is not None else (cfg.kernel_size - 1) // 2
+        self.decoders = nn.ModuleList(
+            [DecoderLayer(d, cfg, True, True, shift) for _ in range(cfg.att_layer_num)]
+        )
+        n2 = cfg.num_blocks - cfg.att_layer_num
+        self.decoders2 = (
+            nn.ModuleList([DecoderLayer(d, cfg, True, False, 0) for _ in range(n2)])
+            if n2 > 0
+            else None
+        )
+        self.decoders3 = nn.ModuleList([DecoderLayer(d, cfg, False, False, 0)])
+        self.after_norm = LayerNorm(d, eps=LN_EPS)
+        self.output_layer = Linear(d, vocab_size)
+
+    def forward(
+        self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (B, N, V) of the token embeddings ``embeds`` (B, N, d)."""
+        n = embeds.shape[1]
+        mask = (torch.arange(n, device=embeds.device)[None, :] < lens[:, None])[:, :, None].to(
+            embeds.dtype
+        )
+        mem_mask = torch.arange(memory.shape[1], device=memory.device)[None, :] < mem_lens[:, None]
+        mem_mask = mem_mask[:, None, None, :]
+        x = embeds
+        for layer in self.decoders:
+            x = layer(x, mask, memory, mem_mask)
+        for layer in self.decoders2 or ():
+            x = layer(x, mask, memory, mem_mask)
+        for layer in self.decoders3:
+            x = layer(x, mask, memory, mem_mask)
+        return self.output_layer(self.after_norm(x))
+
+
+class ParaformerNet(nn.Module):
+    """Encoder + CIF predictor + decoder, with FunASR's state-dict names."""
+
+    def __init__(
+        self, enc: EncoderConfig, dec: DecoderConfig, pred: PredictorConfig, vocab_size: int
+    ) -> None:
+        super().__init__()
+        self.encoder = SANMEncoder(enc)
+        self.predictor = CifPredictor(pred)
+        self.decoder = ParaformerDecoder(dec, enc.output_size, vocab_size)
+        self.vocab_size = vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.after_norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder.after_norm.weight.dtype
+
+
+def num_parameters(net: nn.Module) -> int:
+    return sum(p.numel() for p in net.parameters())
+
+
+__all__ = [
+    "DecoderConfig",
+    "EncoderConfig",
+    "ParaformerNet",
+    "PredictorConfig",
+    "num_parameters",
+    "sinusoid_positions",
+]

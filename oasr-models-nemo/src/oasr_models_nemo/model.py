@@ -1,0 +1,295 @@
+"""FastConformer models as OASR :class:`~oasr.model.ASRModel` s.
+
+Offline: NeMo mel (core ``nemo_mel``, the checkpoint's preprocessor) -> FastConformer encoder
+(full attention, or local attention for long inputs) -> the head's search, batched:
+
+* CTC (``ParakeetCTC``): greedy, or prefix beam search at ``beam_size > 1`` (core
+  ``oasr.decoders.ctc``); word times from the CTC peaks;
+* RNN-T (``ParakeetRNNT``, ``NemotronASR``): greedy with ``max_symbols_per_frame``, or icefall's
+  modified beam search at ``beam_size > 1`` (core ``oasr.decoders.transducer``); word times from
+  the emission frames;
+* TDT (``ParakeetTDT``): NeMo's greedy TDT (core ``TDTGreedySearch``); token spans from the
+  predicted durations.
+
+``NemotronASR`` adds cache-aware streaming (``model_stream.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from oasr.audio import as_mono_waveform
+from oasr.decoders.ctc import CTCGreedySearch, CTCPrefixBeamSearch, group_words, token_timestamps
+from oasr.decoders.hypothesis import Hypothesis
+from oasr.decoders.transducer import (
+    TDTGreedySearch,
+    TransducerGreedySearch,
+    TransducerModifiedBeamSearch,
+    duration_token_timestamps,
+)
+from oasr.errors import UnsupportedOptionError
+from oasr.layers import resolve_dtype
+from oasr.model import ProgressCallback
+from oasr.options import ResolvedOptions
+from oasr.types import (
+    DecodingOptions,
+    EngineConfig,
+    FeatureSpec,
+    ModelCapabilities,
+    Segment,
+    Transcript,
+    Word,
+)
+from oasr_models_nemo.config import NemoConfig
+from oasr_models_nemo.nn import FastConformerNet, NemoTransducerNetwork, build_network
+from oasr_models_nemo.options import NemoOptions
+from oasr_models_nemo.plugin import (
+    CTC_CAPABILITIES,
+    NEMOTRON_CAPABILITIES,
+    RNNT_CAPABILITIES,
+    TDT_CAPABILITIES,
+)
+from oasr_models_nemo.tokenizer import SentencePieceDecoder
+
+#: the local attention window (encoder frames each side) of the auto mode, NeMo's recommended
+#: ``rel_pos_local_attn`` context for long audio
+AUTO_LOCAL_WINDOW = 256
+
+
+class NemoASR:
+    """A loaded FastConformer model (use :meth:`load` / the subclasses' registry keys)."""
+
+    capabilities: ModelCapabilities = RNNT_CAPABILITIES
+
+    def __init__(self, net: FastConformerNet, config: NemoConfig, tokenizer: SentencePieceDecoder,
+                 *, source_format: str = "hf-parakeet", source_path: Path | None = None) -> None:
+        self.net = net
+        self.config = config
+        self.tokenizer = tokenizer
+        self.source_format = source_format
+        self.source_path = source_path
+        self.name = (f"{config.architecture} fastconformer {config.num_layers}x"
+                     f"{config.hidden_size}")
+        self.feature_spec = FeatureSpec(
+            kind="nemo_mel", sample_rate=config.sample_rate, num_bins=config.num_mel_bins,
+            hop_length=config.hop_length, win_length=config.win_length, n_fft=config.n_fft,
+            options={"preemph": config.preemphasis, "normalize": config.normalize, "pad_to": 0,
+                     "dither": 0.0},
+        )
+        from oasr.features.nemo import NemoMel
+
+        self.mel = NemoMel(self.feature_spec)
+        self.default_options = NemoOptions(max_symbols_per_frame=config.max_symbols_per_step)
+        if config.is_transducer:
+            self.transducer = NemoTransducerNetwork(net)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def class_for(config: NemoConfig) -> type[NemoASR]:
+        if config.streaming:
+            return NemotronASR
+        return {"ctc": ParakeetCTC, "rnnt": ParakeetRNNT, "tdt": ParakeetTDT}[config.head]
+
+    @classmethod
+    def _build(cls, cfg: NemoConfig, state: dict, tokenizer: SentencePieceDecoder,
+               config: EngineConfig | None, source: str, path: Path | None) -> NemoASR:
+        config = config or EngineConfig()
+        net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
+        return NemoASR.class_for(cfg)(net, cfg, tokenizer, source_format=source, source_path=path)
+
+    @classmethod
+    def from_hf(cls, path: str | Path, config: EngineConfig | None = None) -> NemoASR:
+        from oasr_models_nemo.checkpoints import load_hf
+
+        cfg, state, tok = load_hf(Path(path))
+        return cls._build(cfg, state, tok, config, "hf-parakeet", Path(path))
+
+    @classmethod
+    def from_nemo(cls, path: str | Path, config: EngineConfig | None = None) -> NemoASR:
+        from oasr_models_nemo.checkpoints import load_nemo
+
+        cfg, state, tok = load_nemo(Path(path))
+        return cls._build(cfg, state, tok, config, "nemo", Path(path))
+
+    @classmethod
+    def from_native(cls, path: str | Path, body: dict[str, Any] | None = None,
+                    config: EngineConfig | None = None) -> NemoASR:
+        from oasr.checkpoint import read_native_config
+        from oasr_models_nemo.checkpoints import load_native
+
+        body = body or read_native_config(Path(path))
+        cfg, state, tok = load_native(Path(path), body)
+        model = cls._build(cfg, state, tok, config, "oasr", Path(path))
+        saved = body.get("decoding") or {}
+        model.default_options = model.default_options.override(
+            {k: v for k, v in saved.items() if k in model.default_options.specs()})
+        return model
+
+    def save_native(self, dst: str | Path) -> str:
+        """OASR's native format (``model.safetensors`` in OASR names + ``oasr_model.json`` with
+        the config, the tokenizer's pieces and the decoding defaults)."""
+        from oasr_models_nemo.checkpoints import save_native
+
+        return save_native(Path(dst), self)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return self.net.device
+
+    @property
+    def frame_shift(self) -> float:
+        """Seconds per encoder frame (80 ms for x8 subsampling at a 10 ms hop)."""
+        c = self.config
+        return c.subsampling_factor * c.hop_length / c.sample_rate
+
+    def _check(self, options: DecodingOptions | ResolvedOptions) -> ResolvedOptions:
+        options = options.validate_for(self)
+        if options.task == "translate":
+            raise UnsupportedOptionError(f"{self.name} transcribes only; task must be "
+                                         f"'transcribe'", param="task")
+        if options.beam_size > 1 and self.config.head == "tdt":
+            raise UnsupportedOptionError(
+                "TDT decodes greedily (durations); beam_size must be 1 for a TDT model",
+                param="beam_size")
+        return options
+
+    def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        feats, flens = self.mel.extract([torch.from_numpy(w) for w in waves])
+        return feats, flens
+
+    def local_window(self, frames: int, options: ResolvedOptions | NemoOptions) -> int:
+        w = options.local_attention_window
+        if w >= 0:
+            return w
+        return AUTO_LOCAL_WINDOW if frames > options.full_attention_max_frames else 0
+
+    def encode_features(self, feats: torch.Tensor, flens: torch.Tensor,
+                        options: ResolvedOptions | NemoOptions | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, F) features -> encoder frames (B, T', D) and lengths."""
+        net = self.net
+        options = options or self.default_options
+        frames = int(net.encoder.subsampling.out_lengths(flens.max()).item()) if len(flens) else 0
+        with torch.no_grad():
+            return net.encoder(feats.to(net.device, net.dtype), flens.to(net.device),
+                               local_window=self.local_window(frames, options))
+
+    def encode(self, waves: Sequence[np.ndarray], options: ResolvedOptions | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        feats, flens = self.features(waves)
+        return self.encode_features(feats, flens, options)
+
+    # ------------------------------------------------------------------ decoding
+    def search(self, enc: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions
+               ) -> list[Hypothesis]:
+        """The best hypothesis of each row of encoder frames (B, T, D)."""
+        c = self.config
+        lengths = [int(n) for n in lens.tolist()]
+        with torch.no_grad():
+            if c.head == "ctc":
+                logp = torch.log_softmax(self.net.ctc_head(enc).float(), dim=-1).cpu()
+                out = []
+                for b, n in enumerate(lengths):
+                    if options.beam_size > 1:
+                        s = CTCPrefixBeamSearch(options.beam_size, c.blank_id)
+                        s.step(logp[b, :n])
+                        out.append(s.nbest()[0])
+                    else:
+                        g = CTCGreedySearch(c.blank_id)
+                        g.step(logp[b, :n])
+                        out.append(g.result())
+                return out
+            proj = self.net.encoder_projector(enc)
+            b = proj.shape[0]
+            if c.head == "tdt":
+                tdt = TDTGreedySearch(self.transducer, c.durations, b, blank_id=c.blank_id,
+                                      max_symbols_per_frame=options.max_symbols_per_frame)
+                tdt.step(proj, lengths)
+                return tdt.results()
+            if options.beam_size > 1:
+                beam = TransducerModifiedBeamSearch(self.transducer, options.beam_size, b,
+                                                    blank_id=c.blank_id)
+                beam.step(proj, lengths)
+                return beam.best()
+            greedy = TransducerGreedySearch(self.transducer, b, blank_id=c.blank_id,
+                                            max_symbols_per_frame=options.max_symbols_per_frame)
+            greedy.step(proj, lengths)
+            return greedy.results()
+
+    def transcript(self, hyp: Hypothesis, duration: float, num_frames: int,
+                   options: DecodingOptions | ResolvedOptions, offset: float = 0.0) -> Transcript:
+        tokens = [t for t in hyp.tokens if t < len(self.tokenizer)]
+        text = self.tokenizer.decode(tokens)
+        words: list[Word] = []
+        if options.word_timestamps and hyp.tokens and len(hyp.times) == len(hyp.tokens):
+            if hyp.durations and len(hyp.durations) == len(hyp.tokens):
+                timings = duration_token_timestamps(
+                    hyp.tokens, hyp.times, hyp.durations, hyp.confidences,
+                    frame_shift=self.frame_shift, num_frames=num_frames, offset=offset)
+            else:
+                timings = token_timestamps(hyp.tokens, hyp.times, hyp.confidences,
+                                           frame_shift=self.frame_shift, num_frames=num_frames,
+                                           offset=offset)
+            pieces = [self.tokenizer.piece(t) for t in hyp.tokens]
+            end = offset + duration
+            words = [Word(w, min(s, end), min(e, end), conf)
+                     for w, s, e, conf in group_words(pieces, timings)]
+        lps = hyp.token_logprobs
+        seg = Segment(id=0, start=round(offset, 3), end=round(offset + duration, 3), text=text,
+                      tokens=list(hyp.tokens), words=words,
+                      avg_logprob=float(sum(lps) / len(lps)) if lps else 0.0)
+        return Transcript(text=text, language=None, duration=duration,
+                          segments=[seg] if text else [])
+
+    def transcribe(self, audios: Sequence[np.ndarray], options: DecodingOptions,
+                   progress: ProgressCallback | None = None) -> list[Transcript]:
+        options = self._check(options)
+        waves = [as_mono_waveform(a, f"audio #{k}") for k, a in enumerate(audios)]
+        if not waves:
+            return []
+        sr = self.feature_spec.sample_rate
+        results: list[Transcript | None] = [None] * len(waves)
+        idx = []
+        for i, w in enumerate(waves):
+            if self.mel.num_frames(len(w)) < 1:
+                results[i] = Transcript(text="", language=None, duration=len(w) / sr)
+            else:
+                idx.append(i)
+        if idx:
+            # one batch, as the engine's scheduler formed it (it bounds and buckets batches)
+            enc, lens = self.encode([waves[i] for i in idx], options)
+            hyps = self.search(enc, lens, options)
+            for i, hyp, n in zip(idx, hyps, lens.tolist(), strict=True):
+                results[i] = self.transcript(hyp, len(waves[i]) / sr, int(n), options)
+        if progress is not None:
+            total = sum(len(w) for w in waves) / sr
+            progress(total, total)
+        return [r for r in results if r is not None]
+
+
+class ParakeetCTC(NemoASR):
+    capabilities = CTC_CAPABILITIES
+
+
+class ParakeetRNNT(NemoASR):
+    capabilities = RNNT_CAPABILITIES
+
+
+class ParakeetTDT(NemoASR):
+    capabilities = TDT_CAPABILITIES
+
+
+class NemotronASR(NemoASR):
+    """The cache-aware streaming FastConformer RNN-T (offline decoding uses its trained
+    attention context: chunked-limited)."""
+
+    capabilities = NEMOTRON_CAPABILITIES
+
+
+__all__ = ["NemoASR", "NemotronASR", "ParakeetCTC", "ParakeetRNNT", "ParakeetTDT"]

@@ -1,0 +1,118 @@
+"""Reading a Hugging Face Qwen2-Audio directory: config, weights (one safetensors file or shards
+with their index), tokenizer files, preprocessor and generation configs, the chat template.
+
+Weight names are normalised from both layouts ``transformers`` has written
+(``model.audio_tower.*`` / ``model.language_model.*`` / ``lm_head.*`` since v5,
+``audio_tower.*`` / ``language_model.model.*`` / ``language_model.lm_head.*`` before) to the
+network's (``audio_tower.*``, ``projector.*``, ``decoder.*``, ``lm_head.*``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oasr.errors import CheckpointError
+from oasr_models_qwen.config import QwenAudioConfig, parse_config
+
+__all__ = ["LoadedQwenAudio", "load_hf", "normalize_name"]
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.json",
+                   "chat_template.jinja")  # fmt: skip
+
+_PREFIXES = (
+    ("model.audio_tower.", "audio_tower."),
+    ("audio_tower.", "audio_tower."),
+    ("model.multi_modal_projector.linear.", "projector."),
+    ("multi_modal_projector.linear.", "projector."),
+    ("model.language_model.", "decoder."),
+    ("language_model.model.", "decoder."),
+    ("language_model.lm_head.", "lm_head."),
+    ("lm_head.", "lm_head."),
+)
+
+
+@dataclass
+class LoadedQwenAudio:
+    path: Path
+    config: QwenAudioConfig
+    weights: dict[str, Any]  # normalised name -> CPU tensor
+    tokenizer_files: dict[str, Path] = field(default_factory=dict)
+    chat_template: str | None = None
+    generation: dict[str, Any] = field(default_factory=dict)
+    preprocessor: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        t = self.config.text
+        return f"qwen2-audio ({t.layers} layers, d={t.hidden})"
+
+
+def normalize_name(name: str) -> str | None:
+    """The network's name for checkpoint tensor ``name`` (None: not a weight the network has)."""
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return body
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        if not shards:
+            raise CheckpointError(f"{index} has an empty weight_map")
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{path} is missing weight shard {missing[0]} named in {index.name}")
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+
+
+def _chat_template(path: Path) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            tpl = _read_json(path / name).get("chat_template")
+            if isinstance(tpl, str):
+                return tpl
+    return None
+
+
+def load_hf(path: Path) -> LoadedQwenAudio:
+    """Read a ``save_pretrained`` directory of ``Qwen2AudioForConditionalGeneration``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    config = parse_config(_read_json(path / "config.json"))
+    weights: dict[str, Any] = {}
+    for file in _weight_files(path):
+        for name, tensor in load_file(str(file)).items():
+            key = normalize_name(name)
+            if key is not None:
+                weights[key] = tensor
+    files = {n: path / n for n in TOKENIZER_FILES if (path / n).is_file()}
+    if "tokenizer.json" not in files and not {"vocab.json", "merges.txt"} <= files.keys():
+        raise CheckpointError(f"{path} has no tokenizer.json (or vocab.json + merges.txt)")
+    generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+    pre = path / "preprocessor_config.json"
+    preprocessor = _read_json(pre) if pre.is_file() else {}
+    return LoadedQwenAudio(path, config, weights, files, _chat_template(path), generation, preprocessor)

@@ -1,0 +1,170 @@
+"""The Qwen2-Audio network on ``oasr.layers``: a Whisper-style audio encoder (two convolutions,
+learned positions, pre-norm transformer layers, 2x average pooling), a linear projector into
+the language model's width, and a Qwen2 decoder (RMSNorm, rotary positions, grouped-query
+attention with q/k/v biases, gated SiLU feed-forward).
+
+The decoder runs over the core executor's paged KV cache through an
+:class:`oasr.executors.autoregressive.AttentionContext` (``Qwen2Decoder.forward``), or, for the
+reference path in the tests, over plain :class:`oasr.layers.KVCache` objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasr.layers import Conv1d, Embedding, LayerNorm, Linear, MultiHeadAttention, gelu
+from oasr.layers.llm import RMSNorm, RotaryEmbedding, SiLUGatedMLP, apply_rotary
+from oasr_models_qwen.config import AudioDims, QwenAudioConfig, TextDims
+
+__all__ = ["AudioEncoder", "Qwen2AudioNet", "Qwen2Decoder", "build_network", "encoder_lengths"]
+
+
+def encoder_lengths(mel_frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid frames after the stride-2 convolution, audio tokens after pooling) for valid mel
+    frame counts (``transformers``' ``_get_feat_extract_output_lengths``)."""
+    conv = (mel_frames - 1) // 2 + 1
+    return conv, (conv - 2) // 2 + 1
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, dims: AudioDims, **kw: Any) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(dims.d_model, dims.heads, key_bias=False, **kw)
+        self.self_attn_layer_norm = LayerNorm(dims.d_model, **kw)
+        self.fc1 = Linear(dims.d_model, dims.ffn, **kw)
+        self.fc2 = Linear(dims.ffn, dims.d_model, **kw)
+        self.final_layer_norm = LayerNorm(dims.d_model, **kw)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), key_padding_mask=key_padding_mask)
+        x = x + self.fc2(gelu(self.fc1(self.final_layer_norm(x))))
+        if x.dtype == torch.float16:  # as transformers does, against fp16 overflow
+            limit = torch.finfo(x.dtype).max - 1000
+            x = x.clamp(-limit, limit)
+        return x
+
+
+class AudioEncoder(nn.Module):
+    """log-mel (B, n_mels, 3000) + valid frame counts (B,) -> audio states (B, 750, d_model)."""
+
+    def __init__(self, dims: AudioDims, **kw: Any) -> None:
+        super().__init__()
+        self.dims = dims
+        self.conv1 = Conv1d(dims.n_mels, dims.d_model, 3, padding=1, **kw)
+        self.conv2 = Conv1d(dims.d_model, dims.d_model, 3, stride=2, padding=1, **kw)
+        self.embed_positions = Embedding(dims.max_source_positions, dims.d_model, **kw)
+        self.layers = nn.ModuleList([_EncoderLayer(dims, **kw) for _ in range(dims.layers)])
+        self.layer_norm = LayerNorm(dims.d_model, **kw)
+
+    def forward(self, mel: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        x = gelu(self.conv1(mel))
+        x = gelu(self.conv2(x)).transpose(1, 2)
+        if self.dims.scale_embedding:
+            x = x * self.dims.d_model**0.5
+        x = x + self.embed_positions.weight[: x.shape[1]]
+        conv_len, _ = encoder_lengths(frames.to(x.device))
+        padding = torch.arange(x.shape[1], device=x.device)[None, :] >= conv_len[:, None]
+        for layer in self.layers:
+            x = layer(x, padding)
+        x = F.avg_pool1d(x.transpose(1, 2), 2, 2).transpose(1, 2)
+        return self.layer_norm(x)
+
+
+class _Attention(nn.Module):
+    def __init__(self, dims: TextDims, **kw: Any) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = dims.heads, dims.kv_heads, dims.head_dim
+        self.q_proj = Linear(dims.hidden, dims.heads * dims.head_dim, bias=True, **kw)
+        self.k_proj = Linear(dims.hidden, dims.kv_heads * dims.head_dim, bias=True, **kw)
+        self.v_proj = Linear(dims.hidden, dims.kv_heads * dims.head_dim, bias=True, **kw)
+        self.o_proj = Linear(dims.heads * dims.head_dim, dims.hidden, bias=False, **kw)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, dims: TextDims, **kw: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden, dims.rms_eps, **kw)
+        self.self_attn = _Attention(dims, **kw)
+        self.post_attention_layernorm = RMSNorm(dims.hidden, dims.rms_eps, **kw)
+        self.mlp = SiLUGatedMLP(dims.hidden, dims.intermediate, **kw)
+
+
+class Qwen2Decoder(nn.Module):
+    """Token embeddings, decoder layers, final norm (``transformers``' ``Qwen2Model``)."""
+
+    def __init__(self, dims: TextDims, **kw: Any) -> None:
+        super().__init__()
+        self.dims = dims
+        self.embed_tokens = Embedding(dims.vocab, dims.hidden, **kw)
+        self.layers = nn.ModuleList([_DecoderLayer(dims, **kw) for _ in range(dims.layers)])
+        self.norm = RMSNorm(dims.hidden, dims.rms_eps, **kw)
+        self.rotary = RotaryEmbedding(dims.head_dim, dims.rope_theta, device=kw.get("device"))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Hidden states (B, T, hidden) of inputs ``x`` (B, T, hidden) at ``positions`` (B, T);
+        ``attend(layer, q (B, H, T, hd), k (B, T, kv*hd), v (B, T, kv*hd))`` -> (B, H, T, hd)
+        stores the keys/values and attends (``AttentionContext.self_attention``)."""
+        b, t, _ = x.shape
+        cos, sin = self.rotary(positions, x.dtype)
+        for li, layer in enumerate(self.layers):
+            att = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = att.q_proj(h).view(b, t, att.heads, att.head_dim).transpose(1, 2)
+            k = att.k_proj(h).view(b, t, att.kv_heads, att.head_dim).transpose(1, 2)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = attend(li, q, k.transpose(1, 2).reshape(b, t, -1), att.v_proj(h))
+            x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+class Qwen2AudioNet(nn.Module):
+    """Audio encoder + projector + Qwen2 decoder + output head."""
+
+    def __init__(self, config: QwenAudioConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.config = config
+        self.audio_tower = AudioEncoder(config.audio, **kw)
+        self.projector = Linear(config.audio.d_model, config.text.hidden, **kw)
+        self.decoder = Qwen2Decoder(config.text, **kw)
+        self.lm_head = None if config.text.tie_embeddings else Linear(config.text.hidden, config.text.vocab, bias=False, **kw)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.projector.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.projector.weight.dtype
+
+    def encode(self, mel: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """Audio embeddings in the decoder's width (B, 750, hidden)."""
+        return self.projector(self.audio_tower(mel, frames))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return self.decoder.embed_tokens.unembed(hidden)
+        return self.lm_head(hidden)
+
+
+def build_network(loaded: Any, device: torch.device | str, dtype: torch.dtype) -> Qwen2AudioNet:
+    """The network of a :class:`~oasr_models_qwen.checkpoints.LoadedQwenAudio`, its weights
+    loaded (every parameter must be in the checkpoint)."""
+    from oasr.errors import CheckpointError
+
+    with torch.device("meta"):
+        net = Qwen2AudioNet(loaded.config, dtype=dtype)
+    expected = {k for k in net.state_dict() if not k.endswith("inv_freq")}
+    missing = sorted(expected - loaded.weights.keys())
+    if missing:
+        raise CheckpointError(f"{loaded.path}: the checkpoint has no weight {missing[0]!r} "
+                              f"({len(missing)} missing)")  # fmt: skip
+    state = {k: loaded.weights[k].to(dtype) for k in expected}
+    net.load_state_dict(state, strict=False, assign=True)
+    net.decoder.rotary = RotaryEmbedding(loaded.config.text.head_dim, loaded.config.text.rope_theta)
+    return net.to(device).eval()

@@ -1,0 +1,83 @@
+"""Qwen2-Audio through the engine (the scheduler and the core AutoregressiveExecutor), the CLI,
+long audio in 30 s windows, and the options it refuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from oasr.checkpoint import load_model  # noqa: E402
+from oasr.engine import ASREngine  # noqa: E402
+from oasr.errors import UnsupportedOptionError  # noqa: E402
+from oasr.executors.autoregressive import AutoregressiveExecutor  # noqa: E402
+from oasr.scheduler import SchedulerConfig  # noqa: E402
+from oasr.types import DecodingOptions, EngineConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+OPTS = DecodingOptions(max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def model(qwen_chat_dir):
+    return load_model(EngineConfig(ckpt_dir=str(qwen_chat_dir), device="cpu", dtype="float32"))
+
+
+def test_engine_runs_on_the_core_executor(model, clips):
+    sc = SchedulerConfig(max_batch_size=2, block_size=16)
+    engine = ASREngine(EngineConfig(max_batch_size=2), model=model, scheduler_config=sc)
+    try:
+        got = engine.transcribe_offline(list(clips), OPTS)
+        ex = engine.scheduler.executor
+    finally:
+        engine.shutdown()
+    want = model.transcribe(clips, OPTS)
+    assert [g.text for g in got] == [w.text for w in want]
+    assert all(g.text for g in got)
+    assert isinstance(ex, AutoregressiveExecutor) and ex.stats["max_rows"] == 2
+
+
+def test_kv_heads_only_in_the_cache(model):
+    ex = model.make_executor(SchedulerConfig(max_batch_size=2))
+    text = model.network.config.text
+    assert ex.cache.num_heads == text.kv_heads < text.heads
+
+
+def test_long_audio_is_decoded_in_30s_windows(model, clips):
+    long = np.concatenate([clips[0], np.zeros(16000 * 30, np.float32), clips[1]])
+    (t,) = model.transcribe([long], OPTS)
+    assert len(t.segments) == 2 and t.segments[1].start == 30.0
+    assert t.duration == pytest.approx(len(long) / 16000)
+    assert t.text == " ".join(s.text for s in t.segments if s.text)
+
+
+def test_refused_options(model, clips):
+    with pytest.raises(UnsupportedOptionError, match="word"):
+        model.transcribe(clips[:1], DecodingOptions(word_timestamps=True))
+    with pytest.raises(UnsupportedOptionError, match="beam_size"):
+        model.transcribe(clips[:1], DecodingOptions(beam_size=2))
+    with pytest.raises(UnsupportedOptionError):
+        model.transcribe(clips[:1], DecodingOptions(model_options={"no_speech_threshold": 0.5}))
+
+
+def test_cli_transcribes_a_checkpoint_dir(qwen_chat_dir, clips, model, tmp_path):
+    path = tmp_path / "a.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((np.clip(clips[0], -1, 1) * 32767).astype("<i2").tobytes())
+    oasr = Path(sys.executable).parent / "oasr"
+    proc = subprocess.run([str(oasr), "transcribe", "--ckpt-dir", str(qwen_chat_dir), "-f", "json",
+                           "-O", "repetition_penalty=1.1", str(path)],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(proc.stdout)
+    assert body["text"] and isinstance(body["text"], str)

@@ -1,0 +1,76 @@
+"""Streaming framing of Kaldi fbank with ``snip_edges=False`` (what icefall uses).
+
+Frame ``t`` covers samples ``[hop t + hop/2 - win/2, ... + win)`` (reflected at the start): it is
+final once those samples arrived, since only the last frames of a signal reflect at its end. So a
+stream emits every complete frame as audio comes in and, at ``finish()``, the rest with the end
+reflection; the frames equal :meth:`oasr.features.kaldi.KaldiFbank.extract` on the whole signal.
+The feature computation is core's (``KaldiFbank.compute_frames``); only the framing is here
+(core's own stream supports ``snip_edges=True`` only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oasr.features.kaldi import KaldiFbank
+
+
+class CenteredFbankStream:
+    def __init__(self, fbank: KaldiFbank) -> None:
+        o = fbank.opts
+        self.fbank = fbank
+        self.win, self.hop = o.win_length, o.hop_length
+        self.scale = o.scale
+        self.lead = self.win // 2 - self.hop // 2  # samples a frame reaches before its hop start
+        self.buffer = torch.zeros(0)
+        self.buffer_start = 0  # absolute index of buffer[0]
+        self.received = 0
+        self.emitted = 0  # frames returned so far
+
+    def samples_for(self, frames: int) -> int:
+        """Samples needed before ``frames`` frames are complete."""
+        return 0 if frames <= 0 else (frames - 1) * self.hop - self.lead + self.win
+
+    def _frames(self, first: int, last: int, total: int | None) -> torch.Tensor:
+        t = torch.arange(first, last)
+        idx = (t * self.hop - self.lead)[:, None] + torch.arange(self.win)[None, :]
+        idx = torch.where(idx < 0, -idx - 1, idx)
+        if total is not None:
+            idx = torch.where(idx >= total, 2 * total - 1 - idx, idx)
+            idx = idx.clamp(0, total - 1)
+        frames = self.buffer[idx - self.buffer_start]
+        if self.scale != 1.0:
+            frames = frames * self.scale
+        return self.fbank.compute_frames(frames)
+
+    def _trim(self) -> None:
+        keep_from = max(0, self.emitted * self.hop - self.lead)
+        if self.emitted == 0:
+            keep_from = 0
+        if keep_from > self.buffer_start:
+            self.buffer = self.buffer[keep_from - self.buffer_start :]
+            self.buffer_start = keep_from
+
+    def accept(self, chunk: torch.Tensor) -> torch.Tensor:
+        """New samples -> the frames they complete, (n, dim)."""
+        chunk = torch.as_tensor(chunk, dtype=torch.float32).reshape(-1)
+        self.buffer = torch.cat([self.buffer, chunk])
+        self.received += chunk.numel()
+        ready = 0
+        if self.received >= self.win - self.lead:
+            ready = (self.received + self.lead - self.win) // self.hop + 1
+        if ready <= self.emitted:
+            return torch.zeros(0, self.fbank.dim)
+        out = self._frames(self.emitted, ready, None)
+        self.emitted = ready
+        self._trim()
+        return out
+
+    def finish(self) -> torch.Tensor:
+        """The last frames (reflected at the end of the signal)."""
+        total = self.fbank.num_frames(self.received)
+        if total <= self.emitted or self.received == 0:
+            return torch.zeros(0, self.fbank.dim)
+        out = self._frames(self.emitted, total, self.received)
+        self.emitted = total
+        return out

@@ -1,0 +1,504 @@
+"""icefall Zipformer models as OASR :class:`~oasr.model.StreamingASRModel` s.
+
+``ZipformerTransducer`` (registry key ``transducer``) and ``ZipformerCTC`` (``zipformer``) share
+everything but their default head: a checkpoint with a transducer head loads as the first (and
+may still decode with its CTC head, ``decoding_method=ctc_*``), a CTC-only one as the second.
+
+Offline, as icefall's ``decode.py``: 80-bin Kaldi fbank (snip_edges false, high_freq -400,
+dither 0, samples in [-1, 1]), padded with ``log(1e-10)``; a causal model gets 30 more padding
+frames and the chunk mask of ``chunk_size`` / ``left_context_frames``. Then the encoder, and:
+transducer greedy search (``max_sym_per_frame``) or modified beam search (``beam_size``), or CTC
+greedy / prefix beam search, all from :mod:`oasr.decoders`.
+
+Streaming (causal models), as icefall's ``streaming_decode.py``: features come in chunks of
+``2 * chunk_size + 13`` frames every ``2 * chunk_size`` frames (the end padded with 13 frames of
+``log(1e-10)``), each chunk runs through the encoder's ``streaming_forward`` with per-layer caches
+of ``left_context_frames``, and the search advances by its ``chunk_size / 2`` output frames. The
+ready chunks of all streams run as one batch (grouped by chunk and left context); caches hold a
+fixed window whose unfilled slots are masked, so a stream's result does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from oasr.audio import as_mono_waveform
+from oasr.decoders import (
+    CTCGreedySearch,
+    CTCPrefixBeamSearch,
+    Hypothesis,
+    TransducerGreedySearch,
+    TransducerModifiedBeamSearch,
+    group_words,
+    token_timestamps,
+)
+from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
+from oasr.features.kaldi import KaldiFbank
+from oasr.layers import default_dtype, resolve_dtype
+from oasr.model import ProgressCallback, StreamingUpdate
+from oasr.options import ResolvedOptions
+from oasr.types import (
+    DecodingOptions,
+    EngineConfig,
+    FeatureSpec,
+    ModelCapabilities,
+    Segment,
+    Transcript,
+    Word,
+)
+from oasr_models_icefall.config import infer_config, read_override
+from oasr_models_icefall.fbank import CenteredFbankStream
+from oasr_models_icefall.files import (
+    find_tokens,
+    find_weights_cheap,
+    load_state,
+    numbered,
+    read_tokens,
+)
+from oasr_models_icefall.nn import (
+    IGNORED_PREFIXES,
+    LOG_EPS,
+    IcefallNet,
+    StreamCaches,
+    ZipformerConfig,
+)
+from oasr_models_icefall.options import IcefallOptions
+from oasr_models_icefall.plugin import CTC_CAPABILITIES, TRANSDUCER_CAPABILITIES
+
+WORD_START = "\u2581"
+#: icefall's decode.py pads causal models with this many frames of log(1e-10)
+CAUSAL_TAIL_FRAMES = 30
+#: right context of the streaming front end (icefall's pad_length = 7 + 2 * 3)
+STREAM_PAD = 13
+
+
+class Tokens:
+    """icefall's token table (``tokens.txt`` / ``bpe.model``): id -> piece."""
+
+    def __init__(self, pieces: Sequence[str]) -> None:
+        self.pieces = list(pieces)
+        self.blank_id = self.pieces.index("<blk>") if "<blk>" in self.pieces else 0
+        self.unk_id = self.pieces.index("<unk>") if "<unk>" in self.pieces else None
+        body = [p.lstrip(WORD_START) for p in self.pieces if p and not p.startswith("<")]
+        latin = sum(1 for p in body if p and all(c.isascii() for c in p))
+        self.language = "en" if body and latin > 0.8 * len(body) else None
+
+    def piece(self, i: int) -> str:
+        return self.pieces[i] if 0 <= i < len(self.pieces) else f"<{i}>"
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.piece(i) for i in ids).replace(WORD_START, " ").strip()
+
+
+class IcefallDecoderNetwork:
+    """The :class:`oasr.decoders.TransducerNetwork` of an icefall model: the state is the last
+    ``context_size`` tokens (``-1`` before the first), outputs are already projected
+    (``joiner.decoder_proj``), encoder frames are passed projected (``joiner.encoder_proj``)."""
+
+    def __init__(self, net: IcefallNet) -> None:
+        self.net = net
+        self.context_size = net.cfg.context_size
+
+    def initial_state(self, batch_size: int, device: Any) -> torch.Tensor:
+        return torch.full((batch_size, self.context_size), -1, dtype=torch.long, device=device)
+
+    def predict(self, tokens: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        context = torch.cat([state[:, 1:], tokens.to(state.device).unsqueeze(1)], dim=1)
+        return self.net.joiner.decoder_proj(self.net.decoder(context)), context
+
+    def select_state(self, state: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return state[index]
+
+    def merge_state(self, state: torch.Tensor, new_state: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        return torch.where(update.unsqueeze(1), new_state, state)
+
+    def join(self, encoder_frames: torch.Tensor, decoder_out: torch.Tensor) -> torch.Tensor:
+        return self.net.joiner(encoder_frames, decoder_out)
+
+
+@dataclass
+class IcefallStream:
+    """One live stream (an :class:`oasr.model.StreamState`)."""
+
+    options: ResolvedOptions
+    method: str
+    chunk: int  # 50 Hz frames per chunk
+    left: int
+    fbank: CenteredFbankStream
+    search: Any
+    feats: torch.Tensor  # (n, F) fbank frames received, not yet consumed
+    caches: StreamCaches | None = None
+    samples_received: int = 0
+    frames_consumed: int = 0
+    offset: int = 0  # encoder frames (25 Hz) decoded
+    finished: bool = False
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def window(self) -> int:
+        return 2 * self.chunk + STREAM_PAD
+
+    @property
+    def samples_needed(self) -> int:
+        if self.finished:
+            return 0
+        frames = self.frames_consumed + self.window
+        # a centred 25 ms frame t is complete once samples up to 160 t + 280 arrived
+        return max(1, self.fbank.samples_for(frames) - self.samples_received)
+
+
+class _IcefallASR:
+    capabilities: ModelCapabilities = TRANSDUCER_CAPABILITIES
+    default_head = "transducer"
+
+    def __init__(self, net: IcefallNet, tokens: Sequence[str], *, name: str | None = None,
+                 source_path: Path | None = None) -> None:  # fmt: skip
+        cfg: ZipformerConfig = net.cfg
+        if len(tokens) != cfg.vocab_size:
+            raise CheckpointError(f"the token table has {len(tokens)} entries but the model has "
+                                  f"{cfg.vocab_size} outputs; tokens.txt does not belong to this checkpoint")
+        self.net = net.eval()
+        self.cfg = cfg
+        self.tokens = Tokens(tokens)
+        self.blank_id = self.tokens.blank_id
+        self.source_path = source_path
+        self.source_format = "icefall"
+        head = "transducer" if self.default_head == "transducer" else "ctc"
+        kind = "causal " if cfg.causal else ""
+        self.name = name or f"icefall {kind}zipformer {head} ({sum(cfg.num_encoder_layers)} layers, {cfg.output_dim}d)"
+        self.capabilities = replace(type(self).capabilities, streaming=cfg.causal)
+        self.feature_spec = FeatureSpec(
+            kind="kaldi_fbank", sample_rate=16000, num_bins=cfg.feature_dim, hop_length=160,
+            win_length=400, n_fft=512,
+            options={"snip_edges": False, "high_freq": -400.0, "dither": 0.0, "energy_floor": 0.0},
+        )  # fmt: skip
+        self.fbank = KaldiFbank(self.feature_spec)
+        self.decoder_network = IcefallDecoderNetwork(net) if cfg.use_transducer else None
+        self.default_options = IcefallOptions(chunk_size=16 if cfg.causal else -1)
+        self.frame_shift = 0.04  # 25 Hz encoder output
+        self.max_token_duration = 1.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.dtype
+
+    # -- options ----------------------------------------------------------------------------
+    def _check(self, options: DecodingOptions | ResolvedOptions) -> ResolvedOptions:
+        o = options.validate_for(self)
+        m = self._method(o)
+        if m.startswith("ctc") and not self.cfg.use_ctc:
+            raise UnsupportedOptionError(f"{self.name} has no CTC head; use greedy_search or "
+                                         f"modified_beam_search", param="decoding_method")
+        if not m.startswith("ctc") and not self.cfg.use_transducer:
+            raise UnsupportedOptionError(f"{self.name} has no transducer head; use ctc_greedy_search "
+                                         f"or ctc_prefix_beam_search", param="decoding_method")
+        if o.chunk_size > 0 and not self.cfg.causal:
+            if "chunk_size" in (options.model_options if isinstance(options, DecodingOptions) else {}):
+                raise UnsupportedOptionError(f"{self.name} is not causal; chunk_size must be -1",
+                                             param="chunk_size")
+        if self.cfg.causal and o.chunk_size > 0:
+            ds = max(self.cfg.downsampling_factor)
+            if o.chunk_size % ds:
+                raise InvalidRequestError(f"chunk_size must be a multiple of {ds} (the largest "
+                                          f"downsampling factor of {self.name})", param="chunk_size")
+            if o.left_context_frames % ds:
+                raise InvalidRequestError(f"left_context_frames must be a multiple of {ds}",
+                                          param="left_context_frames")
+        return o
+
+    def _method(self, o: ResolvedOptions) -> str:
+        m = o.decoding_method
+        if m != "auto":
+            return m
+        if self.default_head == "transducer" and self.cfg.use_transducer:
+            return "greedy_search" if o.beam_size == 1 else "modified_beam_search"
+        return "ctc_greedy_search" if o.beam_size == 1 else "ctc_prefix_beam_search"
+
+    @staticmethod
+    def _beam(o: ResolvedOptions) -> int:
+        return o.beam_size if o.beam_size > 1 else 4
+
+    def _new_search(self, o: ResolvedOptions, method: str, batch: int) -> Any:
+        if method == "greedy_search":
+            return TransducerGreedySearch(self.decoder_network, batch, blank_id=self.blank_id,
+                                          max_symbols_per_frame=o.max_sym_per_frame,
+                                          blank_penalty=o.blank_penalty)  # fmt: skip
+        if method == "modified_beam_search":
+            return TransducerModifiedBeamSearch(self.decoder_network, self._beam(o), batch,
+                                                blank_id=self.blank_id, blank_penalty=o.blank_penalty,
+                                                length_norm_offset=self.cfg.context_size)  # fmt: skip
+        if method == "ctc_greedy_search":
+            return CTCGreedySearch(self.blank_id)
+        return CTCPrefixBeamSearch(o.beam_size if o.beam_size > 1 else 4, self.blank_id)
+
+    # -- encoder ----------------------------------------------------------------------------
+    def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """icefall's decoding features: (B, T, 80) padded with log(1e-10), and frame counts."""
+        feats, lens = self.fbank.extract([torch.from_numpy(w) for w in waves])
+        pad = torch.arange(feats.shape[1])[None, :] >= lens[:, None]
+        return feats.masked_fill(pad[:, :, None], LOG_EPS), lens
+
+    def encode_features(self, feats: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions
+                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        chunk, left = -1, -1
+        if self.cfg.causal:
+            feats = torch.nn.functional.pad(feats, (0, 0, 0, CAUSAL_TAIL_FRAMES), value=LOG_EPS)
+            lens = lens + CAUSAL_TAIL_FRAMES
+            chunk, left = options.chunk_size, options.left_context_frames
+        with torch.no_grad():
+            return self.net.encode(feats.to(self.device, self.dtype), lens.to(self.device), chunk, left)
+
+    # -- decoding ---------------------------------------------------------------------------
+    def _search_frames(self, enc: torch.Tensor, method: str) -> torch.Tensor:
+        """What the search consumes: projected encoder frames, or CTC log-probabilities (CPU)."""
+        with torch.no_grad():
+            if method.startswith("ctc"):
+                return self.net.ctc_log_probs(enc).cpu()
+            return self.net.joiner.encoder_proj(enc)
+
+    def decode(self, enc: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions) -> list[Hypothesis]:
+        method = self._method(options)
+        frames = self._search_frames(enc, method)
+        lens_list = [int(n) for n in lens]
+        if method.startswith("ctc"):
+            out = []
+            for b, n in enumerate(lens_list):
+                search = self._new_search(options, method, 1)
+                lp = frames[b, :n]
+                if options.blank_penalty:
+                    lp = lp.clone()
+                    lp[:, self.blank_id] -= options.blank_penalty
+                search.step(lp)
+                out.append(search.result() if isinstance(search, CTCGreedySearch) else search.best())
+            return out
+        search = self._new_search(options, method, frames.shape[0])
+        search.step(frames, lens_list)
+        return search.results() if isinstance(search, TransducerGreedySearch) else search.best()
+
+    def _transcript(self, hyp: Hypothesis, duration: float, num_frames: int, options: ResolvedOptions) -> Transcript:
+        text = self.tokens.decode(hyp.tokens)
+        words: list[Word] = []
+        if options.word_timestamps and hyp.tokens:
+            if len(hyp.times) != len(hyp.tokens):
+                raise UnsupportedOptionError("this hypothesis has no alignment; word timestamps "
+                                             "are not available", param="word_timestamps")
+            timings = token_timestamps(hyp.tokens, hyp.times, hyp.confidences, frame_shift=self.frame_shift,
+                                       num_frames=num_frames, max_token_duration=self.max_token_duration)
+            pieces = [self.tokens.piece(t) for t in hyp.tokens]
+            words = [Word(w, min(s, duration), min(e, duration), c) for w, s, e, c in group_words(pieces, timings)]
+        lps = hyp.token_logprobs
+        seg = Segment(id=0, start=0.0, end=round(duration, 3), text=text, tokens=list(hyp.tokens),
+                      words=words, avg_logprob=float(sum(lps) / len(lps)) if lps else 0.0)  # fmt: skip
+        return Transcript(text=text, language=self.tokens.language, duration=duration,
+                          segments=[seg] if text else [])  # fmt: skip
+
+    def transcribe(self, audios: Sequence[np.ndarray], options: DecodingOptions,
+                   progress: ProgressCallback | None = None) -> list[Transcript]:  # fmt: skip
+        o = self._check(options)
+        waves = [as_mono_waveform(a, f"audio #{k}") for k, a in enumerate(audios)]
+        sr = self.feature_spec.sample_rate
+        out: list[Transcript | None] = [None] * len(waves)
+        # icefall needs at least 9 fbank frames (7 for the front end, then a frame) offline
+        todo = [i for i, w in enumerate(waves) if self.fbank.num_frames(len(w)) + (CAUSAL_TAIL_FRAMES if self.cfg.causal else 0) >= 9]
+        for i, w in enumerate(waves):
+            if i not in todo:
+                out[i] = Transcript(text="", language=self.tokens.language, duration=len(w) / sr)
+        if todo:
+            feats, lens = self.features([waves[i] for i in todo])
+            enc, enc_lens = self.encode_features(feats, lens, o)
+            hyps = self.decode(enc, enc_lens, o)
+            for row, i in enumerate(todo):
+                out[i] = self._transcript(hyps[row], len(waves[i]) / sr, int(enc_lens[row]), o)
+        if progress is not None:
+            total = sum(len(w) for w in waves) / sr
+            progress(total, total)
+        return [t for t in out if t is not None]
+
+    # -- streaming --------------------------------------------------------------------------
+    def new_stream(self, options: DecodingOptions | None = None) -> IcefallStream:
+        o = self._check(options or DecodingOptions())
+        if not self.cfg.causal:
+            raise UnsupportedOptionError(f"{self.name} is not causal (trained without chunks); it "
+                                         f"decodes offline only", param="service_mode")
+        if o.chunk_size <= 0:
+            raise InvalidRequestError("streaming needs chunk_size > 0 (50 Hz frames per chunk)",
+                                      param="chunk_size")
+        method = self._method(o)
+        return IcefallStream(
+            options=o, method=method, chunk=o.chunk_size, left=o.left_context_frames,
+            fbank=CenteredFbankStream(self.fbank), search=self._new_search(o, method, 1),
+            feats=torch.zeros(0, self.fbank.dim),
+        )  # fmt: skip
+
+    def _windows(self, st: IcefallStream, last: bool) -> list[torch.Tensor]:
+        out = []
+        while st.feats.shape[0] >= st.window:
+            out.append(st.feats[: st.window])
+            st.feats = st.feats[2 * st.chunk :]
+            st.frames_consumed += 2 * st.chunk
+        if last:
+            tail = torch.full((STREAM_PAD, self.fbank.dim), LOG_EPS)
+            st.feats = torch.cat([st.feats, st.fbank.finish(), tail])
+            while st.feats.shape[0] > 0:
+                w = st.feats[: st.window]
+                if w.shape[0] < st.window:
+                    w = torch.cat([w, torch.full((st.window - w.shape[0], w.shape[1]), LOG_EPS)])
+                out.append(w)
+                st.feats = st.feats[2 * st.chunk :]
+                st.frames_consumed += 2 * st.chunk
+        return out
+
+    def stream_step(self, states: Sequence[IcefallStream], chunks: Sequence[np.ndarray],
+                    is_last: Sequence[bool]) -> list[StreamingUpdate]:  # fmt: skip
+        if not len(states) == len(chunks) == len(is_last):
+            raise InvalidRequestError("states, chunks and is_last must have the same length")
+        pending = []
+        for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
+            if st.finished:
+                raise InvalidRequestError("this stream already finished; start a new one")
+            a = np.zeros(0, np.float32) if chunk is None or not len(chunk) else as_mono_waveform(chunk, f"chunk #{k}")
+            if a.size:
+                st.samples_received += a.size
+                new = st.fbank.accept(torch.from_numpy(a))
+                if new.shape[0]:
+                    st.feats = torch.cat([st.feats, new])
+            pending.append(self._windows(st, bool(last)))
+        for r in range(max((len(p) for p in pending), default=0)):
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, p in enumerate(pending):
+                if len(p) > r:
+                    groups.setdefault((states[i].chunk, states[i].left), []).append(i)
+            for rows in groups.values():
+                self._encode_chunk([states[i] for i in rows], [pending[i][r] for i in rows])
+        updates = []
+        for st, last in zip(states, is_last, strict=True):
+            hyp = self._hyp(st)
+            if last:
+                st.finished = True
+                st.caches = None
+                tr = self._transcript(hyp, st.samples_received / self.feature_spec.sample_rate, st.offset, st.options)
+                updates.append(StreamingUpdate(text=tr.text, is_final=True, transcript=tr))
+            else:
+                updates.append(StreamingUpdate(text=self.tokens.decode(hyp.tokens), is_final=False))
+        return updates
+
+    @staticmethod
+    def _hyp(st: IcefallStream) -> Hypothesis:
+        s = st.search
+        if isinstance(s, (CTCGreedySearch,)):
+            return s.result()
+        if isinstance(s, CTCPrefixBeamSearch):
+            return s.best()
+        if isinstance(s, TransducerGreedySearch):
+            return s.results()[0]
+        return s.best()[0]
+
+    def _encode_chunk(self, states: list[IcefallStream], windows: list[torch.Tensor]) -> None:
+        """One chunk of each stream (same chunk and left context) in one batch."""
+        left = states[0].left
+        caches = StreamCaches.cat([st.caches if st.caches is not None else self.net.initial_state(1, left)
+                                   for st in states])  # fmt: skip
+        feats = torch.stack(windows).to(self.device, self.dtype)
+        with torch.no_grad():
+            out, new = self.net.streaming_forward(feats, caches, left)
+        frames = self._search_frames(out, states[0].method) if len({s.method for s in states}) == 1 else None
+        for i, st in enumerate(states):
+            st.caches = new.rows([i]) if len(states) > 1 else new
+            f = frames[i : i + 1] if frames is not None else self._search_frames(out[i : i + 1], st.method)
+            n = f.shape[1]
+            lp = f[0]
+            if st.method.startswith("ctc"):
+                if st.options.blank_penalty:
+                    lp = lp.clone()
+                    lp[:, self.blank_id] -= st.options.blank_penalty
+                st.search.step(lp)
+            else:
+                st.search.step(f, [n])
+            st.offset += n
+
+
+class ZipformerTransducer(_IcefallASR):
+    """An icefall Zipformer with a transducer head (registry key ``transducer``)."""
+
+    capabilities = TRANSDUCER_CAPABILITIES
+    default_head = "transducer"
+
+
+class ZipformerCTC(_IcefallASR):
+    """An icefall Zipformer with only a CTC head (registry key ``zipformer``)."""
+
+    capabilities = CTC_CAPABILITIES
+    default_head = "ctc"
+
+
+def load_icefall(path: str | Path, config: EngineConfig | None = None, *, epoch: int | None = None,
+                 avg: int = 1, iteration: int | None = None) -> _IcefallASR:  # fmt: skip
+    """Load an icefall experiment / release directory, or one ``.pt`` file in it.
+
+    ``epoch`` + ``avg`` average ``epoch-(epoch-avg+1).pt .. epoch-epoch.pt`` (``iteration``:
+    ``checkpoint-N.pt`` files) as icefall's ``--epoch`` / ``--avg``; the override file
+    (``oasr_icefall.json``) may name them too (``{"epoch": 30, "avg": 9}``)."""
+    config = config or EngineConfig()
+    path = Path(path)
+    directory = path.parent if path.is_file() else path
+    if not directory.is_dir():
+        raise CheckpointError(f"{path} does not exist")
+    override = read_override(directory) or (read_override(directory.parent) if directory.name == "exp" else {})
+    epoch = epoch if epoch is not None else override.get("epoch")
+    iteration = iteration if iteration is not None else override.get("iteration")
+    avg = int(override.get("avg", avg)) if avg == 1 else avg
+    if path.is_file():
+        files = [path]
+    elif iteration is not None:
+        files = numbered(path, "checkpoint", int(iteration), avg)
+    elif epoch is not None:
+        files = numbered(path, "epoch", int(epoch), avg)
+    else:
+        found = find_weights_cheap(path)
+        if found is None:
+            raise CheckpointError(f"{path} has no icefall weights: expected exp/pretrained.pt, "
+                                  f"pretrained.pt, epoch-N.pt or checkpoint-N.pt")
+        files = [found]
+    tokens_path = find_tokens(files[0].parent) or find_tokens(directory)
+    if tokens_path is None:
+        raise CheckpointError(f"{path} has no tokens: expected tokens.txt or bpe.model beside the weights "
+                              f"or in data/lang_bpe_500/")
+    state = load_state(files)
+    cfg = infer_config(state, override)
+    state = {k: v for k, v in state.items() if not k.startswith(IGNORED_PREFIXES)}
+    net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
+    cls = ZipformerTransducer if cfg.use_transducer else ZipformerCTC
+    return cls(net, read_tokens(tokens_path), source_path=path)
+
+
+def build_network(cfg: ZipformerConfig, state: dict[str, torch.Tensor], device: str = "cpu",
+                  dtype: torch.dtype | None = None) -> IcefallNet:  # fmt: skip
+    """The network with ``state`` (icefall names) adopted: no random init, names and shapes
+    checked."""
+    with torch.device("meta"):
+        net = IcefallNet(cfg)
+    expected = net.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if tuple(expected[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            "the state dict does not match the inferred Zipformer "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]}, misshapen {wrong[:5]})")
+    net.load_state_dict(state, strict=True, assign=True)
+    dtype = dtype or default_dtype(device)
+    return net.to(device=device, dtype=dtype).eval()
+
+
+__all__ = ["IcefallDecoderNetwork", "IcefallStream", "Tokens", "ZipformerCTC", "ZipformerTransducer",
+           "build_network", "load_icefall"]

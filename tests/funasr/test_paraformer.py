@@ -1,0 +1,183 @@
+"""FunASR Paraformer / BiCifParaformer against FunASR itself (PyPI ``funasr``, CPU), run in the
+test on random-weight releases in FunASR's published layout and real Mandarin / English speech:
+LFR + CMVN features, encoder output, text and token timestamps (ms)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from oasr.errors import CheckpointError, UnsupportedOptionError
+from oasr.types import DecodingOptions, EngineConfig
+
+from .conftest import EN_CLIPS, ZH_CLIPS  # noqa: TID252
+
+_MODELS: dict = {}
+
+
+def load(releases, name: str):  # noqa: ANN001, ANN201
+    from oasr.checkpoint import load_model
+
+    if name not in _MODELS:
+        _MODELS[name] = load_model(EngineConfig(ckpt_dir=str(releases[name])))
+    return _MODELS[name]
+
+
+def test_release_is_detected_and_registered(releases) -> None:
+    from oasr.plugins import get_registry
+
+    spec = get_registry("architecture").get("paraformer")
+    assert spec.distribution == "oasr-models-funasr"
+    m = load(releases, "zh")
+    assert type(m).__name__ == "ParaformerASR" and m.source_format == "funasr"
+    assert m.capabilities.decode_family.value == "cif" and not m.capabilities.hotwords
+
+
+def test_weights_load_into_funasr_exactly(releases, funasr_ref) -> None:
+    """The release's model.pt is FunASR's own: every tensor of its Paraformer matches by name."""
+    for name in ("zh", "bicif"):
+        ref = funasr_ref.model(name).model.state_dict()
+        ours = load(releases, name).net.state_dict()
+        ref = {k: v for k, v in ref.items() if not k.startswith("ctc.")}
+        assert set(ref) == set(ours), name
+        for k, v in ref.items():
+            assert torch.equal(v.float(), ours[k].float()), k
+
+
+def test_features_and_encoder_match_funasr(releases, funasr_ref, clips) -> None:
+    m = load(releases, "zh")
+    ref = funasr_ref.model("zh")
+    frontend = ref.kwargs["frontend"]
+    waves = [clips[n] for n in ZH_CLIPS + EN_CLIPS[:1]]
+    feats, lens = m.features(waves)
+    enc = m.encode(feats, lens)
+    for i, w in enumerate(waves):
+        x = torch.from_numpy(w)[None]
+        rf, rl = frontend(x, torch.tensor([len(w)]))
+        n = int(rl[0])
+        assert int(lens[i]) == n
+        scale = rf.abs().max().item()
+        assert (feats[i, :n] - rf[0]).abs().max().item() < 2e-4 * scale
+        with torch.no_grad():
+            re, rel = ref.model.encode(rf, rl)
+        assert int(rel[0]) == n
+        assert (enc[i, :n] - re[0]).abs().max().item() < 1e-4 * max(1.0, re.abs().max().item())
+        assert enc[i, n:].abs().max().item() == 0 if n < enc.shape[1] else True
+
+
+@pytest.mark.parametrize("name", ["zh", "en", "bicif"])
+def test_text_and_timestamps_match_funasr(releases, funasr_ref, clips, name) -> None:
+    """All clips in one batch (padded, different lengths) against FunASR one clip at a time."""
+    m = load(releases, name)
+    names = ZH_CLIPS + EN_CLIPS
+    got = m.transcribe([clips[n] for n in names], DecodingOptions(word_timestamps=True))
+    n_tokens = 0
+    for clip, t in zip(names, got, strict=True):
+        plain = funasr_ref.generate(name, clips[clip])
+        timed = funasr_ref.generate(name, clips[clip], output_timestamp=True)
+        if name == "bicif":  # FunASR's BiCif always joins its words with spaces
+            assert t.text == plain["text"].replace(" ", ""), clip
+        else:
+            assert t.text == plain["text"], clip
+        words = [w.word for w in t.words]
+        ms = [[round(w.start * 1000), round(w.end * 1000)] for w in t.words]
+        assert words == timed["text"].split(), clip
+        assert ms == [list(x) for x in timed["timestamp"]], clip
+        n_tokens += len(t.segments[0].tokens) if t.segments else 0
+    # the random models say something varied (else parity would prove little)
+    assert n_tokens > 10 * len(names)
+    assert len({w.word for t in got for w in t.words}) >= 12
+
+
+def test_batch_does_not_change_results(releases, clips) -> None:
+    m = load(releases, "zh")
+    waves = [clips[n] for n in ZH_CLIPS]
+    opts = DecodingOptions(word_timestamps=True)
+    batch = m.transcribe(waves, opts)
+    alone = [m.transcribe([w], opts)[0] for w in waves]
+    for a, b in zip(batch, alone, strict=True):
+        assert a.text == b.text
+        assert [(w.word, w.start, w.end) for w in a.words] == [
+            (w.word, w.start, w.end) for w in b.words
+        ]
+
+
+def test_engine_batches_requests(releases, clips) -> None:
+    from oasr.engine import ASREngine
+
+    waves = [clips[n] for n in ZH_CLIPS]
+    ref = load(releases, "zh").transcribe(waves, DecodingOptions())
+    engine = ASREngine(EngineConfig(ckpt_dir=str(releases["zh"]), max_batch_size=8))
+    try:
+        futs = [engine.submit(w, DecodingOptions()) for w in waves]
+        assert [f.result(timeout=120).text for f in futs] == [t.text for t in ref]
+    finally:
+        engine.shutdown()
+
+
+def test_cli_transcribe(releases, clips) -> None:
+    from typer.testing import CliRunner
+
+    from oasr.cli.main import app
+
+    from .conftest import SPEECH  # noqa: TID252
+
+    clip = ZH_CLIPS[0]
+    out = CliRunner().invoke(app, ["transcribe", "--threads", "1", "--ckpt-dir", str(releases["zh"]),
+                                   "-f", "json", str(SPEECH / clip)])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    ref = load(releases, "zh").transcribe([clips[clip]], DecodingOptions())
+    assert ref[0].text in out.output
+
+
+def test_refusals(releases, clips, tmp_path) -> None:
+    m = load(releases, "zh")
+    with pytest.raises(UnsupportedOptionError, match="hotwords"):
+        m.transcribe([clips[ZH_CLIPS[0]]], DecodingOptions(hotwords=("阿里巴巴",)))
+    with pytest.raises(UnsupportedOptionError, match="beam_size"):
+        m.transcribe([clips[ZH_CLIPS[0]]], DecodingOptions(beam_size=4))
+    import shutil
+
+    from oasr_models_funasr.model import ParaformerASR
+
+    bad = tmp_path / "seaco"
+    shutil.copytree(releases["zh"], bad)
+    cfg = (bad / "config.yaml").read_text(encoding="utf-8")
+    (bad / "config.yaml").write_text(
+        cfg.replace("model: Paraformer", "model: MyParaformerX"), encoding="utf-8"
+    )
+    with pytest.raises(CheckpointError, match="MyParaformerX"):
+        ParaformerASR.from_release(bad)
+    (bad / "tokens.json").unlink()
+    with pytest.raises(CheckpointError, match="tokens.json"):
+        ParaformerASR.from_release(bad)
+
+
+def test_empty_and_short_inputs(releases) -> None:
+    m = load(releases, "zh")
+    got = m.transcribe([np.zeros(100, np.float32), np.zeros(16000, np.float32)], DecodingOptions())
+    assert got[0].text == "" and got[0].segments == []
+    assert got[1].duration == 1.0
+
+
+@pytest.mark.slow
+def test_ten_minutes_via_vad(releases, clips) -> None:
+    """A 10-minute input is cut at VAD speech segments and decoded as one batch; each segment's
+    text is the text of that span decoded alone, with its times shifted to the segment."""
+    m = load(releases, "zh")
+    rng = np.random.default_rng(0)
+    parts = []
+    while sum(len(p) for p in parts) < 600 * 16000:
+        parts.append(clips[ZH_CLIPS[len(parts) % 3]])
+        parts.append(np.zeros(int(rng.uniform(0.5, 2.0) * 16000), np.float32))
+    long = np.concatenate(parts)[: 600 * 16000]
+    got = m.transcribe([long], DecodingOptions(word_timestamps=True))[0]
+    assert got.duration == 600.0
+    assert len(got.segments) >= 100
+    for seg in got.segments[:: max(1, len(got.segments) // 5)]:
+        s, e = round(seg.start * 16000), round(seg.end * 16000)
+        alone = m.transcribe([long[s:e]], DecodingOptions(word_timestamps=True))[0]
+        assert alone.text == seg.text
+        assert [round(w.start + seg.start, 3) for w in alone.words] == [w.start for w in seg.words]
+    assert all(seg.end - seg.start <= 30.0 + 1e-6 for seg in got.segments)

@@ -347,7 +347,69 @@ def _uncovered(chunk: Chunk, segs: Sequence[Segment], min_seconds: float,
                                          SAMPLE_RATE))  # fmt: skip
     if not out or (len(out) == 1 and out[0].start <= chunk.start and out[0].end >= chunk.end):
         return []  # nothing missing, or the same chunk again (it would decode the same way)
-    return merge_segments(out, chunk.index)
+    # Each gap is its own chunk: merging two gaps into one span would take the decoded audio
+    # between them along, and decoding it a second time repeats its words (issue #14). Only
+    # gaps with no decoded span between them (neighbouring VAD segments) share a chunk.
+    chunks: list[Chunk] = []
+    run: list[SpeechSegment] = []
+    for piece in out:
+        if run and not any(s0 < piece.start_s and s1 > run[-1].end_s for s0, s1 in spans):
+            run.append(piece)
+            continue
+        if run:
+            chunks.extend(merge_segments(run, chunk.index))
+        run = [piece]
+    if run:
+        chunks.extend(merge_segments(run, chunk.index))
+    return chunks
+
+
+def _words(text: str) -> list[str]:
+    return ["".join(ch for ch in w.lower() if ch.isalnum()) for w in text.split()]
+
+
+def _drop_repeats(segments: list[Segment], tokenizer: WhisperTokenizer,
+                  min_run: int = 3) -> list[Segment]:  # fmt: skip
+    """Segments sorted by start -> segments that neither overlap nor repeat each other.
+
+    A segment whose time span lies mostly (over half of it) inside the one before is the same
+    audio decoded twice and goes; a smaller overlap moves its start to the previous end. A
+    segment that begins with the last ``min_run`` or more words of the one before (the same words
+    heard twice, Whisper's times being only roughly aligned at a repair chunk's edge) loses them.
+    """
+    out: list[Segment] = []
+    for s in segments:
+        if out:
+            prev = out[-1]
+            overlap = prev.end - s.start
+            if overlap > 0:
+                if overlap > 0.5 * max(s.end - s.start, 1e-6):
+                    continue
+                s.start = prev.end
+                if s.words:
+                    for w in s.words:
+                        w.start = max(w.start, s.start)
+                        w.end = max(w.end, w.start)
+            head, tail = _words(s.text), _words(prev.text)
+            n = 0
+            for k in range(min(len(head), len(tail)), min_run - 1, -1):
+                if head[:k] == tail[-k:] and all(head[:k]):
+                    n = k
+                    break
+            if n:
+                if n >= len(head):
+                    continue
+                kept = s.text.split()[n:]
+                s.text = " " + " ".join(kept)
+                ts = tokenizer.timestamp_begin
+                lead = [t for t in s.tokens[:1] if t >= ts]
+                trail = [t for t in s.tokens[-1:] if t >= ts] if len(s.tokens) > 1 else []
+                s.tokens = lead + tokenizer.encode(s.text) + trail
+                if s.words:
+                    s.words = s.words[n:] if len(s.words) > n else s.words
+                    s.start = max(s.start, s.words[0].start)
+        out.append(s)
+    return out
 
 
 def _decode_group(network, tokenizer, inputs: list[_Input], group: Sequence[Chunk],
@@ -495,6 +557,7 @@ def transcribe_vad(
     out = []
     for j in inputs:
         j.segments.sort(key=lambda seg: (seg.start, seg.end))
+        j.segments = _drop_repeats(j.segments, tokenizer)
         for n, s in enumerate(j.segments):
             s.id = n
         text_tokens = [t for s in j.segments for t in s.tokens if t < tokenizer.eot]

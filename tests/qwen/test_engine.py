@@ -81,3 +81,26 @@ def test_cli_transcribes_a_checkpoint_dir(qwen_chat_dir, clips, model, tmp_path)
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
     assert body["text"] and isinstance(body["text"], str)
+
+
+def test_token_streaming_partials(model, clips):
+    sc = SchedulerConfig(max_batch_size=2)
+    engine = ASREngine(EngineConfig(max_batch_size=2), model=model, scheduler_config=sc)
+    try:
+        long = np.concatenate([clips[0], np.zeros(16000 * 30, np.float32), clips[2]])
+        updates = list(engine.transcribe_partials(long, OPTS))
+        # a second stream abandoned early is aborted, the engine keeps serving
+        it = engine.transcribe_partials(clips[1], OPTS)
+        next(it)
+        it.close()
+        again = engine.transcribe_offline(clips[1], OPTS)
+    finally:
+        engine.shutdown()
+    *partials, final = updates
+    assert final.is_final and not any(u.is_final for u in partials)
+    (want,) = model.transcribe([long], OPTS)
+    assert final.transcript.text == want.text
+    assert len(partials) > 10  # piece by piece, not one update per window
+    assert "".join(u.delta for u in partials) == want.text == partials[-1].text
+    assert all(b.text.startswith(a.text) for a, b in zip(partials, partials[1:], strict=False))
+    assert again.text == model.transcribe([clips[1]], OPTS)[0].text

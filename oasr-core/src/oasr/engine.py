@@ -27,9 +27,10 @@ Calling streaming API on an offline engine raises :class:`ServiceModeError` (a t
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,8 @@ class StreamOutput:
     text: str
     is_final: bool
     transcript: Transcript | None = None
+    #: the text added since the previous update (:meth:`ASREngine.transcribe_partials`)
+    delta: str = ""
 
 
 class ASREngine:
@@ -179,6 +182,33 @@ class ASREngine:
         futures = sched.submit_many(waves, options, request_ids)
         sched.start()
         return futures
+
+    def transcribe_partials(self, audio: AudioInput, options: DecodingOptions | None = None,
+                            request_id: str | None = None) -> Iterator[StreamOutput]:  # fmt: skip
+        """Offline recognition of one input with its text as it is decoded (token-streaming
+        partials): :class:`StreamOutput` updates with ``delta`` (the new text) and ``text`` (all
+        of it so far), then one ``is_final`` update with the :class:`Transcript`. Families that
+        cannot stream tokens (every family but the speech-LLM today) give the final update only.
+        Stopping the iteration early aborts the request."""
+        sched = self.scheduler
+        options = (options or DecodingOptions()).validate_for(self.model)
+        wave = self.load_audio(audio)
+        updates: queue.Queue[str | None] = queue.Queue()
+        (future,) = sched.submit_many([wave], options, [request_id],
+                                      on_partial=lambda _k, text: updates.put(text))  # fmt: skip
+        future.add_done_callback(lambda _f: updates.put(None))
+        rid = getattr(future, "rid", request_id or "")
+        sched.start()
+        text = ""
+        try:
+            while (delta := updates.get()) is not None:
+                text += delta
+                yield StreamOutput(rid, text, False, delta=delta)
+        finally:
+            if not future.done():
+                self.abort(rid)
+        transcript = future.result()
+        yield StreamOutput(rid, transcript.text, True, transcript)
 
     def transcribe_outputs(
         self,

@@ -113,6 +113,10 @@ class Request:
     #: called with the share (0..1) of this request's work done, by executors that can tell
     #: (``BatchExecutor``: from the model's progress during its batch)
     on_progress: Callable[[float], None] | None = None
+    #: called with each new piece of text as it is decoded (token-streaming partials), by
+    #: executors whose family can tell (the autoregressive executor's ``StreamsPartials``
+    #: drivers); the final transcript still comes through the future
+    on_partial: Callable[[str], None] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -245,11 +249,13 @@ class Scheduler:
 
     def submit_many(self, audios: Sequence[np.ndarray], options: DecodingOptions,
                     rids: Sequence[str | None] | None = None,
-                    on_progress: Callable[[int, float], None] | None = None) -> list[Future]:  # fmt: skip
+                    on_progress: Callable[[int, float], None] | None = None,
+                    on_partial: Callable[[int, str], None] | None = None) -> list[Future]:  # fmt: skip
         """Queue several requests at once: the next step sees all of them, so they are admitted
         as full batches (a step between two single submits would start a batch of one).
         ``on_progress(k, share)`` reports the share of input ``k`` done where the executor can
-        tell. All or nothing: beyond ``max_queue`` nothing is queued."""
+        tell; ``on_partial(k, text)`` each new piece of input ``k``'s text as it is decoded
+        (token-streaming families). All or nothing: beyond ``max_queue`` nothing is queued."""
         with self._lock:
             limit = self.config.max_queue
             if limit is not None and len(self._waiting) + len(audios) > limit:
@@ -263,6 +269,8 @@ class Scheduler:
                 req = Request(rid, audio, options, next(self._seq), self.step_count)
                 if on_progress is not None:
                     req.on_progress = functools.partial(on_progress, k)
+                if on_partial is not None:
+                    req.on_partial = functools.partial(on_partial, k)
                 req.future.rid = req.rid  # type: ignore[attr-defined]
                 self._waiting.append(req)
                 futures.append(req.future)

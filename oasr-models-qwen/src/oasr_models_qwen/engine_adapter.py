@@ -7,7 +7,10 @@
 * :class:`QwenDriver`: a request is its audio cut into windows the encoder accepts (30 s each);
   each window's prompt is the task's prompt (chat template or base prompt) with the placeholder
   ``<|AUDIO|>`` expanded to one token per audio embedding, exactly as ``Qwen2AudioProcessor``
-  expands it; greedy by default, sampling options per request. The windows of a request run one
+  expands it; greedy by default, sampling options per request. It streams partials
+  (:class:`~oasr.executors.autoregressive.StreamsPartials`): a request with an ``on_partial``
+  callback gets its text piece by piece as tokens are sampled (a piece is held back while it
+  ends inside a UTF-8 character); the pieces add up to the final text. The windows of a request run one
   after another; their texts are joined. ``on_token`` hooks of a request (token-streaming
   partials) see each window's text grow token by token.
 """
@@ -101,6 +104,7 @@ class _Request:
     texts: list[str] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     language: str | None = None
+    emitted: str = ""  # the text streamed so far (token-streaming partials)
 
 
 class QwenDriver:
@@ -190,6 +194,20 @@ class QwenDriver:
     def process_logits(self, logits: torch.Tensor, rows: list[Row]) -> None:
         pass
 
+    def _text(self, st: _Request, toks: list[int]) -> str:
+        """The request's text with this window's tokens: what the transcript will say."""
+        _, text = split_language_tag(self.tok.decode(toks))
+        return " ".join(t for t in (*st.texts, text) if t)
+
+    def partial(self, row: Row) -> None:
+        st: _Request = row.window.state
+        toks = [t for t in row.sampled if t not in row.window.stop_tokens]
+        text = self._text(st, toks)
+        if text.endswith("\ufffd") or not text.startswith(st.emitted) or len(text) == len(st.emitted):
+            return  # inside a character, or (rarely) a decoding that does not extend the last
+        delta, st.emitted = text[len(st.emitted) :], text
+        row.window.request.on_partial(delta)
+
     def finished(self, row: Row, ex: AutoregressiveExecutor) -> None:
         w = row.window
         st: _Request = w.state
@@ -204,6 +222,11 @@ class QwenDriver:
                                    text=text, tokens=toks[:n], avg_logprob=avg,
                                    temperature=w.temperature))  # fmt: skip
         st.texts.append(text)
+        on_partial = st.request.on_partial
+        final = " ".join(t for t in st.texts if t)
+        if on_partial is not None and final.startswith(st.emitted) and len(final) > len(st.emitted):
+            on_partial(final[len(st.emitted) :])  # what was held back
+            st.emitted = final
         w.features = None
         w.embeds = None
         self._next_window(st, ex)

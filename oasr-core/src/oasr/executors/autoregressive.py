@@ -37,7 +37,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ __all__ = [
     "RequestDriver",
     "Row",
     "StepModel",
+    "StreamsPartials",
     "Window",
 ]
 
@@ -144,6 +145,17 @@ class RequestDriver(Protocol):
 
     def release(self, request: Request) -> None:
         """Forget ``request`` (it finished or was aborted)."""
+        ...
+
+
+@runtime_checkable
+class StreamsPartials(Protocol):
+    """A driver that turns a row's tokens into text as they are sampled (token-streaming
+    partials). After every sampling step the executor calls :meth:`partial` for the rows whose
+    request has an ``on_partial`` callback (``Request.on_partial``)."""
+
+    def partial(self, row: Row) -> None:
+        """Call ``row.window.request.on_partial(new_text)`` if ``row``'s text grew."""
         ...
 
 
@@ -278,6 +290,7 @@ class AutoregressiveExecutor:
         self.model = model
         self.step_model = sm = step_model
         self.driver = driver
+        self._partials = isinstance(driver, StreamsPartials)
         self.config = config
         self.device = torch.device(sm.device)
         self.dtype = sm.dtype
@@ -720,6 +733,13 @@ class AutoregressiveExecutor:
                 finished.append(idx[i])
             elif r.length > len(r.blocks) * self.block_size:
                 raise RuntimeError("KV blocks exhausted")  # cannot happen: blocks cover prompt + budget
+        if self._partials:
+            for r in rows:
+                if r.window.request.on_partial is not None:
+                    try:
+                        self.driver.partial(r)  # type: ignore[attr-defined]
+                    except Exception:  # noqa: BLE001 - a listener's failure is not the request's
+                        log.warning("token-streaming partial failed", exc_info=True)
         return finished
 
     @staticmethod

@@ -7,6 +7,7 @@ The weights are scaled so the models say varied things (not all blank): the test
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -135,6 +136,10 @@ def build_hf(kind: str, path: Path, seed: int = 0) -> HFCheckpoint:
         model.save_pretrained(path)
         fe = fe_for(kind)
         fe.save_pretrained(path)
+        if kind == "nemotron":  # what NemotronAsrStreamingProcessor.save_pretrained adds
+            (path / "processor_config.json").write_text(json.dumps({
+                "processor_class": "NemotronAsrStreamingProcessor", "blank_token": "<blank>",
+                "supported_num_lookahead_tokens": [2, 0], "default_num_lookahead_tokens": 2}))
     shutil.copy(TOKENIZER, path / "tokenizer.model")
     return HFCheckpoint(kind, path, model, fe)
 

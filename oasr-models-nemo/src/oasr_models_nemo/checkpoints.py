@@ -56,6 +56,13 @@ def load_hf(path: Path) -> tuple[NemoConfig, dict[str, torch.Tensor], SentencePi
     if (path / "preprocessor_config.json").is_file():
         pre = json.loads((path / "preprocessor_config.json").read_text())
         pre = pre.get("feature_extractor", pre)  # a processor_config.json style nesting
+    proc = {}
+    if (path / "processor_config.json").is_file():
+        proc = json.loads((path / "processor_config.json").read_text())
+        if pre is None and isinstance(proc.get("feature_extractor"), dict):
+            pre = proc["feature_extractor"]
+    if proc.get("supported_num_lookahead_tokens"):  # the streaming processor's trained set
+        cfg = {**cfg, "supported_num_lookahead_tokens": proc["supported_num_lookahead_tokens"]}
     config = from_hf(cfg, pre)
     state = _read_safetensors(path)
     if config.streaming:

@@ -179,12 +179,14 @@ def from_hf(cfg: dict[str, Any], preprocessor: dict[str, Any] | None = None) -> 
     if "num_mel_bins" in enc:
         kw["num_mel_bins"] = int(enc["num_mel_bins"])
     if streaming:
+        # the trained lookaheads live in processor_config.json (load_hf passes them); without
+        # it, every lookahead up to the default is accepted
         right = int(enc.get("default_num_lookahead_tokens", 13))
         kw.update(causal=True, conv_norm="layer_norm",
                   att_context=(int(enc.get("sliding_window", 71)) - 1, right),
                   att_context_style="chunked_limited",
                   lookaheads=tuple(int(x) for x in cfg.get("supported_num_lookahead_tokens", ())
-                                   or (right,)))
+                                   or range(right + 1)))
     return NemoConfig(**kw).check()
 
 

@@ -176,9 +176,15 @@ class NemoASR:
         net = self.net
         options = options or self.default_options
         frames = int(net.encoder.subsampling.out_lengths(flens.max()).item()) if len(flens) else 0
+        context = None
+        if self.config.streaming:  # the lookahead the request streams with, offline too
+            lookahead = getattr(options, "lookahead", -1)
+            if lookahead >= 0:
+                context = (self.config.att_context[0], lookahead)
         with torch.no_grad():
             return net.encoder(feats.to(net.device, net.dtype), flens.to(net.device),
-                               local_window=self.local_window(frames, options))
+                               local_window=self.local_window(frames, options),
+                               att_context=context)
 
     def encode(self, waves: Sequence[np.ndarray], options: ResolvedOptions | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +296,20 @@ class NemotronASR(NemoASR):
     attention context: chunked-limited)."""
 
     capabilities = NEMOTRON_CAPABILITIES
+    #: keep each stream's encoder output chunks on its state (``encoder_output``; tests)
+    keep_encoder_output = False
+
+    def new_stream(self, options: DecodingOptions | None = None):
+        """A new stream (``oasr_models_nemo.streaming.NemotronStreamState``); the family option
+        ``lookahead`` picks the right context (chunk = lookahead + 1 encoder frames)."""
+        from oasr_models_nemo.streaming import new_stream
+
+        return new_stream(self, self._check(options or DecodingOptions()))
+
+    def stream_step(self, states, chunks, is_last):  # noqa: ANN001 - see StreamingASRModel
+        from oasr_models_nemo.streaming import stream_step
+
+        return stream_step(self, states, chunks, is_last)
 
 
 __all__ = ["NemoASR", "NemotronASR", "ParakeetCTC", "ParakeetRNNT", "ParakeetTDT"]

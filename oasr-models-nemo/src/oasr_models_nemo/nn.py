@@ -120,6 +120,36 @@ class Subsampling(nn.Module):
         b, ch, t, f = h.shape
         return self.linear(h.transpose(1, 2).reshape(b, t, ch * f)), lengths
 
+    def forward_stream(self, x: torch.Tensor, caches: list[torch.Tensor | None],
+                       limits: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One chunk of the causal form. ``x`` (B, T, F) feature frames; ``caches[l]`` the last
+        ``k - s`` input frames of strided layer l, (B, C_in, k - s, F_padded), or None for a
+        first chunk (its ``k - 1`` frames of zero padding, as offline); ``limits[l]`` (B,): how
+        many of layer l's output frames of this chunk are valid (frames past the utterance end
+        are zeroed, as offline). Returns the projected frames and the new caches."""
+        keep = self.kernel - self.stride
+        h = x.unsqueeze(1)
+        new_caches = []
+        s = 0
+        for layer in self.layers:
+            if isinstance(layer, Conv2dLayer):
+                if layer.stride > 1:
+                    h = F.pad(h, self.pad[:2] + (0, 0))  # frequency only
+                    cache = caches[s]
+                    if cache is None:
+                        cache = h.new_zeros(h.shape[0], h.shape[1], self.kernel - 1, h.shape[3])
+                    new_caches.append(h[:, :, h.shape[2] - keep:])
+                    h = torch.cat([cache, h], dim=2)
+                    limit = limits[s]
+                    s += 1
+                h = layer(h)
+                t = torch.arange(h.shape[2], device=h.device)
+                h = h * (t[None, :] < limit[:, None]).to(h.dtype)[:, None, :, None]
+            else:
+                h = layer(h)
+        b, ch, t, f = h.shape
+        return self.linear(h.transpose(1, 2).reshape(b, t, ch * f)), new_caches
+
 
 # -- positions and attention --------------------------------------------------------------------------
 
@@ -356,6 +386,33 @@ class FastConformerEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, pe, mask, valid, local_window=local_window)[0]
         return x, lengths
+
+    def forward_stream(self, x: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,
+                       caches: list[LayerCache], right: int
+                       ) -> tuple[torch.Tensor, list[LayerCache]]:
+        """The Conformer layers over one chunk of subsampled frames ``x`` (B, T, D) of streams
+        whose key / value caches are right-aligned to a common length C (``key_valid`` (B, C + T)
+        marks real keys: each stream's own cache and the chunk's valid frames, ``valid`` (B, T)).
+        The chunk starts at a multiple of the chunk size ``right + 1`` in every stream, so one
+        chunked-limited mask serves them all. Returns the output and each layer's keys / values
+        over all C + T frames and causal-convolution input (the caller trims them)."""
+        c = self.config
+        x = x * self.input_scale
+        b, t, _ = x.shape
+        cached = caches[0].k.shape[2]
+        s = cached + t
+        pe = rel_pe(s - 1, -(s - 1), c.hidden_size, x.device, x.dtype)
+        chunk = right + 1
+        left = c.att_context[0]
+        rel = torch.arange(s, device=x.device) - cached  # key position from the chunk start
+        back = -torch.div(rel, chunk, rounding_mode="floor")  # chunks behind the query's
+        allowed = (back >= 0) & (back <= (left // chunk if left >= 0 else 10_000))
+        mask = (allowed[None, :] & key_valid)[:, None, None, :].expand(b, 1, t, s)
+        out = []
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x, k, v, conv_in = layer(x, pe, mask, valid, cache=cache)
+            out.append(LayerCache(k, v, conv_in))
+        return x, out
 
 
 # -- heads ----------------------------------------------------------------------------------------

@@ -249,3 +249,33 @@ def test_core_greedy_matches_our_network_adapter(offline_release) -> None:
     with torch.no_grad():
         hyp = transducer_greedy_search(model.decoder_network, model.net.joiner.encoder_proj(enc))[0]
     assert len(hyp.times) == len(hyp.tokens)
+
+
+@pytest.mark.parametrize("blank_penalty", [0.0, 0.7])
+def test_sync_free_greedy_equals_frame_loop(offline_release, blank_penalty) -> None:
+    """The core greedy search's on-device path (the CUDA default) gives the frame-by-frame
+    loop's hypotheses, fed whole or in chunks."""
+    model = _load(offline_release[1])
+    ws = waves(3)
+    feats, lens = model.features(ws)
+    o = model._check(DecodingOptions())
+    enc, enc_lens = model.encode_features(feats, lens, o)
+    proj = model.net.joiner.encoder_proj(enc)
+    with torch.no_grad():
+        loop = transducer_greedy_search(model.decoder_network, proj, enc_lens, sync_free=False,
+                                        blank_penalty=blank_penalty, unk_id=2)
+        fast = transducer_greedy_search(model.decoder_network, proj, enc_lens, sync_free=True,
+                                        blank_penalty=blank_penalty, unk_id=2)
+        from oasr.decoders import TransducerGreedySearch
+
+        chunked = TransducerGreedySearch(model.decoder_network, 3, sync_free=True,
+                                         blank_penalty=blank_penalty, unk_id=2)
+        for a in range(0, proj.shape[1], 7):
+            n = [max(0, min(7, int(L) - a)) for L in enc_lens]
+            chunked.step(proj[:, a : a + 7], n)
+    _assert_varied([h.tokens for h in loop])
+    for got in (fast, chunked.results()):
+        for x, y in zip(loop, got, strict=True):
+            assert x.tokens == y.tokens and x.times == y.times
+            assert x.token_logprobs == pytest.approx(y.token_logprobs, abs=1e-5)
+            assert x.score == pytest.approx(y.score, abs=1e-4)

@@ -244,8 +244,14 @@ class _IcefallASR:
     # -- encoder ----------------------------------------------------------------------------
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """icefall's decoding features: (B, T, 80) padded with log(1e-10), and frame counts."""
-        feats, lens = self.fbank.extract([torch.from_numpy(w) for w in waves])
-        pad = torch.arange(feats.shape[1])[None, :] >= lens[:, None]
+        n = max(len(w) for w in waves)
+        batch = np.zeros((len(waves), n), np.float32)
+        for i, w in enumerate(waves):
+            batch[i, : len(w)] = w
+        x = torch.from_numpy(batch).to(self.device, non_blocking=True)  # fbank on the model's device
+        lengths = torch.tensor([len(w) for w in waves], device=self.device)
+        feats, lens = self.fbank.extract(x, lengths)
+        pad = torch.arange(feats.shape[1], device=feats.device)[None, :] >= lens[:, None]
         return feats.masked_fill(pad[:, :, None], LOG_EPS), lens
 
     def encode_features(self, feats: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions

@@ -180,9 +180,12 @@ class TransducerGreedySearch:
 
     def __init__(self, network: TransducerNetwork, batch_size: int = 1, *, blank_id: int = 0,
                  max_symbols_per_frame: int = 1, unk_id: int | None = None,
-                 blank_penalty: float = 0.0) -> None:
+                 blank_penalty: float = 0.0, sync_free: bool | None = None) -> None:
         _check_positive(batch_size, "batch_size")
         _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
+        #: one symbol per frame without a host read per frame (every row's prediction network
+        #: runs each frame; rows that did not emit keep their state): None = on CUDA
+        self.sync_free = sync_free
         self.network = network
         self.batch_size = batch_size
         self.blank_id = blank_id
@@ -204,14 +207,57 @@ class TransducerGreedySearch:
             if self._state is None:
                 self._state, self._decoder_out = _start(self.network, self.batch_size,
                                                         self.blank_id, enc.device)
-            for t in range(max(lens)):
-                pending = [b for b in range(self.batch_size) if t < lens[b]]
-                for _ in range(self.max_symbols_per_frame):
-                    pending = self._emit(enc, t, pending)
-                    if not pending:
-                        break
+            sync_free = self.sync_free if self.sync_free is not None else enc.device.type == "cuda"
+            if sync_free and self.max_symbols_per_frame == 1:
+                self._step_on_device(enc, lens)
+            else:
+                for t in range(max(lens)):
+                    pending = [b for b in range(self.batch_size) if t < lens[b]]
+                    for _ in range(self.max_symbols_per_frame):
+                        pending = self._emit(enc, t, pending)
+                        if not pending:
+                            break
         for b in range(self.batch_size):
             self.frames[b] += lens[b]
+
+    def _step_on_device(self, enc: Any, lens: list[int]) -> None:
+        """``max_symbols_per_frame == 1`` with the whole chunk on the device: per frame, every
+        row is joined, the emitting rows' prediction network advances (``merge_state``), and the
+        tokens and log-probabilities are read back once at the end. Same hypotheses as the
+        frame-by-frame loop."""
+        import torch
+
+        dev = enc.device
+        b = self.batch_size
+        t_max = max(lens)
+        lens_t = torch.as_tensor(lens, device=dev)
+        skip = torch.as_tensor(sorted(self.skip_ids), device=dev)
+        blanks = torch.full((b,), self.blank_id, dtype=torch.long, device=dev)
+        tokens = torch.empty(b, t_max, dtype=torch.long, device=dev)
+        logps = torch.empty(b, t_max, dtype=torch.float32, device=dev)
+        state, decoder_out = self._state, self._decoder_out
+        for t in range(t_max):
+            logits = self.network.join(enc[:, t], decoder_out).float()
+            if self.blank_penalty:
+                logits[:, self.blank_id] -= self.blank_penalty
+            best = logits.argmax(dim=-1)
+            logps[:, t] = logits.log_softmax(dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
+            emit = (t < lens_t) & ~torch.isin(best, skip)
+            tokens[:, t] = torch.where(emit, best, -1)
+            out, new_state = self.network.predict(torch.where(emit, best, blanks), state)
+            state = self.network.merge_state(state, new_state, emit)
+            decoder_out = torch.where(emit.unsqueeze(1), out.to(decoder_out.dtype), decoder_out)
+        self._state, self._decoder_out = state, decoder_out
+        tokens_l, logps_l = tokens.tolist(), logps.tolist()
+        for r in range(b):
+            hyp = self._hyps[r]
+            for t in range(lens[r]):
+                lp = logps_l[r][t]
+                hyp.score += lp
+                if tokens_l[r][t] >= 0:
+                    hyp.tokens.append(tokens_l[r][t])
+                    hyp.times.append(self.frames[r] + t)
+                    hyp.token_logprobs.append(lp)
 
     def _emit(self, enc: Any, t: int, rows: list[int]) -> list[int]:
         """One joiner step at column ``t`` for ``rows``; returns the rows that emitted a token."""
@@ -245,13 +291,14 @@ class TransducerGreedySearch:
 def transducer_greedy_search(network: TransducerNetwork, encoder_out: Any,
                              lengths: Sequence[int] | Any | None = None, *, blank_id: int = 0,
                              max_symbols_per_frame: int = 1, unk_id: int | None = None,
-                             blank_penalty: float = 0.0) -> list[Hypothesis]:
+                             blank_penalty: float = 0.0, sync_free: bool | None = None
+                             ) -> list[Hypothesis]:
     """Greedy search of each utterance of a (B, T, D) batch (or one (T, D) input -> a list of
     one). See :class:`TransducerGreedySearch`."""
     enc, lens = _batch(encoder_out, lengths)
     search = TransducerGreedySearch(network, enc.shape[0], blank_id=blank_id,
                                     max_symbols_per_frame=max_symbols_per_frame, unk_id=unk_id,
-                                    blank_penalty=blank_penalty)
+                                    blank_penalty=blank_penalty, sync_free=sync_free)
     search.step(enc, lens)
     return search.results()
 

@@ -419,7 +419,7 @@ class _IcefallASR:
             out, new = self.net.streaming_forward(feats, caches, left)
         frames = self._search_frames(out, states[0].method) if len({s.method for s in states}) == 1 else None
         for i, st in enumerate(states):
-            st.caches = new.rows([i]) if len(states) > 1 else new
+            st.caches = new.row(i) if len(states) > 1 else new
             f = frames[i : i + 1] if frames is not None else self._search_frames(out[i : i + 1], st.method)
             n = f.shape[1]
             lp = f[0]

@@ -595,9 +595,11 @@ class StreamCaches:
     layers: list[list[list[torch.Tensor]]]
     processed: torch.Tensor
 
-    def rows(self, index: torch.Tensor | list[int]) -> StreamCaches:
-        return StreamCaches(self.embed[index], [[[t[index] for t in layer] for layer in stack]
-                                                for stack in self.layers], self.processed[index])
+    def row(self, i: int) -> StreamCaches:
+        """Row ``i`` as views (no copy: the next step concatenates them again)."""
+        s = slice(i, i + 1)
+        return StreamCaches(self.embed[s], [[[t[s] for t in layer] for layer in stack]
+                                            for stack in self.layers], self.processed[s])
 
     @staticmethod
     def cat(items: list[StreamCaches]) -> StreamCaches:

@@ -1,0 +1,208 @@
+"""icefall Zipformer benchmark: OASR beside the ``zipformer`` package's own PyTorch code.
+
+    python -m benchmarks.icefallbench --device cuda                       # H200: < 3 minutes
+    python -m benchmarks.icefallbench --device cpu --shape tiny --batch 4 --seconds 5   # a check
+
+Offline: the LibriSpeech zipformer recipe's shape (``--shape full``, ~65M parameters, the
+defaults of icefall's ``egs/librispeech/ASR/zipformer/train.py``; random weights, saved in
+icefall's release layout and loaded by OASR as released) on ``--batch`` inputs of ``--seconds``
+seconds: OASR's ``model.transcribe`` (fbank on the device, encoder, greedy search; the engine's
+dtype, fp16 on CUDA) against the package's ``AsrModel.forward_encoder`` + ``greedy_search`` (batched)
+(as icefall decodes: fp32, features given, so its fbank time is not even counted) in the same
+process. RTFx = audio seconds / wall seconds, best of ``--repeats`` after a warm-up.
+
+Streaming (causal variant of the same shape): N concurrent streams each fed 320 ms of audio per
+tick (icefall's chunk 16 at 50 Hz) through a streaming ``ASREngine``; the latency of the engine
+step that serves all of them, p50 / p99, for each N in ``--streams``.
+
+Prints one JSON object. The reference is the PyPI package ``zipformer`` (installed with
+``--no-deps``; its training-only imports are faked as in ``tests/icefall/_reference.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+FULL = dict(  # icefall egs/librispeech/ASR/zipformer/train.py defaults
+    downsampling_factor="1,2,4,8,4,2", num_encoder_layers="2,2,3,4,3,2",
+    feedforward_dim="512,768,1024,1536,1024,768", num_heads="4,4,4,8,4,4",
+    encoder_dim="192,256,384,512,384,256", query_head_dim="32", value_head_dim="12",
+    pos_head_dim="4", pos_dim=48, encoder_unmasked_dim="192,192,256,256,256,192",
+    cnn_module_kernel="31,31,15,15,15,31", decoder_dim=512, joiner_dim=512, vocab_size=500,
+)  # fmt: skip
+TINY = dict(
+    downsampling_factor="1,2,4", num_encoder_layers="1,2,1", feedforward_dim="64,96,80",
+    num_heads="2,2,4", encoder_dim="32,48,40", query_head_dim="8", value_head_dim="6",
+    pos_head_dim="4", pos_dim=16, encoder_unmasked_dim="16,16,16", cnn_module_kernel="15,7,7",
+    decoder_dim=16, joiner_dim=24, vocab_size=500,
+)  # fmt: skip
+
+
+def _reference_module():
+    spec = importlib.util.spec_from_file_location("icefall_reference", REPO / "tests" / "icefall" / "_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _waves(n: int, seconds: float, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    length = int(seconds * 16000)
+    t = np.arange(length) / 16000
+    out = []
+    for k in range(n):
+        x = 0.05 * rng.standard_normal(length) + 0.2 * np.sin(2 * math.pi * (150 + 7 * k) * t) * (np.sin(3 * t + k) > 0)
+        out.append(x.astype(np.float32))
+    return out
+
+
+def _write_release(root: Path, model, vocab: int) -> Path:
+    import torch
+
+    (root / "exp").mkdir(parents=True)
+    torch.save({"model": model.state_dict()}, root / "exp" / "pretrained.pt")
+    (root / "data" / "lang_bpe_500").mkdir(parents=True)
+    pieces = ["<blk>", "<sos/eos>", "<unk>"] + [f"\u2581T{i}" for i in range(vocab - 3)]
+    (root / "data" / "lang_bpe_500" / "tokens.txt").write_text("".join(f"{p} {i}\n" for i, p in enumerate(pieces)))
+    return root
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _best(fn, repeats: int, device: str) -> float:
+    fn()  # warm-up
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def offline(args, ref, shape: dict) -> dict:
+    import torch
+
+    from oasr.checkpoint import load_model
+    from oasr.types import DecodingOptions, EngineConfig
+
+    torch.manual_seed(0)
+    m = ref.model.AsrModel(feature_dim=80, causal=False, use_ctc=False, chunk_size="-1",
+                           left_context_frames="-1", **shape).eval()  # fmt: skip
+    params = sum(p.numel() for p in m.parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write_release(Path(tmp), m, shape["vocab_size"])
+        model = load_model(EngineConfig(ckpt_dir=str(path), device=args.device, dtype=args.dtype))
+    waves = _waves(args.batch, args.seconds)
+    audio = args.batch * args.seconds
+    opts = DecodingOptions()
+    with torch.no_grad():
+        ours_s = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
+        feats, lens = model.features(waves)  # the same features for the reference
+        m = m.to(args.device)
+        feats32, lens_d = feats.float(), lens.to(args.device)
+
+        def reference():
+            enc, enc_lens = m.forward_encoder(feats32, lens_d)
+            return ref.search.greedy_search(m, enc, enc_lens, max_sym_per_frame=1)
+
+        ref_s = _best(reference, args.repeats, args.device)
+    return {
+        "shape": args.shape, "parameters": params, "batch": args.batch, "seconds": args.seconds,
+        "oasr_dtype": str(model.dtype).replace("torch.", ""), "reference_dtype": "float32",
+        "oasr_s": round(ours_s, 4), "reference_s": round(ref_s, 4),
+        "oasr_rtfx": round(audio / ours_s, 1), "reference_rtfx": round(audio / ref_s, 1),
+        "speedup": round(ref_s / ours_s, 2),
+    }  # fmt: skip
+
+
+def streaming(args, ref, shape: dict) -> dict:
+    import torch
+
+    from oasr.engine import ASREngine
+    from oasr.types import DecodingOptions, EngineConfig
+
+    torch.manual_seed(0)
+    m = ref.model.AsrModel(feature_dim=80, causal=True, use_ctc=False, chunk_size="16",
+                           left_context_frames="128", **shape).eval()  # fmt: skip
+    chunk = 5120  # 320 ms
+    out = {"chunk_ms": 320, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write_release(Path(tmp), m, shape["vocab_size"])
+        for n in args.streams:
+            engine = ASREngine(EngineConfig(ckpt_dir=str(path), device=args.device, dtype=args.dtype,
+                                            service_mode="streaming", max_batch_size=max(n, 1)))  # fmt: skip
+            waves = _waves(n, args.stream_seconds, seed=n)
+            rids = [engine.add_streaming_request(DecodingOptions()) for _ in range(n)]
+            lat = []
+            ticks = int(args.stream_seconds * 16000) // chunk
+            for k in range(ticks):
+                for r, w in zip(rids, waves, strict=True):
+                    engine.feed_chunk(r, w[k * chunk : (k + 1) * chunk], is_last=k == ticks - 1)
+                t0 = time.perf_counter()
+                done = engine.step()
+                _sync(args.device)
+                if k >= 2:  # warm-up steps excluded
+                    lat.append(time.perf_counter() - t0)
+                assert len(done) >= 0
+            engine.shutdown()
+            lat_ms = np.array(lat) * 1000
+            out["runs"].append({"streams": n, "steps": len(lat), "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
+                                "p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
+                                "real_time": bool(np.percentile(lat_ms, 99) <= 100.0)})  # fmt: skip
+    held = [r["streams"] for r in out["runs"] if r["real_time"]]
+    out["max_streams_p99_le_100ms"] = max(held) if held else 0
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--shape", choices=["full", "tiny"], default="full")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 128, 256])
+    p.add_argument("--stream-seconds", type=float, default=6.4)
+    p.add_argument("--skip-streaming", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_grad_enabled(False)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    shape = FULL if args.shape == "full" else TINY
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    with _reference_module().icefall_reference() as ref:
+        result["offline"] = offline(args, ref, shape)
+        if not args.skip_streaming:
+            result["streaming"] = streaming(args, ref, shape)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""icefall Zipformer on CUDA (run with ``pytest -m gpu tests/icefall`` on the device): CUDA equals
+CPU and icefall's own code on CUDA, offline and streaming, fp32 (TF32 off) and fp16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from oasr.checkpoint import load_model
+from oasr.types import DecodingOptions, EngineConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _tokens(transcripts):
+    return [t.segments[0].tokens if t.segments else [] for t in transcripts]
+
+
+@pytest.mark.parametrize("which", ["offline_release", "causal_release"])
+def test_cuda_equals_cpu_and_icefall(request, helpers, which) -> None:
+    ref_model, path = request.getfixturevalue(which)
+    cpu = load_model(EngineConfig(ckpt_dir=str(path)))
+    gpu = load_model(EngineConfig(ckpt_dir=str(path), device="cuda", dtype="float32"))
+    ws = helpers.waves(3)
+    feats, lens = cpu.features(ws)
+    o = cpu._check(DecodingOptions())
+    e_cpu, l_cpu = cpu.encode_features(feats, lens, o)
+    e_gpu, l_gpu = gpu.encode_features(feats.cuda(), lens.cuda(), o)
+    assert torch.equal(l_cpu, l_gpu.cpu())
+    assert (e_cpu - e_gpu.cpu()).abs().max() < 1e-3
+    ref_gpu = ref_model.to("cuda")
+    try:
+        if cpu.cfg.causal:
+            ref_gpu.encoder.chunk_size, ref_gpu.encoder.left_context_frames = [16], [128]
+        f = torch.nn.functional.pad(feats, (0, 0, 0, 30 if cpu.cfg.causal else 0), value=float(np.log(1e-10)))
+        n = lens + (30 if cpu.cfg.causal else 0)
+        with torch.no_grad():
+            r, _ = ref_gpu.forward_encoder(f[:1, : n[0]].cuda(), n[:1].cuda())
+        assert (r[0].cpu() - e_gpu[0, : r.shape[1]].cpu()).abs().max() < 1e-3
+    finally:
+        ref_model.to("cpu")
+    for beam in (1, 4):
+        opts = DecodingOptions(beam_size=beam)
+        assert _tokens(gpu.transcribe(ws, opts)) == _tokens(cpu.transcribe(ws, opts))
+    half = load_model(EngineConfig(ckpt_dir=str(path), device="cuda"))  # auto: float16
+    assert half.dtype == torch.float16
+    same = sum(a == b for a, b in zip(_tokens(half.transcribe(ws, DecodingOptions())),
+                                      _tokens(cpu.transcribe(ws, DecodingOptions())), strict=True))
+    assert same >= 2  # fp16 may flip a near-tie in one utterance of random weights
+
+
+def test_cuda_streaming_equals_cpu(causal_release, helpers) -> None:
+    path = causal_release[1]
+    cpu = load_model(EngineConfig(ckpt_dir=str(path)))
+    gpu = load_model(EngineConfig(ckpt_dir=str(path), device="cuda", dtype="float32"))
+    ws = helpers.waves(3, seed=5)
+
+    def run(model):
+        states = [model.new_stream(DecodingOptions()) for _ in ws]
+        finals = [None] * len(ws)
+        pos = 0
+        while any(f is None for f in finals):
+            chunk = [w[pos : pos + 5120] for w in ws]
+            last = [pos + 5120 >= len(w) for w in ws]
+            live = [i for i, f in enumerate(finals) if f is None]
+            ups = model.stream_step([states[i] for i in live], [chunk[i] for i in live], [last[i] for i in live])
+            for i, u in zip(live, ups, strict=True):
+                if u.is_final:
+                    finals[i] = u.transcript
+            pos += 5120
+        return _tokens(finals)
+
+    assert run(gpu) == run(cpu)

@@ -22,6 +22,7 @@ from oasr.scheduler import SchedulerConfig  # noqa: E402
 from oasr.types import DecodingOptions, EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
+SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech"
 OPTS = DecodingOptions(max_new_tokens=12)
 
 
@@ -52,10 +53,26 @@ def test_kv_heads_only_in_the_cache(model):
 
 def test_long_audio_is_decoded_in_30s_windows(model, clips):
     long = np.concatenate([clips[0], np.zeros(16000 * 30, np.float32), clips[1]])
-    (t,) = model.transcribe([long], OPTS)
+    opts = DecodingOptions(max_new_tokens=12, model_options={"long_form": "fixed"})
+    (t,) = model.transcribe([long], opts)
     assert len(t.segments) == 2 and t.segments[1].start == 30.0
     assert t.duration == pytest.approx(len(long) / 16000)
     assert t.text == " ".join(s.text for s in t.segments if s.text)
+
+
+def test_long_audio_is_cut_at_silences_by_vad(model):
+    from oasr.audio import load_audio
+    from oasr_models_qwen.engine_adapter import plan_windows
+
+    speech = load_audio(str(SPEECH / "en_fleurs_000.ogg"), 16000)
+    long = np.concatenate([speech, np.zeros(16000 * 25, np.float32), speech])
+    windows = plan_windows(long, "vad")
+    # two windows, each around one copy of the speech; the 25 s of silence is not decoded
+    assert len(windows) == 2 and all(e - s <= 16000 * 30 for s, e in windows)
+    gap = len(speech) + 16000 * 25
+    assert windows[0][1] <= len(speech) and gap <= windows[1][0] < gap + len(speech)
+    (t,) = model.transcribe([long], OPTS)
+    assert [round(s.start * 16000) for s in t.segments] == [w[0] for w in windows]
 
 
 def test_refused_options(model, clips):
@@ -88,7 +105,8 @@ def test_token_streaming_partials(model, clips):
     engine = ASREngine(EngineConfig(max_batch_size=2), model=model, scheduler_config=sc)
     try:
         long = np.concatenate([clips[0], np.zeros(16000 * 30, np.float32), clips[2]])
-        updates = list(engine.transcribe_partials(long, OPTS))
+        fixed = DecodingOptions(max_new_tokens=12, model_options={"long_form": "fixed"})
+        updates = list(engine.transcribe_partials(long, fixed))
         # a second stream abandoned early is aborted, the engine keeps serving
         it = engine.transcribe_partials(clips[1], OPTS)
         next(it)
@@ -98,8 +116,8 @@ def test_token_streaming_partials(model, clips):
         engine.shutdown()
     *partials, final = updates
     assert final.is_final and not any(u.is_final for u in partials)
-    (want,) = model.transcribe([long], OPTS)
-    assert final.transcript.text == want.text
+    (want,) = model.transcribe([long], fixed)
+    assert final.transcript.text == want.text and len(want.segments) == 2
     assert len(partials) > 10  # piece by piece, not one update per window
     assert "".join(u.delta for u in partials) == want.text == partials[-1].text
     assert all(b.text.startswith(a.text) for a, b in zip(partials, partials[1:], strict=False))

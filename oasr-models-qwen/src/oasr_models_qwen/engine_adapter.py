@@ -4,19 +4,19 @@
   forward over the executor's paged cache (grouped-query attention, rotary positions); no
   cross-attention: the audio reaches the decoder as embeddings in the prompt
   (``Window.embeds``).
-* :class:`QwenDriver`: a request is its audio cut into windows the encoder accepts (30 s each);
-  each window's prompt is the task's prompt (chat template or base prompt) with the placeholder
-  ``<|AUDIO|>`` expanded to one token per audio embedding, exactly as ``Qwen2AudioProcessor``
-  expands it; greedy by default, sampling options per request. It streams partials
-  (:class:`~oasr.executors.autoregressive.StreamsPartials`): a request with an ``on_partial``
-  callback gets its text piece by piece as tokens are sampled (a piece is held back while it
-  ends inside a UTF-8 character); the pieces add up to the final text. The windows of a request run one
-  after another; their texts are joined. ``on_token`` hooks of a request (token-streaming
-  partials) see each window's text grow token by token.
+* :class:`QwenDriver`: a request is its audio cut into windows the encoder accepts (at most
+  30 s; beyond 30 s cut at the silences a VAD finds: :func:`plan_windows`), decoded one after
+  another, their texts joined. Each window's prompt is the task's prompt (chat template or base
+  prompt) with the placeholder ``<|AUDIO|>`` expanded to one token per audio embedding, exactly
+  as ``Qwen2AudioProcessor`` expands it; greedy by default, sampling options per request. It
+  streams partials (:class:`~oasr.executors.autoregressive.StreamsPartials`): a request with an
+  ``on_partial`` callback gets its text piece by piece as tokens are sampled (a piece is held
+  back while it ends inside a UTF-8 character); the pieces add up to the final text.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from oasr.audio import as_mono_waveform
+from oasr.errors import MissingPluginError
 from oasr.executors.autoregressive import AttentionContext, AutoregressiveExecutor, Row, Window
 from oasr.features.whisper import HOP_LENGTH, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
 from oasr.layers.attention import fixed_shape_attention
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
     from oasr.scheduler import Request, SchedulerConfig
     from oasr_models_qwen.model import Qwen2AudioASR
 
-__all__ = ["QwenDriver", "QwenStepModel", "make_executor", "window_mel"]
+__all__ = ["QwenDriver", "QwenStepModel", "make_executor", "plan_windows", "window_mel"]
+
+log = logging.getLogger(__name__)
 
 #: the decoder context the executor reserves per row: the audio tokens of a 30 s window,
 #: the prompt text and the generated tokens (a checkpoint's 32k positions would reserve
@@ -47,6 +50,33 @@ DEFAULT_CONTEXT = 1536
 
 def make_executor(model: Qwen2AudioASR, config: SchedulerConfig) -> AutoregressiveExecutor:
     return AutoregressiveExecutor(model, QwenStepModel(model), QwenDriver(model), config)
+
+
+def plan_windows(wave: np.ndarray, long_form: str) -> list[tuple[int, int]]:
+    """Sample ranges of at most 30 s covering ``wave``: one window up to 30 s; beyond, with
+    ``long_form="vad"``, the speech segments of :func:`oasr.vad.get_speech_segments` packed into
+    windows (a segment longer than 30 s is split by the segmenter; no speech: no window), else
+    (or without a detector installed) every 30 s."""
+    n = int(wave.shape[0])
+    if n <= N_SAMPLES:
+        return [(0, n)]
+    if long_form == "vad":
+        try:
+            from oasr.vad import SegmentationOptions, get_speech_segments
+
+            segments = get_speech_segments(wave, SAMPLE_RATE, options=SegmentationOptions(max_speech_s=29.5))
+        except MissingPluginError:
+            log.warning("no VAD detector installed (pip install oasr-vad-silero): cutting every 30 s")
+        else:
+            windows: list[tuple[int, int]] = []
+            for s in segments:
+                start, end = s.start, min(s.end, s.start + N_SAMPLES)
+                if windows and end - windows[-1][0] <= N_SAMPLES:
+                    windows[-1] = (windows[-1][0], end)
+                else:
+                    windows.append((start, end))
+            return windows
+    return [(s, min(n, s + N_SAMPLES)) for s in range(0, n, N_SAMPLES)]
 
 
 def window_mel(wave: torch.Tensor, n_mels: int) -> tuple[torch.Tensor, int]:
@@ -126,9 +156,9 @@ class QwenDriver:
         for request in requests:
             try:
                 options = qwen_options(request.options)
-                wave = torch.as_tensor(np.asarray(request.audio, dtype=np.float32))
-                n = int(wave.shape[0])
-                chunks = [(s, min(n, s + N_SAMPLES)) for s in range(0, max(n, 1), N_SAMPLES)]
+                audio = np.asarray(request.audio, dtype=np.float32)
+                wave = torch.as_tensor(audio)
+                chunks = plan_windows(audio, options.long_form)
                 st = _Request(request, options, wave, chunks, self.model.prompt_ids(options))
                 self.states[request.rid] = st
                 self._next_window(st, ex)

@@ -41,6 +41,10 @@ class QwenOptions(ModelOptions):
     system_prompt: str | None = option(
         None, doc="Chat prompt style: the system message (unset: the checkpoint template's default)."
     )
+    long_form: Literal["vad", "fixed"] = option(
+        "vad", doc="Audio over 30 s: vad cuts it into windows of at most 30 s at the silences the "
+                   "voice activity detector finds (silence is not decoded); fixed cuts every 30 s.",
+    )  # fmt: skip
     prompt_style: Literal["auto", "chat", "base"] = option(
         "auto", doc="chat: the Instruct model's chat template; base: the base model's "
                     "'Detect the language and recognize the speech' prompt; auto: chat when the "

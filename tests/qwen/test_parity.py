@@ -114,6 +114,37 @@ def test_audio_embeddings_and_logits_match(ours_chat, hf_chat, clips):
     assert got[:, :n].abs().mean() > 0.1  # not a degenerate output
 
 
+def test_prompt_logits_match(ours_chat, hf_chat, clips):
+    """The decoder over the whole prompt (audio embeddings in place of the placeholders, rotary
+    positions, grouped heads) against transformers' forward."""
+    from oasr.layers.attention import grouped_attention
+    from oasr_models_qwen.engine_adapter import window_mel
+
+    model, processor = hf_chat
+    inputs = _hf_inputs(processor, _chat_text(processor, "Transcribe the speech."), clips[0])
+    with torch.no_grad():
+        want = model(**inputs).logits[0]
+    ids = inputs["input_ids"]
+    net = ours_chat.network
+    mel, frames = window_mel(torch.as_tensor(clips[0]), 128)
+    t = ids.shape[1]
+    dims = net.config.text
+
+    def attend(li, q, k, v):  # noqa: ANN001, ANN202, ARG001 - plain causal attention, no cache
+        k = k.view(1, t, dims.kv_heads, dims.head_dim).transpose(1, 2)
+        v = v.view(1, t, dims.kv_heads, dims.head_dim).transpose(1, 2)
+        return grouped_attention(q, k, v, torch.ones(t, t, dtype=torch.bool).tril()[None, None])
+
+    with torch.no_grad():
+        audio = net.encode(mel[None], torch.tensor([frames]))[0]
+        x = net.decoder.embed_tokens(ids)
+        at = (ids[0] == ours_chat.tokenizer.audio_id).nonzero()[:, 0]
+        x[0, at] = audio[: len(at)]
+        got = net.logits(net.decoder(x, torch.arange(t)[None], attend))[0]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    assert want.std() > 1.0  # decisive logits, not a flat distribution
+
+
 def test_greedy_tokens_equal_generate_chat(ours_chat, hf_chat, clips):
     model, processor = hf_chat
     text = _chat_text(processor, "Transcribe the speech.")

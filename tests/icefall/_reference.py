@@ -44,6 +44,7 @@ def icefall_reference() -> Iterator[types.SimpleNamespace]:
         del sys.modules[name]
     root = _module("zipformer", package=True)
     root.__path__ = [pkg_dir]
+    root.__spec__ = spec  # other fixtures look the package up (importlib.util.find_spec)
     fakes = {
         "zipformer": root,
         "atdataset": _module("atdataset", SpecAugment=type("SpecAugment", (), {}),

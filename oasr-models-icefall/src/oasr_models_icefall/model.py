@@ -138,7 +138,10 @@ class IcefallStream:
     frames_consumed: int = 0
     offset: int = 0  # encoder frames (25 Hz) decoded
     finished: bool = False
-    pending: list[torch.Tensor] = field(default_factory=list)
+    #: greedy search, batched across the streams of a step: this stream's row of it
+    hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
+    decoder_state: torch.Tensor | None = None
+    decoder_out: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -342,7 +345,8 @@ class _IcefallASR:
         method = self._method(o)
         return IcefallStream(
             options=o, method=method, chunk=o.chunk_size, left=o.left_context_frames,
-            fbank=CenteredFbankStream(self.fbank), search=self._new_search(o, method, 1),
+            fbank=CenteredFbankStream(self.fbank),
+            search=None if method == "greedy_search" else self._new_search(o, method, 1),
             feats=torch.zeros(0, self.fbank.dim),
         )  # fmt: skip
 
@@ -401,6 +405,8 @@ class _IcefallASR:
     @staticmethod
     def _hyp(st: IcefallStream) -> Hypothesis:
         s = st.search
+        if s is None:
+            return st.hyp
         if isinstance(s, (CTCGreedySearch,)):
             return s.result()
         if isinstance(s, CTCPrefixBeamSearch):
@@ -417,20 +423,53 @@ class _IcefallASR:
         feats = torch.stack(windows).to(self.device, self.dtype)
         with torch.no_grad():
             out, new = self.net.streaming_forward(feats, caches, left)
-        frames = self._search_frames(out, states[0].method) if len({s.method for s in states}) == 1 else None
+        greedy = [i for i, st in enumerate(states) if st.search is None]
+        if greedy:
+            self._greedy_rows([states[i] for i in greedy], out[greedy] if len(greedy) < len(states) else out)
         for i, st in enumerate(states):
-            st.caches = new.row(i) if len(states) > 1 else new
-            f = frames[i : i + 1] if frames is not None else self._search_frames(out[i : i + 1], st.method)
-            n = f.shape[1]
-            lp = f[0]
+            if len(states) > 1:
+                st.caches = new.row(i)
+            else:
+                st.caches = new
+            st.offset += out.shape[1]
+            if st.search is None:
+                continue
+            f = self._search_frames(out[i : i + 1], st.method)
             if st.method.startswith("ctc"):
+                lp = f[0]
                 if st.options.blank_penalty:
                     lp = lp.clone()
                     lp[:, self.blank_id] -= st.options.blank_penalty
                 st.search.step(lp)
             else:
-                st.search.step(f, [n])
-            st.offset += n
+                st.search.step(f, [f.shape[1]])
+
+    def _greedy_rows(self, states: list[IcefallStream], enc: torch.Tensor) -> None:
+        """Greedy search of one chunk for several streams in one batched search (each stream
+        keeps its hypothesis and decoder state between steps)."""
+        net = self.decoder_network
+        dev = enc.device
+        for st in states:
+            if st.decoder_state is None:
+                state = net.initial_state(1, dev)
+                blank = torch.full((1,), self.blank_id, dtype=torch.long, device=dev)
+                with torch.no_grad():
+                    st.decoder_out, st.decoder_state = net.predict(blank, state)
+        by_settings: dict[tuple[int, float], list[int]] = {}
+        for i, st in enumerate(states):
+            by_settings.setdefault((st.options.max_sym_per_frame, st.options.blank_penalty), []).append(i)
+        frames = self._search_frames(enc, "greedy_search")
+        for (max_sym, penalty), rows in by_settings.items():
+            group = [states[i] for i in rows]
+            search = TransducerGreedySearch.resume(
+                net, [st.hyp for st in group], [st.offset for st in group],
+                torch.cat([st.decoder_state for st in group]), torch.cat([st.decoder_out for st in group]),
+                blank_id=self.blank_id, max_symbols_per_frame=max_sym, blank_penalty=penalty)
+            search.step(frames[rows] if len(rows) < len(states) else frames)
+            for k, (st, hyp) in enumerate(zip(group, search.results(), strict=True)):
+                st.hyp = hyp
+                st.decoder_state = search.state[k : k + 1]
+                st.decoder_out = search.decoder_out[k : k + 1]
 
 
 class ZipformerTransducer(_IcefallASR):

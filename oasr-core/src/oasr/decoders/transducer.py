@@ -197,6 +197,31 @@ class TransducerGreedySearch:
         self._state: Any = None
         self._decoder_out: Any = None
 
+    @classmethod
+    def resume(cls, network: TransducerNetwork, hyps: Sequence[Hypothesis], frames: Sequence[int],
+               state: Any, decoder_out: Any, **settings: Any) -> TransducerGreedySearch:
+        """A search over ``len(hyps)`` streams that continues where earlier searches stopped:
+        their hypotheses, frames consumed, prediction-network ``state`` and ``decoder_out``
+        (rows in the same order; ``settings`` are the constructor's keywords). A family that
+        keeps each stream's search state itself builds one per step for the streams of that
+        step, then reads each row back from ``results()``, ``frames``, ``state`` and
+        ``decoder_out``."""
+        search = cls(network, len(hyps), **settings)
+        search._hyps = [_copy(h) for h in hyps]
+        search.frames = [int(f) for f in frames]
+        search._state, search._decoder_out = state, decoder_out
+        return search
+
+    @property
+    def state(self) -> Any:
+        """The prediction network's state of every row (None before the first frame)."""
+        return self._state
+
+    @property
+    def decoder_out(self) -> Any:
+        """The decoder output the next frame of each row is joined with (None before)."""
+        return self._decoder_out
+
     def step(self, encoder_frames: Any, lengths: Sequence[int] | Any | None = None) -> None:
         import torch
 

@@ -210,3 +210,22 @@ def test_timing_against_native(kernel, capsys) -> None:
                     f"  kernel {times[1]:6.1f} us")  # fmt: skip
     with capsys.disabled():
         print("\n" + "\n".join(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("h,hkv,d", [(8, 2, 128), (14, 2, 64), (4, 1, 64)])
+def test_grouped_query_heads(kernel, dtype, h, hkv, d) -> None:
+    """Pools of H_kv heads (grouped-query attention, as a Qwen2 decoder's cache): query head h
+    reads kv head h // (H // H_kv); the kernel takes them, equal to the native op and to the
+    float64 reference over repeated heads."""
+    q, kp, vp, tables, lengths = make(5, h, d, dtype, nb=6)
+    kp, vp = kp[:, :, :hkv].contiguous(), vp[:, :, :hkv].contiguous()
+    assert kernel.unsupported_reason(q, kp, vp, tables, lengths) is None
+    out = kernel.paged_decode_attention_cuda(q, kp, vp, tables, lengths)
+    rep = h // hkv
+    want = reference(q, kp.repeat_interleave(rep, 2), vp.repeat_interleave(rep, 2), tables, lengths)
+    torch.testing.assert_close(out.double().cpu(), want, **EXACT_TOL[dtype])
+    torch.testing.assert_close(out, native(q, kp, vp, tables, lengths), **TOL[dtype])
+    bad = kp[:, :, :1].expand(-1, -1, 3, -1).contiguous() if h % 3 else kp
+    if h % 3:
+        assert "cannot share" in kernel.unsupported_reason(q, bad, bad, tables, lengths)

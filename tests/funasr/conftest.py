@@ -52,11 +52,14 @@ class FunASRReference:
         if name not in self._models:
             import logging
 
+            import torch
             from funasr import AutoModel
 
+            # ncpu: AutoModel sets torch's thread count to it (4 by default) for the process
             self._models[name] = AutoModel(
                 model=str(self.releases[name]), device="cpu", disable_update=True,
                 disable_pbar=True, disable_log=True, log_level="ERROR",
+                ncpu=torch.get_num_threads(),
             )  # fmt: skip
             logging.getLogger().setLevel(logging.WARNING)
         return self._models[name]
@@ -68,7 +71,4 @@ class FunASRReference:
 
 @pytest.fixture(scope="session")
 def funasr_ref(releases) -> FunASRReference:
-    import torch
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     return FunASRReference(releases)

@@ -364,7 +364,8 @@ def build_network(
         raise CheckpointError("model.pt does not match config.yaml: " + "; ".join(parts))
     if dtype is None:
         dtype = torch.float16 if str(device).startswith("cuda") else torch.float32
-    net.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    # a copy in memory (the state dict is memory-mapped from model.pt)
+    net.load_state_dict({k: v.to(dtype, copy=True) for k, v in state.items()}, assign=True)
     net.predictor.float()  # the predictor and CIF run in float32, as in FunASR (autocast off)
     return net.to(device).eval()
 

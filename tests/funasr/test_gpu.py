@@ -1,0 +1,78 @@
+"""CUDA parity (``pytest -m gpu tests/funasr`` on a machine with a GPU): OASR on CUDA against
+OASR on the CPU and, when ``funasr`` is installed there, against FunASR's AutoModel on CUDA."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from oasr.types import DecodingOptions, EngineConfig
+
+from .conftest import EN_CLIPS, ZH_CLIPS  # noqa: TID252
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("name", ["zh", "bicif"])
+def test_cuda_float32_matches_cpu(releases, clips, name, no_tf32) -> None:
+    from oasr.checkpoint import load_model
+
+    cpu = load_model(EngineConfig(ckpt_dir=str(releases[name])))
+    gpu = load_model(EngineConfig(ckpt_dir=str(releases[name]), device="cuda", dtype="float32"))
+    waves = [clips[n] for n in ZH_CLIPS + EN_CLIPS]
+    f1, l1 = cpu.features(waves)
+    f2, l2 = gpu.features(waves)
+    assert torch.equal(l1, l2.cpu())
+    e1, e2 = cpu.encode(f1, l1), gpu.encode(f2, l2).cpu()
+    assert (e1 - e2).abs().max().item() < 1e-3 * max(1.0, e1.abs().max().item())
+    opts = DecodingOptions(word_timestamps=True)
+    a, b = cpu.transcribe(waves, opts), gpu.transcribe(waves, opts)
+    assert [t.text for t in a] == [t.text for t in b]
+    assert [[(w.word, w.start, w.end) for w in t.words] for t in a] == [
+        [(w.word, w.start, w.end) for w in t.words] for t in b
+    ]
+
+
+def test_cuda_float16_text_close(releases, clips) -> None:
+    from oasr.checkpoint import load_model
+
+    cpu = load_model(EngineConfig(ckpt_dir=str(releases["zh"])))
+    gpu = load_model(EngineConfig(ckpt_dir=str(releases["zh"]), device="cuda", dtype="float16"))
+    waves = [clips[n] for n in ZH_CLIPS]
+    a = cpu.transcribe(waves, DecodingOptions())
+    b = gpu.transcribe(waves, DecodingOptions())
+    same = sum(x.text == y.text for x, y in zip(a, b, strict=True))
+    assert same >= len(waves) - 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("funasr") is None, reason="funasr not installed here")
+@pytest.mark.parametrize("name", ["zh", "en", "bicif"])
+def test_cuda_matches_funasr_on_cuda(releases, clips, name, no_tf32) -> None:
+    from funasr import AutoModel
+
+    from oasr.checkpoint import load_model
+
+    ref = AutoModel(model=str(releases[name]), device="cuda", disable_update=True,
+                    disable_pbar=True, log_level="ERROR")  # fmt: skip
+    gpu = load_model(EngineConfig(ckpt_dir=str(releases[name]), device="cuda", dtype="float32"))
+    names = ZH_CLIPS + EN_CLIPS
+    got = gpu.transcribe([clips[n] for n in names], DecodingOptions(word_timestamps=True))
+    for clip, t in zip(names, got, strict=True):
+        r = ref.generate(input=clips[clip], output_timestamp=True, disable_pbar=True)[0]
+        assert [w.word for w in t.words] == r["text"].split(), clip
+        assert [[round(w.start * 1000), round(w.end * 1000)] for w in t.words] == [
+            list(x) for x in r["timestamp"]
+        ], clip

@@ -153,3 +153,18 @@ def test_offline_model_refuses_streaming(offline_release) -> None:
     model = load_model(EngineConfig(ckpt_dir=str(offline_release[1])))
     with pytest.raises(UnsupportedOptionError):
         model.new_stream(DecodingOptions())
+
+
+def test_ctc_stream_equals_icefall_streaming(ref, causal, ws) -> None:
+    """decoding_method=ctc_greedy_search / ctc_prefix_beam_search while streaming: the CTC head
+    over icefall's streaming encoder output."""
+    ref_model, model = causal
+    for k, w in enumerate(ws):
+        enc = _icefall_streaming_encoder(ref, ref_model, model.fbank(torch.from_numpy(w)), 16, 128)
+        with torch.no_grad():
+            expected = ref.search.ctc_greedy_search(ref_model.ctc_output(enc[None]), torch.tensor([enc.shape[0]]))[0]
+        tr, _ = _stream(model, w, DecodingOptions.build(decoding_method="ctc_greedy_search"), seed=k)
+        assert (tr.segments[0].tokens if tr.segments else []) == expected and len(expected) >= 5
+        beam, _ = _stream(model, w, DecodingOptions.build(decoding_method="ctc_prefix_beam_search",
+                                                           beam_size=4, word_timestamps=True), seed=k)
+        assert beam.segments and beam.segments[0].words

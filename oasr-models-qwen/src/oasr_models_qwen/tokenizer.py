@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from oasr.errors import CheckpointError
+from oasr.errors import CheckpointError, InvalidRequestError
 
 __all__ = ["AUDIO", "LANGUAGE_NAMES", "QwenTokenizer", "build_prompt", "split_language_tag"]
 
@@ -129,7 +129,7 @@ def build_prompt(*, chat: bool, task: str, language: str | None, prompt: str | N
             return f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}Translate the speech into English:"
         tag = f" <|{language}|>" if language else ""
         return f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}Detect the language and recognize the speech:{tag}"
-    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     messages: list[dict[str, Any]] = []
     if system_prompt is not None:
@@ -138,5 +138,11 @@ def build_prompt(*, chat: bool, task: str, language: str | None, prompt: str | N
         {"type": "audio", "audio_url": "input"},
         {"type": "text", "text": _instruction(task, language, prompt)},
     ]})  # fmt: skip
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, autoescape=False)  # noqa: S701 - plain text
+    # the environment transformers' apply_chat_template renders templates in
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str) -> None:
+        raise InvalidRequestError(f"the checkpoint's chat template refused the prompt: {message}", param="prompt")
+
+    env.globals["raise_exception"] = raise_exception
     return env.from_string(chat_template or DEFAULT_CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)

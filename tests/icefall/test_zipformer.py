@@ -279,3 +279,20 @@ def test_sync_free_greedy_equals_frame_loop(offline_release, blank_penalty) -> N
             assert x.tokens == y.tokens and x.times == y.times
             assert x.token_logprobs == pytest.approx(y.token_logprobs, abs=1e-5)
             assert x.score == pytest.approx(y.score, abs=1e-4)
+
+
+def test_native_format_round_trip(offline_release, tmp_path) -> None:
+    from oasr.checkpoint import convert_checkpoint
+    from oasr.plugins import get_registry
+
+    assert get_registry("architecture").get("transducer").distribution == "oasr-models-icefall"
+    assert get_registry("architecture").get("zipformer_ctc").key == "zipformer"
+    src = offline_release[1]
+    convert_checkpoint(src, tmp_path / "native")
+    a, b = _load(src), _load(tmp_path / "native")
+    assert b.source_format == "oasr" and type(a) is type(b)
+    for (k, x), (k2, y) in zip(a.net.state_dict().items(), b.net.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(x, y)
+    ws = waves(2)
+    assert [t.text for t in a.transcribe(ws, DecodingOptions(beam_size=4))] == \
+        [t.text for t in b.transcribe(ws, DecodingOptions(beam_size=4))]

@@ -187,6 +187,57 @@ class _IcefallASR:
         self.frame_shift = 0.04  # 25 Hz encoder output
         self.max_token_duration = 1.0
 
+    # -- native format (oasr convert) -----------------------------------------------------
+    def save_native(self, dst: str | Path) -> str:
+        """``model.safetensors`` (icefall's names, tensors as loaded) + ``oasr_model.json`` (the
+        inferred config, tokens, frontend, decoding defaults); returns the registry key."""
+        from safetensors.torch import save_file
+
+        from oasr.checkpoint import write_native_config
+        from oasr_models_icefall.config import config_dict
+
+        dst = Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()},
+                  str(dst / "model.safetensors"))  # fmt: skip
+        spec = self.feature_spec
+        key = "transducer" if isinstance(self, ZipformerTransducer) else "zipformer"
+        write_native_config(dst, key, {
+            "icefall_config": config_dict(self.cfg), "tokens": list(self.tokens.pieces),
+            "source_format": self.source_format,
+            "feature_spec": {"kind": spec.kind, "sample_rate": spec.sample_rate, "num_bins": spec.num_bins,
+                             "hop_length": spec.hop_length, "win_length": spec.win_length,
+                             "options": spec.options},
+            "tokenizer": {"kind": "icefall_tokens"},
+            "decoding": self.default_options.as_dict(),
+        })  # fmt: skip
+        return key
+
+    @classmethod
+    def from_native(cls, path: str | Path, body: dict[str, Any] | None = None,
+                    config: EngineConfig | None = None) -> _IcefallASR:  # fmt: skip
+        from safetensors.torch import load_file
+
+        from oasr.checkpoint import read_native_config
+        from oasr_models_icefall.config import config_from_dict
+
+        path = Path(path)
+        body = body or read_native_config(path)
+        config = config or EngineConfig()
+        try:
+            cfg = config_from_dict(body["icefall_config"])
+            tokens = list(body["tokens"])
+            state = load_file(str(path / "model.safetensors"))
+        except (KeyError, TypeError, OSError) as exc:
+            raise CheckpointError(f"{path}: incomplete native icefall checkpoint ({exc})") from exc
+        net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
+        model = cls(net, tokens, source_path=path)
+        model.source_format = "oasr"
+        saved = body.get("decoding") or {}
+        model.default_options = model.default_options.override(
+            {k: v for k, v in saved.items() if k in model.default_options.specs()})
+        return model
+
     @property
     def device(self) -> torch.device:
         return self.net.device

@@ -27,7 +27,7 @@ def register_architectures(register: Register) -> None:
         "oasr_models_icefall.model:ZipformerCTC",
         aliases=("zipformer_ctc",),
         capabilities=CTC_CAPABILITIES,
-        source_formats=["icefall"],
+        source_formats=["icefall", "oasr"],
         description="icefall Zipformer, CTC head (greedy / prefix beam), streaming when causal",
     )
     register(
@@ -35,7 +35,7 @@ def register_architectures(register: Register) -> None:
         "oasr_models_icefall.model:ZipformerTransducer",
         aliases=("zipformer_transducer",),
         capabilities=TRANSDUCER_CAPABILITIES,
-        source_formats=["icefall"],
+        source_formats=["icefall", "oasr"],
         description="icefall Zipformer transducer (greedy / modified beam search), streaming when causal",
     )
 

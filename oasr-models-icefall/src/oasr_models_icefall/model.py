@@ -174,7 +174,8 @@ class _IcefallASR:
         self.source_format = "icefall"
         head = "transducer" if self.default_head == "transducer" else "ctc"
         kind = "causal " if cfg.causal else ""
-        self.name = name or f"icefall {kind}zipformer {head} ({sum(cfg.num_encoder_layers)} layers, {cfg.output_dim}d)"
+        encoder = getattr(cfg, "encoder", "zipformer")
+        self.name = name or f"icefall {kind}{encoder} {head} ({sum(cfg.num_encoder_layers)} layers, {cfg.output_dim}d)"
         self.capabilities = replace(type(self).capabilities, streaming=cfg.causal)
         self.feature_spec = FeatureSpec(
             kind="kaldi_fbank", sample_rate=16000, num_bins=cfg.feature_dim, hop_length=160,
@@ -225,7 +226,13 @@ class _IcefallASR:
         body = body or read_native_config(path)
         config = config or EngineConfig()
         try:
-            cfg = config_from_dict(body["icefall_config"])
+            raw = dict(body["icefall_config"])
+            if raw.get("encoder") == "conformer":
+                from oasr_models_icefall.conformer import ConformerConfig
+
+                cfg = ConformerConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+            else:
+                cfg = config_from_dict(raw)
             tokens = list(body["tokens"])
             state = load_file(str(path / "model.safetensors"))
         except (KeyError, TypeError, OSError) as exc:
@@ -570,19 +577,27 @@ def load_icefall(path: str | Path, config: EngineConfig | None = None, *, epoch:
         raise CheckpointError(f"{path} has no tokens: expected tokens.txt or bpe.model beside the weights "
                               f"or in data/lang_bpe_500/")
     state = load_state(files)
-    cfg = infer_config(state, override)
-    state = {k: v for k, v in state.items() if not k.startswith(IGNORED_PREFIXES)}
+    from oasr_models_icefall.conformer import convert_conformer_state, infer_conformer_config, is_conformer_state
+
+    if is_conformer_state(state):  # pruned_transducer_stateless2-style reworked Conformer
+        cfg = infer_conformer_config(state, override)
+        state = convert_conformer_state(state, cfg)
+    else:
+        cfg = infer_config(state, override)
+        state = {k: v for k, v in state.items() if not k.startswith(IGNORED_PREFIXES)}
     net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
     cls = ZipformerTransducer if cfg.use_transducer else ZipformerCTC
     return cls(net, read_tokens(tokens_path), source_path=path)
 
 
-def build_network(cfg: ZipformerConfig, state: dict[str, torch.Tensor], device: str = "cpu",
-                  dtype: torch.dtype | None = None) -> IcefallNet:  # fmt: skip
-    """The network with ``state`` (icefall names) adopted: no random init, names and shapes
-    checked."""
+def build_network(cfg: Any, state: dict[str, torch.Tensor], device: str = "cpu",
+                  dtype: torch.dtype | None = None) -> Any:  # fmt: skip
+    """The network of ``cfg`` (a Zipformer or a Conformer) with ``state`` adopted: no random
+    init, names and shapes checked."""
+    from oasr_models_icefall.conformer import ConformerConfig, ConformerTransducerNet
+
     with torch.device("meta"):
-        net = IcefallNet(cfg)
+        net = ConformerTransducerNet(cfg) if isinstance(cfg, ConformerConfig) else IcefallNet(cfg)
     expected = net.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

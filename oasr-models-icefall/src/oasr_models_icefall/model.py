@@ -577,7 +577,11 @@ def load_icefall(path: str | Path, config: EngineConfig | None = None, *, epoch:
         raise CheckpointError(f"{path} has no tokens: expected tokens.txt or bpe.model beside the weights "
                               f"or in data/lang_bpe_500/")
     state = load_state(files)
-    from oasr_models_icefall.conformer import convert_conformer_state, infer_conformer_config, is_conformer_state
+    from oasr_models_icefall.conformer import (
+        convert_conformer_state,
+        infer_conformer_config,
+        is_conformer_state,
+    )
 
     if is_conformer_state(state):  # pruned_transducer_stateless2-style reworked Conformer
         cfg = infer_conformer_config(state, override)

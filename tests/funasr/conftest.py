@@ -30,7 +30,8 @@ def clips() -> dict[str, np.ndarray]:
 @pytest.fixture(scope="session")
 def releases(tmp_path_factory) -> dict[str, Path]:
     """name -> release directory: ``zh`` (Paraformer, CJK characters), ``en`` (Paraformer,
-    ``@@`` BPE pieces), ``bicif`` (BiCifParaformer, CJK characters)."""
+    ``@@`` BPE pieces), ``bicif`` (BiCifParaformer, CJK characters), ``seaco`` (SeacoParaformer
+    with the BiCif timestamp predictor, CJK characters)."""
     from oasr_models_funasr.testing import en_tokens, write_release, zh_tokens
 
     root = tmp_path_factory.mktemp("funasr")
@@ -38,6 +39,7 @@ def releases(tmp_path_factory) -> dict[str, Path]:
         "zh": write_release(root / "zh", tokens=zh_tokens(), seed=1),
         "en": write_release(root / "en", tokens=en_tokens(), seed=2),
         "bicif": write_release(root / "bicif", model="BiCifParaformer", tokens=zh_tokens(), seed=3),
+        "seaco": write_release(root / "seaco", model="SeacoParaformer", tokens=zh_tokens(), seed=4),
     }
 
 

@@ -36,7 +36,7 @@ def test_release_is_detected_and_registered(releases) -> None:
 
 def test_weights_load_into_funasr_exactly(releases, funasr_ref) -> None:
     """The release's model.pt is FunASR's own: every tensor of its Paraformer matches by name."""
-    for name in ("zh", "bicif"):
+    for name in ("zh", "bicif", "seaco"):
         ref = funasr_ref.model(name).model.state_dict()
         ours = load(releases, name).net.state_dict()
         ref = {k: v for k, v in ref.items() if not k.startswith("ctc.")}
@@ -66,7 +66,7 @@ def test_features_and_encoder_match_funasr(releases, funasr_ref, clips) -> None:
         assert enc[i, n:].abs().max().item() == 0 if n < enc.shape[1] else True
 
 
-@pytest.mark.parametrize("name", ["zh", "en", "bicif"])
+@pytest.mark.parametrize("name", ["zh", "en", "bicif", "seaco"])
 def test_text_and_timestamps_match_funasr(releases, funasr_ref, clips, name) -> None:
     """All clips in one batch (padded, different lengths) against FunASR one clip at a time."""
     m = load(releases, name)
@@ -76,7 +76,7 @@ def test_text_and_timestamps_match_funasr(releases, funasr_ref, clips, name) -> 
     for clip, t in zip(names, got, strict=True):
         plain = funasr_ref.generate(name, clips[clip])
         timed = funasr_ref.generate(name, clips[clip], output_timestamp=True)
-        if name == "bicif":  # FunASR's BiCif always joins its words with spaces
+        if name in ("bicif", "seaco"):  # FunASR joins these models' words with spaces
             assert t.text == plain["text"].replace(" ", ""), clip
         else:
             assert t.text == plain["text"], clip
@@ -88,6 +88,33 @@ def test_text_and_timestamps_match_funasr(releases, funasr_ref, clips, name) -> 
     # the random models say something varied (else parity would prove little)
     assert n_tokens > 10 * len(names)
     assert len({w.word for t in got for w in t.words}) >= 12
+
+
+@pytest.mark.parametrize("count", [3, 60])
+def test_seaco_hotwords_match_funasr(releases, funasr_ref, clips, count) -> None:
+    """SeACo's bias path with FunASR's hotword string (60 hotwords: past FunASR's filter of 50,
+    which keeps those the bias decoder attends to most)."""
+    m = load(releases, "seaco")
+    assert m.capabilities.hotwords
+    toks = m.tokens[3:-1]
+    words = ["".join(toks[(7 * i) % 150 : (7 * i) % 150 + 2 + i % 3]) for i in range(count)]
+    names = ZH_CLIPS + EN_CLIPS[:1]
+    opts = DecodingOptions(word_timestamps=True, hotwords=tuple(words))
+    got = m.transcribe([clips[n] for n in names], opts)
+    plain = m.transcribe([clips[n] for n in names], DecodingOptions())
+    for clip, t in zip(names, got, strict=True):
+        ref = funasr_ref.generate("seaco", clips[clip], hotword=" ".join(words))
+        assert t.text == ref["text"].replace(" ", ""), clip
+        assert [[round(w.start * 1000), round(w.end * 1000)] for w in t.words] == [
+            list(x) for x in ref["timestamp"]
+        ], clip
+    # the hotwords change the output, but not everywhere (the no-bias class still wins)
+    changed = [a.text != b.text for a, b in zip(got, plain, strict=True)]
+    assert any(changed)
+    assert any(
+        sum(x == y for x, y in zip(a.text, b.text, strict=False)) > len(b.text) // 2
+        for a, b in zip(got, plain, strict=True)
+    )
 
 
 def test_batch_does_not_change_results(releases, clips) -> None:

@@ -2,7 +2,7 @@
 
 | file | read |
 |---|---|
-| ``config.yaml`` | ``model`` (Paraformer / BiCifParaformer; others refused by name), ``encoder`` + ``encoder_conf`` (SANMEncoder), ``decoder`` + ``decoder_conf`` (ParaformerSANMDecoder), ``predictor`` + ``predictor_conf`` (CifPredictorV2 / V3), ``frontend_conf`` (WavFrontend), ``model_conf`` (blank / sos / eos ids) |
+| ``config.yaml`` | ``model`` (Paraformer / BiCifParaformer / SeacoParaformer; others refused by name), ``encoder`` + ``encoder_conf`` (SANMEncoder), ``decoder`` + ``decoder_conf`` (ParaformerSANMDecoder), ``predictor`` + ``predictor_conf`` (CifPredictorV2 / V3), ``frontend_conf`` (WavFrontend), ``model_conf`` (blank / sos / eos ids; SeACo's ``inner_dim``, ``bias_encoder_bid``, ``NO_BIAS``), ``seaco_decoder_conf`` |
 | ``model.pt`` | the state dict (``torch.load(weights_only=True)``; a ``{"state_dict"| "model": ...}`` wrapper is accepted) |
 | ``am.mvn`` | CMVN (Kaldi nnet1 text), through the core's FunASR frontend |
 | ``tokens.json`` / ``tokens.txt`` | the token list (a JSON list, or one token per line) |
@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from oasr.errors import CheckpointError
-from oasr_models_funasr.nn import DecoderConfig, EncoderConfig, PredictorConfig
+from oasr_models_funasr.nn import DecoderConfig, EncoderConfig, PredictorConfig, SeacoConfig
 
 #: model classes of config.yaml OASR runs, and what each needs
-SUPPORTED_MODELS = {"Paraformer": "CifPredictorV2", "BiCifParaformer": "CifPredictorV3"}
+SUPPORTED_MODELS = {
+    "Paraformer": ("CifPredictorV2",),
+    "BiCifParaformer": ("CifPredictorV3",),
+    "SeacoParaformer": ("CifPredictorV3", "CifPredictorV2"),
+}
 KNOWN_UNSUPPORTED = {
-    "SeacoParaformer": "SeACo-Paraformer (hotword bias path) is not supported yet",
     "ContextualParaformer": "contextual Paraformer is not supported yet",
     "ParaformerStreaming": "streaming Paraformer is not supported yet",
 }
@@ -40,6 +43,8 @@ class ParaformerConfig:
     eos: int = 2
     frontend: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
+    seaco: SeacoConfig | None = None
+    unk_symbol: str = "<unk>"
 
 
 def _pick(conf: dict, cls: type, renames: dict[str, str] | None = None) -> dict:
@@ -57,7 +62,9 @@ def parse_config(
 ) -> ParaformerConfig:
     model = raw.get("model")
     if model not in SUPPORTED_MODELS:
-        why = KNOWN_UNSUPPORTED.get(str(model), "OASR runs Paraformer and BiCifParaformer")
+        why = KNOWN_UNSUPPORTED.get(
+            str(model), "OASR runs Paraformer, BiCifParaformer and SeacoParaformer"
+        )
         raise CheckpointError(f"{name}: model class {model!r} is not supported ({why})")
     enc_name = raw.get("encoder")
     if enc_name != "SANMEncoder":
@@ -94,20 +101,15 @@ def parse_config(
         raise CheckpointError(
             f"{name}: decoder {raw.get('decoder')!r} is not supported (only ParaformerSANMDecoder)"
         )
-    dc = dict(raw.get("decoder_conf") or {})
-    if not dc.get("normalize_before", True) or dc.get("concat_after", False) or dc.get("lora_list"):
-        raise CheckpointError(f"{name}: only plain pre-norm ParaformerSANMDecoder is supported")
-    if dc.get("input_layer", "embed") != "embed" or dc.get("wo_input_layer", False):
-        raise CheckpointError(f"{name}: decoder input_layer must be 'embed'")
-    dec_kw = _pick(dc, DecoderConfig)
-    dec_kw.setdefault("kernel_size", 21)
-    dec_kw.setdefault("att_layer_num", 6)
-    dec_kw.setdefault("num_blocks", 6)
-    dec = DecoderConfig(**dec_kw)
+    dec = _decoder_config(raw.get("decoder_conf") or {}, name, "decoder")
+    if not dec.use_output_layer or dec.wo_input_layer:
+        raise CheckpointError(f"{name}: the decoder needs its output layer and token embedding")
     pred_name = raw.get("predictor")
     want = SUPPORTED_MODELS[model]
-    if pred_name != want:
-        raise CheckpointError(f"{name}: {model} needs predictor {want}, not {pred_name!r}")
+    if pred_name not in want:
+        raise CheckpointError(
+            f"{name}: {model} needs predictor {' or '.join(want)}, not {pred_name!r}"
+        )
     pc = dict(raw.get("predictor_conf") or {})
     pred = PredictorConfig(kind=pred_name, **_pick(pc, PredictorConfig))
     if pred.idim != enc.output_size:
@@ -117,6 +119,27 @@ def parse_config(
     mc = dict(raw.get("model_conf") or {})
     if mc.get("share_embedding"):
         raise CheckpointError(f"{name}: share_embedding models are not supported")
+    seaco = None
+    if model == "SeacoParaformer":
+        # FunASR builds the model from model_conf updated by every top-level key
+        sc = {**mc, **{k: v for k, v in raw.items() if k not in ("model_conf",)}}
+        if sc.get("bias_encoder_type", "lstm") != "lstm":
+            raise CheckpointError(f"{name}: SeACo bias_encoder_type must be 'lstm'")
+        if sc.get("seaco_decoder") != "ParaformerSANMDecoder":
+            raise CheckpointError(
+                f"{name}: seaco_decoder {sc.get('seaco_decoder')!r} is not supported "
+                f"(only ParaformerSANMDecoder)"
+            )
+        seaco = SeacoConfig(
+            inner_dim=int(sc.get("inner_dim", 256)),
+            bias_encoder_bid=bool(sc.get("bias_encoder_bid", False)),
+            no_bias=int(sc.get("NO_BIAS", 8377)),
+            decoder=_decoder_config(sc.get("seaco_decoder_conf") or {}, name, "seaco_decoder"),
+        )
+        if seaco.inner_dim != enc.output_size:
+            raise CheckpointError(f"{name}: SeACo inner_dim must equal the encoder output_size")
+        if not 0 <= seaco.no_bias < vocab_size:
+            raise CheckpointError(f"{name}: NO_BIAS {seaco.no_bias} is outside the vocabulary")
     return ParaformerConfig(
         model=model,
         encoder=enc,
@@ -128,7 +151,24 @@ def parse_config(
         eos=int(mc.get("eos", 2) if mc.get("eos", 2) is not None else vocab_size - 1),
         frontend=fc,
         raw=raw,
+        seaco=seaco,
+        unk_symbol=str((raw.get("tokenizer_conf") or {}).get("unk_symbol", "<unk>")),
     )
+
+
+def _decoder_config(dc: dict[str, Any], name: str, what: str) -> DecoderConfig:
+    dc = dict(dc)
+    if not dc.get("normalize_before", True) or dc.get("concat_after", False) or dc.get("lora_list"):
+        raise CheckpointError(
+            f"{name}: only plain pre-norm ParaformerSANMDecoder {what}s are supported"
+        )
+    if dc.get("input_layer", "embed") != "embed":
+        raise CheckpointError(f"{name}: {what} input_layer must be 'embed'")
+    kw = _pick(dc, DecoderConfig)
+    kw.setdefault("kernel_size", 21)
+    kw.setdefault("att_layer_num", 6)
+    kw.setdefault("num_blocks", 6)
+    return DecoderConfig(**kw)
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

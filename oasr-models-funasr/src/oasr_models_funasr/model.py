@@ -18,8 +18,9 @@ segment becomes one :class:`~oasr.types.Segment` with its own times.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ class ParaformerASR:
         cmvn: np.ndarray | None = None,
         name: str = "paraformer",
         source_path: Path | None = None,
+        seg_dict: dict[str, str] | None = None,
     ) -> None:
         if len(tokens) != cfg.vocab_size or net.vocab_size != cfg.vocab_size:
             raise CheckpointError(
@@ -107,6 +109,12 @@ class ParaformerASR:
         self.net = net
         self.config = cfg
         self.tokens = list(tokens)
+        self.token_ids = {t: i for i, t in enumerate(self.tokens)}
+        self.seg_dict = seg_dict
+        # only SeACo-Paraformer checkpoints can bias towards hotwords
+        self.capabilities = replace(CAPABILITIES, hotwords=cfg.seaco is not None)
+        #: SeACo: hotwords kept after the attention filter when there are more
+        self.hotword_filter = 50
         self.name = name
         self.source_format = "funasr"
         self.source_path = source_path
@@ -132,7 +140,26 @@ class ParaformerASR:
         cmvn = load_am_mvn(cmvn_path) if cmvn_path is not None else None
         e = cfg.encoder
         name = f"funasr {cfg.model} {e.num_blocks}x{e.output_size}"
-        return cls(net, cfg, tokens, cmvn=cmvn, name=name, source_path=Path(path))
+        seg = Path(path) / "seg_dict"
+        seg_dict = read_seg_dict(seg) if cfg.seaco is not None and seg.is_file() else None
+        return cls(
+            net, cfg, tokens, cmvn=cmvn, name=name, source_path=Path(path), seg_dict=seg_dict
+        )
+
+    def hotword_ids(self, hotwords: Sequence[str]) -> list[list[int]]:
+        """FunASR's SeACo hotword list: every whitespace-separated word of ``hotwords`` is one
+        hotword, tokenised with the release's ``seg_dict`` (else CJK characters one by one, else
+        ``<unk>``) as FunASR's ``generate_hotwords_list`` does; a final ``[<s>]`` entry is the
+        no-bias hotword."""
+        unk = self.token_ids.get(self.config.unk_symbol, len(self.tokens) - 1)
+        out: list[list[int]] = []
+        for word in " ".join(hotwords).split():
+            pieces = [word]
+            if self.seg_dict is not None:
+                pieces = _seg_tokenize(pieces, self.seg_dict)
+            out.append([self.token_ids.get(p, unk) for p in pieces])
+        out.append([self.config.sos])
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -155,8 +182,14 @@ class ParaformerASR:
         return self.net.encoder(feats.to(self.net.dtype), lens).float()
 
     @torch.no_grad()
-    def decode_batch(self, waves: Sequence[np.ndarray], timestamps: bool) -> list[Decoded]:
-        """One non-autoregressive pass over a batch of waveforms."""
+    def decode_batch(
+        self,
+        waves: Sequence[np.ndarray],
+        timestamps: bool,
+        hotwords: list[list[int]] | None = None,
+    ) -> list[Decoded]:
+        """One non-autoregressive pass over a batch of waveforms; ``hotwords`` (token ids, the
+        last one ``[<s>]``) bias a SeACo model."""
         feats, flens = self.features(waves)
         enc = self.encode(feats, flens)
         net, cfg = self.net, self.config
@@ -182,8 +215,10 @@ class ParaformerASR:
         b = len(waves)
         if b == 0 or int(ntok.max()) < 1:
             return [Decoded([], [], [], [] if timestamps else None) for _ in range(b)]
-        logits = net.decoder(enc.to(net.dtype), flens, embeds.to(net.dtype), ntok)
+        logits, hidden = net.decoder(enc.to(net.dtype), flens, embeds.to(net.dtype), ntok)
         logp = torch.log_softmax(logits.float(), dim=-1)
+        if hotwords:
+            logp = self._bias(logp, embeds.to(net.dtype), hidden, ntok, hotwords)
         best, ids = logp.max(dim=-1)
         ids_l, best_l, ntok_l = ids.cpu().tolist(), best.cpu().tolist(), ntok.cpu().tolist()
         us_alphas = None
@@ -232,6 +267,46 @@ class ParaformerASR:
             out.append(d)
         return out
 
+    def _bias(
+        self,
+        logp: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        ntok: torch.Tensor,
+        hotwords: list[list[int]],
+    ) -> torch.Tensor:
+        """SeACo: the bias decoder attends from the CIF embeddings and from the decoder's
+        hidden states over the hotwords; where its output layer does not pick ``NO_BIAS``, its
+        distribution replaces the decoder's (FunASR's merge with seaco_weight 1)."""
+        net = self.net
+        states = net.hotword_states(hotwords)  # (H, inner)
+        b, h = logp.shape[0], states.shape[0]
+        ctx = states[None].expand(b, -1, -1)
+        k = self.hotword_filter
+        if 0 < k < h:
+            # FunASR keeps the hotwords the bias decoder's 6th layer attends to most (summed
+            # over heads and tokens), plus the no-bias entry; per input, as FunASR decides it
+            # for an input decoded alone
+            rows = []
+            for r in range(b):
+                n = int(ntok[r])
+                w = net.seaco_decoder.cross_attention_weights(
+                    states[None],
+                    torch.tensor([h], device=states.device),
+                    hidden[r : r + 1, :n],
+                    ntok[r : r + 1],
+                    layer=5,
+                )
+                keep = torch.topk(w[0].sum(0).sum(0), min(k, h - 1))[1].tolist() + [h - 1]
+                rows.append(states[keep])
+            ctx = torch.stack(rows)
+        ctx_lens = torch.full((b,), ctx.shape[1], device=ctx.device)
+        _, cif_att = net.seaco_decoder(ctx, ctx_lens, embeds, ntok)
+        _, dec_att = net.seaco_decoder(ctx, ctx_lens, hidden, ntok)
+        dha = torch.log_softmax(net.hotword_output_layer(cif_att + dec_att).float(), dim=-1)
+        keep_decoder = (dha.argmax(-1) == self.config.seaco.no_bias)[..., None]
+        return torch.where(keep_decoder, logp, dha)
+
     # ------------------------------------------------------------------ requests
     def _check(self, options: DecodingOptions | ResolvedOptions) -> ResolvedOptions:
         return options.validate_for(self)
@@ -262,7 +337,8 @@ class ParaformerASR:
         pieces = [p for p in pieces if len(p[2]) >= self.feature_spec.win_length]
         decoded: list[Decoded] = []
         if pieces:
-            decoded = self.decode_batch([p[2] for p in pieces], options.word_timestamps)
+            hw = self.hotword_ids(options.hotwords) if options.hotwords else None
+            decoded = self.decode_batch([p[2] for p in pieces], options.word_timestamps, hw)
         per_input: list[list[tuple[int, np.ndarray, Decoded]]] = [[] for _ in waves]
         for (i, start, w), d in zip(pieces, decoded, strict=True):
             per_input[i].append((start, w, d))
@@ -333,6 +409,41 @@ class ParaformerASR:
         )
 
 
+def read_seg_dict(path: Path) -> dict[str, str]:
+    """``seg_dict``: ``word piece piece ...`` per line -> {word: "piece piece ..."}."""
+    out: dict[str, str] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    for line in lines:
+        parts = line.strip().split()
+        if parts:
+            out[parts[0]] = " ".join(parts[1:])
+    return out
+
+
+_CJK_OR_DIGITS = re.compile(r"^[\u4E00-\u9FA50-9]+$")
+
+
+def _seg_tokenize(words: list[str], seg_dict: dict[str, str]) -> list[str]:
+    """FunASR's hotword ``seg_tokenize``: a word in the dictionary gives its pieces; a word of
+    CJK characters / digits gives each character's pieces (``<unk>`` for unknown ones); any
+    other word is ``<unk>``."""
+    out: list[str] = []
+    for word in words:
+        word = word.lower()
+        if word in seg_dict:
+            out += seg_dict[word].split()
+        elif _CJK_OR_DIGITS.match(word):
+            out += [
+                p for ch in word for p in (seg_dict[ch].split() if ch in seg_dict else ["<unk>"])
+            ]
+        else:
+            out.append("<unk>")
+    return out
+
+
 def build_network(
     cfg: ParaformerConfig,
     state: dict[str, torch.Tensor],
@@ -342,7 +453,7 @@ def build_network(
     """The network with the release's weights (strict: missing / misshapen tensors are listed;
     the CTC head some releases carry is ignored)."""
     with torch.device("meta"):
-        net = ParaformerNet(cfg.encoder, cfg.decoder, cfg.predictor, cfg.vocab_size)
+        net = ParaformerNet(cfg.encoder, cfg.decoder, cfg.predictor, cfg.vocab_size, cfg.seaco)
     expected = {k: v.shape for k, v in net.state_dict().items()}
     state = {k: v for k, v in state.items() if not k.startswith("ctc.")}
     missing = sorted(set(expected) - set(state))

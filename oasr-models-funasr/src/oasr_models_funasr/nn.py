@@ -50,6 +50,20 @@ class DecoderConfig:
     att_layer_num: int = 16
     kernel_size: int = 11
     sanm_shfit: int = 0
+    use_output_layer: bool = True
+    wo_input_layer: bool = False
+
+
+@dataclass(frozen=True)
+class SeacoConfig:
+    """SeACo-Paraformer's bias path: an LSTM over hotword token embeddings, a SANM decoder
+    attending over the hotwords, and an output layer whose ``no_bias`` class keeps the
+    decoder's own distribution."""
+
+    inner_dim: int = 512
+    bias_encoder_bid: bool = False
+    no_bias: int = 8377
+    decoder: DecoderConfig = DecoderConfig()
 
 
 @dataclass(frozen=True)
@@ -306,7 +320,8 @@ class DecoderLayer(nn.Module):
 class ParaformerDecoder(nn.Module):
     def __init__(self, cfg: DecoderConfig, d: int, vocab_size: int) -> None:
         super().__init__()
-        self.embed = nn.Sequential(nn.Embedding(vocab_size, d))  # training only (sampler)
+        # the token embedding serves training and SeACo's hotword encoder
+        self.embed = None if cfg.wo_input_layer else nn.Sequential(nn.Embedding(vocab_size, d))
         shift = cfg.sanm_shfit if cfg.sanm_shfit is not None else (cfg.kernel_size - 1) // 2
         self.decoders = nn.ModuleList(
             [DecoderLayer(d, cfg, True, True, shift) for _ in range(cfg.att_layer_num)]
@@ -319,18 +334,23 @@ class ParaformerDecoder(nn.Module):
         )
         self.decoders3 = nn.ModuleList([DecoderLayer(d, cfg, False, False, 0)])
         self.after_norm = LayerNorm(d, eps=LN_EPS)
-        self.output_layer = Linear(d, vocab_size)
+        self.output_layer = Linear(d, vocab_size) if cfg.use_output_layer else None
+
+    @staticmethod
+    def _masks(
+        memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = embeds.shape[1]
+        mask = (torch.arange(n, device=embeds.device)[None, :] < lens[:, None])[:, :, None]
+        mem_mask = torch.arange(memory.shape[1], device=memory.device)[None, :] < mem_lens[:, None]
+        return mask.to(embeds.dtype), mem_mask[:, None, None, :]
 
     def forward(
         self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, lens: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits (B, N, V) of the token embeddings ``embeds`` (B, N, d)."""
-        n = embeds.shape[1]
-        mask = (torch.arange(n, device=embeds.device)[None, :] < lens[:, None])[:, :, None].to(
-            embeds.dtype
-        )
-        mem_mask = torch.arange(memory.shape[1], device=memory.device)[None, :] < mem_lens[:, None]
-        mem_mask = mem_mask[:, None, None, :]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits (B, N, V) or None without an output layer, hidden (B, N, d)) of the token
+        embeddings ``embeds`` (B, N, d) attending over ``memory``."""
+        mask, mem_mask = self._masks(memory, mem_lens, embeds, lens)
         x = embeds
         for layer in self.decoders:
             x = layer(x, mask, memory, mem_mask)
@@ -338,20 +358,79 @@ class ParaformerDecoder(nn.Module):
             x = layer(x, mask, memory, mem_mask)
         for layer in self.decoders3:
             x = layer(x, mask, memory, mem_mask)
-        return self.output_layer(self.after_norm(x))
+        hidden = self.after_norm(x)
+        return (self.output_layer(hidden) if self.output_layer is not None else None), hidden
+
+    def cross_attention_weights(
+        self,
+        memory: torch.Tensor,
+        mem_lens: torch.Tensor,
+        embeds: torch.Tensor,
+        lens: torch.Tensor,
+        layer: int,
+    ) -> torch.Tensor:
+        """Softmaxed cross-attention weights (B, H, N, T) of decoder layer ``layer`` (FunASR's
+        ``forward_asf6`` with ``layer`` 5: SeACo's hotword filter)."""
+        mask, mem_mask = self._masks(memory, mem_lens, embeds, lens)
+        x = embeds
+        for lay in self.decoders[:layer]:
+            x = lay(x, mask, memory, mem_mask)
+        lay = self.decoders[layer]
+        t = lay.feed_forward(lay.norm1(x))
+        x = x + lay.self_attn(lay.norm2(t), mask)
+        q_in = lay.norm3(x)
+        att = lay.src_attn
+        b, n, _ = q_in.shape
+        q = att.linear_q(q_in).reshape(b, n, att.h, att.d_k).transpose(1, 2) * att.d_k**-0.5
+        k = att.linear_k_v(memory).split(att.h * att.d_k, dim=-1)[0]
+        k = k.reshape(b, -1, att.h, att.d_k).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)).masked_fill(~mem_mask, float("-inf"))
+        return torch.softmax(scores, dim=-1).masked_fill(~mem_mask, 0.0)
 
 
 class ParaformerNet(nn.Module):
     """Encoder + CIF predictor + decoder, with FunASR's state-dict names."""
 
     def __init__(
-        self, enc: EncoderConfig, dec: DecoderConfig, pred: PredictorConfig, vocab_size: int
+        self,
+        enc: EncoderConfig,
+        dec: DecoderConfig,
+        pred: PredictorConfig,
+        vocab_size: int,
+        seaco: SeacoConfig | None = None,
     ) -> None:
         super().__init__()
         self.encoder = SANMEncoder(enc)
         self.predictor = CifPredictor(pred)
         self.decoder = ParaformerDecoder(dec, enc.output_size, vocab_size)
         self.vocab_size = vocab_size
+        self.seaco = seaco
+        if seaco is not None:
+            inner = seaco.inner_dim
+            self.bias_encoder = nn.LSTM(
+                inner, inner, 2, batch_first=True, bidirectional=seaco.bias_encoder_bid
+            )
+            self.lstm_proj = Linear(2 * inner, inner) if seaco.bias_encoder_bid else None
+            self.seaco_decoder = ParaformerDecoder(seaco.decoder, inner, vocab_size)
+            self.hotword_output_layer = Linear(inner, vocab_size)
+
+    def hotword_states(self, hotwords: list[list[int]]) -> torch.Tensor:
+        """SeACo's hotword representation: the bias LSTM over each hotword's token embeddings
+        (the decoder's embedding table), its output at the hotword's last token (H, inner)."""
+        dev = self.decoder.embed[0].weight.device
+        lens = torch.tensor([len(h) for h in hotwords])
+        pad = torch.zeros(len(hotwords), int(lens.max()), dtype=torch.long)
+        for i, h in enumerate(hotwords):
+            pad[i, : len(h)] = torch.tensor(h)
+        emb = self.decoder.embed(pad.to(dev))
+        packed = nn.utils.rnn.pack_padded_sequence(
+            emb, lens, batch_first=True, enforce_sorted=False
+        )
+        out, _ = self.bias_encoder(packed)
+        out = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0]
+        if self.lstm_proj is not None:
+            out = self.lstm_proj(out)
+        return out[torch.arange(len(hotwords), device=out.device), (lens - 1).to(out.device)]
 
     @property
     def device(self) -> torch.device:
@@ -371,6 +450,7 @@ __all__ = [
     "EncoderConfig",
     "ParaformerNet",
     "PredictorConfig",
+    "SeacoConfig",
     "num_parameters",
     "sinusoid_positions",
 ]

@@ -19,7 +19,7 @@ CAPABILITIES = ModelCapabilities(
     translation=False,
     language_detection=False,
     multilingual=False,
-    hotwords=False,
+    hotwords=True,  # SeACo-Paraformer checkpoints; the others narrow it per instance
 )
 
 

@@ -26,6 +26,9 @@ LARGE = dict(
     dec_units=2048,
     kernel_size=11,
 )
+#: the SeACo no-bias class of the random releases (a token id; 8377 in paraformer-zh)
+NO_BIAS = 3
+
 TINY = dict(
     output_size=64,
     attention_heads=4,
@@ -62,7 +65,7 @@ def en_tokens(n: int = 200, seed: int = 0) -> list[str]:
 
 def _config(model: str, dims: dict[str, Any], lfr_m: int, lfr_n: int) -> dict[str, Any]:
     d = dims["output_size"]
-    pred = "CifPredictorV3" if model == "BiCifParaformer" else "CifPredictorV2"
+    pred = "CifPredictorV3" if model in ("BiCifParaformer", "SeacoParaformer") else "CifPredictorV2"
     pconf: dict[str, Any] = {
         "idim": d,
         "threshold": 1.0,
@@ -80,7 +83,7 @@ def _config(model: str, dims: dict[str, Any], lfr_m: int, lfr_n: int) -> dict[st
                 "upsample_type": "cnn",
             }
         )
-    return {
+    raw: dict[str, Any] = {
         "model": model,
         "model_conf": {
             "ctc_weight": 0.0,
@@ -143,6 +146,34 @@ def _config(model: str, dims: dict[str, Any], lfr_m: int, lfr_n: int) -> dict[st
         },
         "normalize": None,
     }
+    if model == "SeacoParaformer":
+        raw["model_conf"].update(
+            {
+                "inner_dim": d,
+                "bias_encoder_type": "lstm",
+                "bias_encoder_bid": False,
+                "seaco_lsm_weight": 0.1,
+                "seaco_length_normalized_loss": True,
+                "train_decoder": True,
+                "NO_BIAS": NO_BIAS,
+            }
+        )
+        raw["seaco_decoder"] = "ParaformerSANMDecoder"
+        raw["seaco_decoder_conf"] = {
+            "attention_heads": dims["attention_heads"],
+            "linear_units": dims["dec_units"],
+            "num_blocks": 6,
+            "att_layer_num": 6,
+            "dropout_rate": 0.1,
+            "positional_dropout_rate": 0.1,
+            "self_attention_dropout_rate": 0.1,
+            "src_attention_dropout_rate": 0.1,
+            "kernel_size": 21,
+            "sanm_shfit": 0,
+            "use_output_layer": False,
+            "wo_input_layer": True,
+        }
+    return raw
 
 
 def write_am_mvn(path: Path, dim: int, rng: np.random.Generator) -> None:
@@ -170,6 +201,7 @@ def write_release(
     lfr_n: int = 6,
     alpha_bias: float = -0.4,
     logit_scale: float = 8.0,
+    seaco_no_bias: float = 3.0,
 ) -> Path:
     """Write a random-weight release into ``dst`` (created) and return it."""
     import torch
@@ -186,7 +218,7 @@ def write_release(
     cfg = parse_config(raw, len(tokens))
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    net = ParaformerNet(cfg.encoder, cfg.decoder, cfg.predictor, len(tokens))
+    net = ParaformerNet(cfg.encoder, cfg.decoder, cfg.predictor, len(tokens), cfg.seaco)
     with torch.no_grad():
         for name, p in net.named_parameters():
             if "fsmn_block" in name:
@@ -204,6 +236,9 @@ def write_release(
         # blank / sos / eos / unk rarely win, so texts are long and varied
         net.decoder.output_layer.bias[:3] -= 4.0
         net.decoder.output_layer.bias[-1] -= 4.0
+        if cfg.seaco is not None:
+            # the bias path keeps the decoder's choice (NO_BIAS) at most tokens, not all
+            net.hotword_output_layer.bias[NO_BIAS] += seaco_no_bias
     state = {k: v.detach().clone().contiguous() for k, v in net.state_dict().items()}
     torch.save(state, dst / "model.pt")
     with open(dst / "config.yaml", "w", encoding="utf-8") as f:

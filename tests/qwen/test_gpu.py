@@ -54,7 +54,10 @@ def test_bf16_engine_with_cuda_graphs(qwen_chat_dir, clips):
         ex = engine.scheduler.executor
         assert ex.stats["graph_replays"] > 0 and ex.cache.num_heads < engine.model.network.config.text.heads
         assert all(o.text for o in out)
+        # one request alone: the same text streamed piece by piece as decoded at once
+        single = engine.transcribe_offline(clips[0], DecodingOptions(max_new_tokens=N_NEW))
         updates = list(engine.transcribe_partials(clips[0], DecodingOptions(max_new_tokens=N_NEW)))
-        assert updates[-1].is_final and updates[-1].text == out[0].text and len(updates) > 2
+        assert updates[-1].is_final and updates[-1].text == single.text and len(updates) > 2
+        assert "".join(u.delta for u in updates[:-1]) == single.text
     finally:
         engine.shutdown()

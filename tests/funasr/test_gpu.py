@@ -26,7 +26,7 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@pytest.mark.parametrize("name", ["zh", "bicif"])
+@pytest.mark.parametrize("name", ["zh", "bicif", "seaco"])
 def test_cuda_float32_matches_cpu(releases, clips, name, no_tf32) -> None:
     from oasr.checkpoint import load_model
 
@@ -38,7 +38,8 @@ def test_cuda_float32_matches_cpu(releases, clips, name, no_tf32) -> None:
     assert torch.equal(l1, l2.cpu())
     e1, e2 = cpu.encode(f1, l1), gpu.encode(f2, l2).cpu()
     assert (e1 - e2).abs().max().item() < 1e-3 * max(1.0, e1.abs().max().item())
-    opts = DecodingOptions(word_timestamps=True)
+    hotwords = tuple(cpu.tokens[10:13]) if name == "seaco" else None
+    opts = DecodingOptions(word_timestamps=True, hotwords=hotwords)
     a, b = cpu.transcribe(waves, opts), gpu.transcribe(waves, opts)
     assert [t.text for t in a] == [t.text for t in b]
     assert [[(w.word, w.start, w.end) for w in t.words] for t in a] == [
@@ -59,14 +60,14 @@ def test_cuda_float16_text_close(releases, clips) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("funasr") is None, reason="funasr not installed here")
-@pytest.mark.parametrize("name", ["zh", "en", "bicif"])
+@pytest.mark.parametrize("name", ["zh", "en", "bicif", "seaco"])
 def test_cuda_matches_funasr_on_cuda(releases, clips, name, no_tf32) -> None:
     from funasr import AutoModel
 
     from oasr.checkpoint import load_model
 
     ref = AutoModel(model=str(releases[name]), device="cuda", disable_update=True,
-                    disable_pbar=True, log_level="ERROR")  # fmt: skip
+                    disable_pbar=True, log_level="ERROR", ncpu=torch.get_num_threads())  # fmt: skip
     gpu = load_model(EngineConfig(ckpt_dir=str(releases[name]), device="cuda", dtype="float32"))
     names = ZH_CLIPS + EN_CLIPS
     got = gpu.transcribe([clips[n] for n in names], DecodingOptions(word_timestamps=True))

@@ -181,6 +181,30 @@ def test_refusals(releases, clips, tmp_path) -> None:
         ParaformerASR.from_release(bad)
 
 
+def test_tokens_txt_release(releases, clips, tmp_path) -> None:
+    """Releases with ``tokens.txt`` (one token per line) load like ``tokens.json`` ones."""
+    import json
+    import shutil
+
+    from oasr_models_funasr.model import ParaformerASR
+
+    d = tmp_path / "txt"
+    shutil.copytree(releases["zh"], d)
+    tokens = json.loads((d / "tokens.json").read_text(encoding="utf-8"))
+    (d / "tokens.json").unlink()
+    (d / "tokens.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+    conf = json.loads((d / "configuration.json").read_text(encoding="utf-8"))
+    conf["file_path_metas"]["tokenizer_conf"]["token_list"] = "tokens.txt"
+    (d / "configuration.json").write_text(json.dumps(conf), encoding="utf-8")
+    m = ParaformerASR.from_release(d)
+    assert m.tokens == tokens
+    wave = clips[ZH_CLIPS[1]]
+    assert (
+        m.transcribe([wave], DecodingOptions())[0].text
+        == load(releases, "zh").transcribe([wave], DecodingOptions())[0].text
+    )
+
+
 def test_empty_and_short_inputs(releases) -> None:
     m = load(releases, "zh")
     got = m.transcribe([np.zeros(100, np.float32), np.zeros(16000, np.float32)], DecodingOptions())

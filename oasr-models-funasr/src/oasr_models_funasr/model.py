@@ -115,6 +115,8 @@ class ParaformerASR:
         self.capabilities = replace(CAPABILITIES, hotwords=cfg.seaco is not None)
         #: SeACo: hotwords kept after the attention filter when there are more
         self.hotword_filter = 50
+        #: the transcripts' language: "zh" for a CJK token list, else "en"
+        self.language = self._token_language()
         self.name = name
         self.source_format = "funasr"
         self.source_path = source_path
@@ -357,7 +359,8 @@ class ParaformerASR:
         seg_opts = SegmentationOptions(max_speech_s=options.max_segment_s)
         return [(s.start, s.end) for s in get_speech_segments(wave, sr, options=seg_opts)]
 
-    def _language(self) -> str | None:
+    def _token_language(self) -> str | None:
+        """'zh' when most tokens are CJK characters, else 'en' (a monolingual release)."""
         from oasr_models_funasr.text import _is_cjk
 
         body = [t for t in self.tokens if t and not t.startswith("<")]
@@ -400,10 +403,10 @@ class ParaformerASR:
                 )
             )
             texts.append(text)
-        sep = "" if self._language() == "zh" else " "
+        sep = "" if self.language == "zh" else " "
         return Transcript(
             text=sep.join(texts).strip(),
-            language=self._language(),
+            language=self.language,
             duration=duration,
             segments=segments,
         )

@@ -69,7 +69,7 @@ def test_cli_json_matches_library(vad):
     res = CliRunner().invoke(_app(), ["vad", str(f), "--json", "--threshold", "0.6"])
     assert res.exit_code == 0, res.output
     torch.set_num_threads(1)  # the command ran in-process
-    out = json.loads(res.stdout)
+    (out,) = json.loads(res.stdout)  # a list whatever the number of inputs
     from oasr.vad import SegmentationOptions
 
     expected = get_speech_segments(

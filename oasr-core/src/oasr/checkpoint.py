@@ -9,6 +9,7 @@ match, so a native checkpoint (which may also contain e.g. a config.json) wins.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,8 @@ def resolve_checkpoint_dir(ckpt: str | Path) -> Path:
     except Exception as exc:  # noqa: BLE001 - network/cache errors: tell the user what to do
         raise UnknownModelError(
             f"could not fetch {text!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}); "
-            f"download it first (huggingface-cli download {text}) or pass a local directory"
+            f"download it first (hf download {text}, from huggingface_hub >= 0.34; older "
+            f"releases: huggingface-cli download {text}) or pass a local directory"
         ) from exc
 
 
@@ -76,8 +78,13 @@ def detect_format(path: Path) -> str:
 def load_model(config: EngineConfig) -> ASRModel:
     """Resolve, detect and load the checkpoint named by ``config.ckpt_dir``."""
     if config.ckpt_dir is None:
-        raise UnknownModelError("no checkpoint given; pass ckpt_dir (a directory or Hub id)")
-    path = resolve_checkpoint_dir(config.ckpt_dir)
+        # the CLI's and the server's default: the installed Whisper tiny.en (or an error that
+        # says how to install it or what to pass instead)
+        from oasr.defaults import default_checkpoint
+
+        path = default_checkpoint()
+    else:
+        path = resolve_checkpoint_dir(config.ckpt_dir)
     fmt = detect_format(path)
     # Every model reaches its device here: install the kernel providers (plugins' op overrides)
     # for that device type first, once per process.
@@ -140,10 +147,21 @@ def convert_checkpoint(src: str | Path, dst: str | Path, config: EngineConfig | 
     Returns the architecture key written."""
     from oasr.types import EngineConfig
 
+    dst = Path(dst)
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"{dst} exists and is not a directory; name a new or existing directory")
     cfg = config or EngineConfig(ckpt_dir=str(src))
     if cfg.ckpt_dir is None:
         cfg.ckpt_dir = str(src)
     model = load_model(cfg)
     if not isinstance(model, SupportsNativeFormat):
         raise CheckpointError(f"{model.name} does not support conversion to the native format")
-    return model.save_native(Path(dst))
+    before = set(dst.rglob("*")) if dst.is_dir() else set()
+    arch = model.save_native(dst)
+    # some writers (safetensors) create files 0600; give the new files the usual umask mode
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in set(dst.rglob("*")) - before:
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+    return arch

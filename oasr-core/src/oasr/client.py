@@ -3,6 +3,9 @@ speaks OpenAI's audio API). Uses only the standard library so ``oasr-core`` stay
 
     client = OASRClient("http://127.0.0.1:8000", api_key="...")
     body = client.transcribe("speech.flac", response_format="verbose_json")
+
+``model`` is left out of a request unless given: a server then uses the one model it serves
+(``oasr-server`` serves one model, under its ``--served-model-name`` and aliases).
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ class OASRClient:
         self,
         file: str | Path | bytes,
         *,
-        model: str = "default",
+        model: str | None = None,
         language: str | None = None,
         prompt: str | None = None,
         response_format: str = "json",
@@ -140,6 +143,7 @@ class OASRClient:
         options: Mapping[str, Any] | None = None,
     ) -> Any:
         """POST /v1/audio/transcriptions. JSON formats return a dict, the others text.
+        ``model``: the served model's name (None: not sent; the server's model).
 
         ``options``: more decoding options by name, sent as form fields (an OASR extension):
         common ones without a parameter here (``beam_size``, ``max_new_tokens``, ``hotwords``)
@@ -155,7 +159,7 @@ class OASRClient:
         self,
         file: str | Path | bytes,
         *,
-        model: str = "default",
+        model: str | None = None,
         prompt: str | None = None,
         response_format: str = "json",
         temperature: float | None = None,

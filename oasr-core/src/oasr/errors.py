@@ -45,7 +45,9 @@ class MissingPluginError(UnknownModelError):
 
     def __init__(self, axis: str, key: str, distribution: str | None) -> None:
         if distribution:
-            hint = f"install it with: pip install {distribution}"
+            from oasr.defaults import install_hint  # (defaults imports this module)
+
+            hint = f"install it with: {install_hint(distribution)}"
         else:
             hint = "no installed or known plugin provides it (see `oasr plugins`)"
         super().__init__(f"no plugin provides {axis} {key!r}; {hint}")

@@ -5,6 +5,7 @@ Torch is imported only when the conversion runs, so ``oasr-convert --help`` stay
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,7 +15,7 @@ from rich.console import Console
 
 from oasr.errors import OASRError
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def convert(
@@ -22,14 +23,27 @@ def convert(
     dst: Annotated[Path, typer.Argument(help="Directory to write OASR's native format to.")],
 ) -> None:
     """Convert a checkpoint to OASR's native format (safetensors + json + tokenizer)."""
+    from rich.markup import escape
+
+    def fail(message: str) -> typer.Exit:
+        err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+        return typer.Exit(1)
+
+    # checked before the (slow) load
+    if dst.exists() and not dst.is_dir():
+        raise fail(f"{dst} exists and is not a directory; give a new or existing directory")
+    parent = dst if dst.exists() else next((p for p in dst.parents if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise fail(f"cannot write to {parent}")
     from oasr.checkpoint import convert_checkpoint
 
     try:
         arch = convert_checkpoint(src, dst)
     except OASRError as exc:
-        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
-        raise typer.Exit(1) from None
-    err_console.print(f"wrote {arch} checkpoint to {dst}")
+        raise fail(exc.message) from None
+    except OSError as exc:
+        raise fail(f"cannot write {exc.filename or dst}: {exc.strerror or exc}") from None
+    err_console.print(f"wrote {arch} checkpoint to {escape(str(dst))}", highlight=False)
 
 
 def main(argv: Optional[list[str]] = None) -> None:  # noqa: UP045 - typer reads annotations

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from oasr._version import __version__
+from oasr.defaults import install_hint
 from oasr.errors import OASRError
 from oasr.plugins import get_plugin_manager
 from oasr.registry import CAPABILITY_FIELDS, KNOWN_PLUGINS
@@ -28,7 +29,34 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
-err_console = Console(stderr=True)
+#: stderr: messages are never wrapped (a ``pip install`` line stays one line when piped)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def _plain_help_types() -> None:
+    """Typer's rich help shows a Python type after every parameter (``<bool>`` after each flag,
+    ``<list[Path]>`` after an argument that already reads ``FILES...``): show none for flags
+    and arguments (options keep their metavar or choices)."""
+    from typer import core
+
+    option = getattr(core.TyperOption, "display_type_rich", None)
+    if option is None or getattr(option, "_oasr", False):
+        return
+
+    def option_type(self, ctx):  # noqa: ANN001, ANN202
+        if getattr(self, "is_flag", False) and self.metavar is None:
+            return None
+        return option(self, ctx)
+
+    def argument_type(self, ctx):  # noqa: ANN001, ANN202
+        return None  # the name column shows the argument (FILE..., SRC)
+
+    option_type._oasr = True  # type: ignore[attr-defined]
+    core.TyperOption.display_type_rich = option_type  # type: ignore[method-assign]
+    core.TyperArgument.display_type_rich = argument_type  # type: ignore[method-assign]
+
+
+_plain_help_types()
 
 
 def _warn_plugin_failures() -> None:
@@ -39,8 +67,10 @@ def _warn_plugin_failures() -> None:
 
 
 def fail(error: OASRError | str, code: int = 1) -> typer.Exit:
+    from rich.markup import escape
+
     message = error.message if isinstance(error, OASRError) else error
-    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
     return typer.Exit(code)
 
 
@@ -120,6 +150,7 @@ def list_architectures() -> list[dict[str, Any]]:
             "distribution": spec.distribution,
             "installed": True,
             "install": None,
+            "install_hint": None,
         }
     for key, known in KNOWN_PLUGINS["architecture"].items():
         if key in out:
@@ -133,6 +164,7 @@ def list_architectures() -> list[dict[str, Any]]:
             "distribution": known.distribution,
             "installed": False,
             "install": f"pip install {known.distribution}",
+            "install_hint": install_hint(known.distribution),
         }
     return [out[k] for k in sorted(out)]
 
@@ -147,25 +179,28 @@ def models_command(
     if as_json:
         print(json.dumps(_jsonable(rows), indent=2))
         return
+    wide = console.width >= 120
     table = Table(title="OASR architectures")
-    for col in ("architecture", "aliases", "decode", "offline", "streaming", "formats", "provided by", "status"):
-        table.add_column(col)
-
-    def yes_no(value: bool | None) -> str:
-        return "-" if value is None else "yes" if value else "no"
+    table.add_column("architecture", no_wrap=True)
+    table.add_column("decode")
+    table.add_column("modes")
+    if wide:
+        table.add_column("formats")
+    table.add_column("provided by", overflow="fold")
 
     for r in rows:
-        status = "[green]installed[/green]" if r["installed"] else f"[dim]{r['install']}[/dim]"
-        table.add_row(
-            r["architecture"],
-            ", ".join(r["aliases"]),
-            r["decode_family"] or "-",
-            yes_no(r["offline"]),
-            yes_no(r["streaming"]),
-            ", ".join(r["source_formats"]),
-            r["distribution"],
-            status,
-        )
+        name = r["architecture"]
+        if r["aliases"]:
+            name += "\n[dim]" + "\n".join(r["aliases"]) + "[/dim]"
+        modes = "\n".join(m for m in ("offline", "streaming") if r[m]) or "-"
+        if r["installed"]:
+            status = f"{r['distribution']} [green](installed)[/green]"
+        else:
+            status = f"[dim]not installed: {r['install_hint']}[/dim]"
+        cells = [name, r["decode_family"] or "-", modes if r["installed"] else "-"]
+        if wide:
+            cells.append(", ".join(r["source_formats"]) or "-")
+        table.add_row(*cells, status)
     console.print(table)
 
 
@@ -176,6 +211,20 @@ _transcribe_commands.register(app)
 _vad_commands.register(app)
 
 
+def _add_missing_commands() -> None:
+    """Commands that other distributions add (``oasr serve``: oasr-server) exist even when
+    those are not installed, and say what to install instead of "No such command"."""
+    names = {c.name for c in app.registered_commands}
+    if "serve" not in names:
+
+        @app.command("serve", context_settings={"ignore_unknown_options": True,
+                                                "allow_extra_args": True})  # fmt: skip
+        def serve() -> None:
+            """Run the HTTP/WebSocket/gRPC server (needs oasr-server)."""
+            raise fail(f"oasr serve is provided by oasr-server, which is not installed; install "
+                       f"it with: {install_hint('oasr-server')} (then: oasr serve --help)")  # fmt: skip
+
+
 def main(argv: Optional[list[str]] = None) -> None:  # noqa: UP045 - typer reads annotations
     """Console-script entry point."""
     manager = get_plugin_manager()
@@ -184,10 +233,13 @@ def main(argv: Optional[list[str]] = None) -> None:  # noqa: UP045 - typer reads
     except OASRError as exc:  # two plugins claiming one key: nothing can be trusted to work
         raise SystemExit(f"error: {exc.message}") from None
     _warn_plugin_failures()
+    _add_missing_commands()
     try:
         app(args=argv if argv is not None else sys.argv[1:], standalone_mode=True)
     except OASRError as exc:  # library errors reach the user as one clear line
-        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        from rich.markup import escape
+
+        err_console.print(f"[red]error:[/red] {escape(exc.message)}", highlight=False)
         raise SystemExit(1) from None
 
 

@@ -1,32 +1,48 @@
 """``oasr transcribe``, ``oasr translate`` and ``oasr convert``. Torch is imported only when a
-command runs."""
+command runs.
+
+Everything a command line can get wrong is checked before the model loads (inputs, ``-o``
+targets, ``--device``, ``--dtype``, ``--language``, ``--task``, option values), each as one
+line. Then every input gets its output or its own one-line error; the exit status is 1 when any
+input failed. ``--server URL`` sends the same inputs to an ``oasr-server`` and writes the same
+bytes (the server answers ``verbose_json``; the formats are rendered here, as in-process)."""
 
 from __future__ import annotations
 
-import json
+import inspect
+import os
 import sys
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from oasr.errors import OASRError
+from oasr.cli.output import ALL_FORMATS, OutputError, join_stdout, plan_targets, render_one
+from oasr.errors import InvalidRequestError, OASRError
 
-err_console = Console(stderr=True)
+#: stderr: messages are never wrapped (a ``pip install`` line stays one line when piped)
+err_console = Console(stderr=True, soft_wrap=True)
 #: From this many files on, ``--decode-processes`` defaults to a pool: below, starting the
 #: worker processes costs more than decoding the files one after another.
 PARALLEL_DECODE_FILES = 8
+#: a decoded input this much shorter than its header declares is reported as truncated
+TRUNCATION_TOLERANCE_S = 0.5
 
 
 class Format(str, Enum):
     text = "text"
+    txt = "txt"
     json = "json"
     verbose_json = "verbose_json"
     srt = "srt"
     vtt = "vtt"
+    tsv = "tsv"
+    all = "all"
 
 
 class LongForm(str, Enum):
@@ -39,84 +55,370 @@ class Granularity(str, Enum):
     segment = "segment"
 
 
-def _run(
-    files: list[Path],
-    *,
-    task: str,
-    ckpt_dir: str | None,
-    language: str | None,
-    response_format: Format,
-    granularities: list[Granularity] | None,
-    output: Path | None,
-    beam_size: int,
-    temperature: float,
-    prompt: str | None,
-    device: str,
-    threads: int | None,
-    server: str | None = None,
-    api_key: str | None = None,
-    long_form: str | None = None,
-    vad_gate: bool | None = None,
-    model_options: list[str] | None = None,
-    decode_processes: int | None = None,
-) -> None:
-    from oasr.options import parse_assignments
+# ISO 639-1 codes (two letters); longer codes and language names are left to the model
+_ISO_639_1 = frozenset(
+    """
+aa ab ae af ak am an ar as av ay az ba be bg bh bi bm bn bo br bs ca ce ch co cr cs cu cv cy da
+de dv dz ee el en eo es et eu fa ff fi fj fo fr fy ga gd gl gn gu gv ha he hi ho hr ht hu hy hz ia
+id ie ig ii ik io is it iu ja jv jw ka kg ki kj kk kl km kn ko kr ks ku kv kw ky la lb lg li ln lo
+lt lu lv mg mh mi mk ml mn mr ms mt my na nb nd ne ng nl nn no nr nv ny oc oj om or os pa pi pl ps
+pt qu rm rn ro ru rw sa sc sd se sg si sk sl sm sn so sq sr ss st su sv sw ta te tg th ti tk tl tn
+to tr ts tt tw ty ug uk ur uz ve vi vo wa wo xh yi yo za zh zu
+""".split()
+)
 
-    try:
-        # options of the model family; --long-form / --vad-gate are Whisper's, sent only when
-        # given so that other families do not refuse them
-        family: dict[str, object] = {}
-        if long_form is not None:
-            family["long_form"] = long_form
-        if vad_gate is not None:
-            family["vad_gate"] = vad_gate
-        family.update(parse_assignments(model_options or (), param="--option"))
-    except OASRError as exc:
-        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
-        raise typer.Exit(1) from None
-    if server:
-        if beam_size != 1:
-            family.setdefault("beam_size", beam_size)
-        _run_remote(files, task=task, server=server, api_key=api_key, language=language,
-                    response_format=response_format, granularities=granularities,
-                    output=output, temperature=temperature, prompt=prompt, options=family)
+
+class UsageError(InvalidRequestError):
+    """A command-line value that cannot work, found before any model loads."""
+
+
+def _error(message: str) -> None:
+    err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+
+
+def _warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
+
+
+# -- checks before the model loads ---------------------------------------------------------------
+
+
+def check_language(language: str | None) -> None:
+    if language is None:
         return
-    from oasr.defaults import default_checkpoint
-    from oasr.engine import ASREngine
-    from oasr.formats import FILE_EXTENSIONS, render
-    from oasr.types import FALLBACK_TEMPERATURES, DecodingOptions, EngineConfig
-
-    grains = tuple(g.value for g in (granularities or [Granularity.segment]))
-    fmt = response_format.value
-    engine = None
-    try:
-        for f in files:
-            if not f.is_file():
-                raise typer.BadParameter(f"no such file: {f}", param_hint="FILE")
-        options = DecodingOptions.build(
-            beam_size=beam_size,
-            language=language,
-            task=task,
-            temperature=temperature if temperature > 0 else FALLBACK_TEMPERATURES,
-            prompt=prompt,
-            word_timestamps="word" in grains,
-            **family,
+    code = language.strip().lower().replace("_", "-").split("-")[0]
+    if not code.isalpha() or (len(code) == 2 and code not in _ISO_639_1) or len(code) < 2:
+        raise UsageError(
+            f"--language {language}: not a language code (use an ISO 639-1 code such as en, "
+            f"de, zh, or omit it to detect the language)",
+            param="--language",
         )
-        ckpt = ckpt_dir or str(default_checkpoint())
-        if decode_processes is None:
-            from oasr.decode_pool import default_decode_processes
 
-            many = len(files) >= PARALLEL_DECODE_FILES
-            decode_processes = default_decode_processes() if many else 0
-        with err_console.status(f"loading model from {ckpt}"):
-            engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, num_threads=threads,
-                                            decode_processes=decode_processes))  # fmt: skip
+
+def check_device(device: str) -> None:
+    """``--device``: cpu, cuda, cuda:N or mps, and present in this torch."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UsageError(
+            f"--device {device}: not a device; use cpu, cuda, cuda:N or mps", param="--device"
+        ) from None
+    if dev.type == "cuda":
+        if torch.version.cuda is None:
+            raise UsageError(
+                f"--device {device}: this torch ({torch.__version__}) is built without CUDA; "
+                f"use --device cpu, or install a CUDA build of torch",
+                param="--device",
+            )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(
+                f"--device {device}: no CUDA device is visible (check the driver and "
+                f"CUDA_VISIBLE_DEVICES), or use --device cpu",
+                param="--device",
+            )
+        if dev.index is not None and dev.index >= count:
+            raise UsageError(
+                f"--device {device}: there are {count} CUDA device(s) (cuda:0..cuda:{count - 1})",
+                param="--device",
+            )
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"--device {device}: MPS is not available here", param="--device")
+    elif dev.type != "cpu":
+        raise UsageError(
+            f"--device {device}: not supported; use cpu, cuda, cuda:N or mps", param="--device"
+        )
+
+
+def check_dtype(dtype: str) -> str:
+    """``--compute-type`` / ``--dtype`` -> the EngineConfig spelling. faster-whisper's names:
+    ``default`` is auto; the int8 types need quantization, which is not implemented yet."""
+    name = dtype.strip().lower()
+    if name == "default":
+        return "auto"
+    if name.startswith("int8") or name.startswith("int16"):
+        raise UsageError(
+            f"--compute-type {dtype}: integer quantization is not implemented yet; use auto, "
+            f"float32, float16 or bfloat16",
+            param="--compute-type",
+        )
+    if name == "auto":
+        return name
+    from oasr.layers.dtypes import DTYPE_NAMES
+
+    if name not in DTYPE_NAMES:
+        raise UsageError(
+            f"--compute-type {dtype}: use auto, float32, float16 or bfloat16",
+            param="--compute-type",
+        )
+    return name
+
+
+def check_input(f: Path) -> str | None:
+    """Why ``f`` cannot be an input (missing, a directory, unreadable, empty), or None."""
+    if not f.exists():
+        return f"{f}: no such file"
+    if f.is_dir():
+        return f"{f}: is a directory, not an audio file"
+    if not os.access(f, os.R_OK):
+        return f"{f}: permission denied (cannot read it)"
+    try:
+        if f.stat().st_size == 0:
+            return f"{f}: the file is empty (0 bytes)"
+    except OSError as exc:
+        return f"{f}: {exc.strerror or exc}"
+    return None
+
+
+def _named(f: Path, exc: BaseException) -> str:
+    """An input's error, naming the input once."""
+    message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
+    return message if str(f) in message or f.name in message else f"{f}: {message}"
+
+
+def declared_seconds(path: Path) -> float | None:
+    """The duration a file's header declares (WAV data chunk, FLAC/MP4/MP3-with-header stream
+    duration), or None when the header does not say (FFmpeg then estimates it from the size)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 16)
+        if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+            import struct
+
+            pos, rate_bytes, data_size = 12, 0, None
+            while pos + 8 <= len(head):
+                tag, size = struct.unpack_from("<4sI", head, pos)
+                if tag == b"fmt " and pos + 16 <= len(head):
+                    rate_bytes = struct.unpack_from("<I", head, pos + 16)[0]
+                elif tag == b"data":
+                    data_size = size
+                    break
+                pos += 8 + size + (size & 1)
+            if rate_bytes and data_size not in (None, 0, 0xFFFFFFFF):
+                return data_size / rate_bytes
+            return None
+        if head[:4] == b"OggS" or head[:3] == b"ID3" or head[:2] in (b"\xff\xfb", b"\xff\xf3"):
+            return None  # estimated from the size by FFmpeg (or, for MP3 with ID3, unknown)
+        import av
+
+        from oasr.audio import _open_container
+
+        container = _open_container(av, str(path))
+        try:
+            stream = container.streams.audio[0] if container.streams.audio else None
+            if stream is not None and stream.duration and stream.time_base:
+                return float(stream.duration * stream.time_base)
+        finally:
+            container.close()
+    except Exception:  # noqa: BLE001 - only a warning hangs on it
+        return None
+    return None
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One ``oasr transcribe`` / ``translate`` command line, as parsed."""
+
+    files: list[Path]
+    task: str = "transcribe"
+    model: str | None = None
+    language: str | None = None
+    fmt: str = "text"
+    granularities: tuple[str, ...] = ("segment",)
+    output: str | None = None
+    output_dir: str | None = None
+    beam_size: int = 1
+    temperature: float = 0.0
+    temperature_increment: float | None = None
+    prompt: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    threads: int | None = None
+    server: str | None = None
+    api_key: str | None = None
+    verbose: bool = False
+    max_line_width: int | None = None
+    max_words_per_line: int | None = None
+    family: dict[str, object] = field(default_factory=dict)
+    decode_processes: int | None = None
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return ALL_FORMATS if self.fmt == "all" else (self.fmt,)
+
+    def temperatures(self) -> float | tuple[float, ...]:
+        from oasr.types import FALLBACK_TEMPERATURES
+
+        if self.temperature_increment is not None:
+            if self.temperature_increment <= 0:
+                return self.temperature
+            out, t = [], self.temperature
+            while t <= 1.0 + 1e-6:
+                out.append(round(t, 6))
+                t += self.temperature_increment
+            return tuple(out)
+        return self.temperature if self.temperature > 0 else FALLBACK_TEMPERATURES
+
+
+def _check_task(run: Run) -> None:
+    from oasr.defaults import english_only
+
+    if run.task not in ("transcribe", "translate"):
+        raise UsageError(f"--task {run.task}: use transcribe or translate", param="--task")
+    check_language(run.language)
+    if run.server:
+        return
+    english = english_only(run.model)
+    shown = run.model or "the default model (tiny.en)"
+    if english and run.task == "translate":
+        raise UsageError(
+            f"{shown} is English-only and cannot translate; use a multilingual model "
+            f"(e.g. --model small)",
+            param="--task",
+        )
+    if english and run.language and run.language.lower() not in ("en", "english"):
+        raise UsageError(
+            f"{shown} is English-only; --language {run.language} needs a multilingual model "
+            f"(e.g. --model small)",
+            param="--language",
+        )
+
+
+def run_command(run: Run) -> None:
+    """Check everything, transcribe the good inputs, write each output; exit 1 if any input
+    failed (every good input still gets its output)."""
+    try:
+        _check_task(run)
+        targets = plan_targets(run.files, run.output, run.output_dir, run.formats)
+        if not run.server:
+            check_device(run.device)
+            run.dtype = check_dtype(run.dtype)
+        options = _decoding_options(run)
+    except (OASRError, typer.BadParameter) as exc:
+        _error(exc.message if isinstance(exc, OASRError) else str(exc))
+        raise typer.Exit(2 if isinstance(exc, UsageError | OutputError) else 1) from None
+
+    failed = 0
+    good: list[int] = []
+    for k, f in enumerate(run.files):
+        problem = check_input(f)
+        if problem:
+            _error(problem)
+            failed += 1
+        else:
+            good.append(k)
+    results: dict[int, Any] = {}
+    if good:
+        if run.server:
+            results = _transcribe_remote(run, good)
+        else:
+            results = _transcribe_local(run, good, options)
+    failed += _write(run, targets, results)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _decoding_options(run: Run) -> Any:
+    from oasr.types import DecodingOptions
+
+    return DecodingOptions.build(
+        beam_size=run.beam_size,
+        language=run.language,
+        task=run.task,
+        temperature=run.temperatures(),
+        prompt=run.prompt,
+        word_timestamps="word" in run.granularities,
+        **run.family,
+    )
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(max(0.0, seconds), 60)
+    return f"{int(minutes):02d}:{secs:06.3f}"
+
+
+def _print_verbose(f: Path, transcript: Any, many: bool) -> None:
+    """``--verbose``: an input's segments on stderr as soon as it is transcribed."""
+    if many:
+        err_console.print(f"==> {escape(str(f))} <==", highlight=False)
+    for s in transcript.segments:
+        if s.text.strip():
+            err_console.print(f"[{_clock(s.start)} --> {_clock(s.end)}] {escape(s.text.strip())}",
+                              highlight=False)  # fmt: skip
+
+
+def _vad_available() -> bool:
+    from oasr.plugins import get_plugin_manager
+
+    try:
+        return any(True for _ in get_plugin_manager().registry("vad_detector"))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _transcribe_local(run: Run, good: list[int], options: Any) -> dict[int, Any]:
+    """In-process: load the model once, decode and transcribe the good inputs. Returns, per
+    input index, its Transcript or its error."""
+    from oasr.defaults import install_hint, resolve_model_name
+    from oasr.engine import ASREngine
+    from oasr.types import EngineConfig
+
+    results: dict[int, Any] = {}
+    engine = None
+    files = [run.files[k] for k in good]
+    try:
+        try:
+            ckpt = resolve_model_name(run.model)
+            decode_processes = run.decode_processes
+            if decode_processes is None:
+                from oasr.decode_pool import default_decode_processes
+
+                many = len(files) >= PARALLEL_DECODE_FILES
+                decode_processes = default_decode_processes() if many else 0
+            with err_console.status(
+                f"loading model {escape(run.model or 'tiny.en')} ({escape(ckpt)})"
+            ):
+                engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=run.device, dtype=run.dtype,
+                                                num_threads=run.threads,
+                                                decode_processes=decode_processes))  # fmt: skip
+            model = engine.model
+            declared = getattr(model, "default_options", None)
+            wants_gate = "vad_gate" not in run.family and hasattr(declared, "vad_gate")
+            if wants_gate and not _vad_available():
+                _warn(
+                    "no voice activity detector is installed, so silence and noise may get "
+                    f"invented text; install one with: {install_hint('oasr-vad-silero')} "
+                    "(or pass --no-vad-gate to decode every input as it is)"
+                )
+                options = options.updated(vad_gate=False)
+            options.validate_for(model)
+        except OASRError as exc:
+            _error(exc.message)
+            raise typer.Exit(1) from None
+
         with err_console.status(f"decoding {len(files)} file(s)"):
             audios = engine.load_audios(files)
-        for audio in audios:
+        arrays, order = [], []
+        for k, f, audio in zip(good, files, audios, strict=True):
             if isinstance(audio, BaseException):
-                raise audio
-        total = sum(a.shape[-1] for a in audios) / engine.sample_rate
+                results[k] = audio
+                continue
+            declared = declared_seconds(f)
+            got = audio.shape[-1] / engine.sample_rate
+            if declared is not None and got < declared - TRUNCATION_TOLERANCE_S:
+                _warn(f"{f}: decoded {got:.1f} s of the {declared:.1f} s its header declares "
+                      f"(truncated or corrupt); transcribing what decoded")  # fmt: skip
+            arrays.append(audio)
+            order.append(k)
+        if not arrays:
+            return results
+        total = sum(a.shape[-1] for a in arrays) / engine.sample_rate
         with Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
@@ -127,204 +429,335 @@ def _run(
             transient=True,
             disable=not err_console.is_terminal,
         ) as bar:
-            job = bar.add_task(f"{task} {len(files)} file(s)", total=total)
-            transcripts = engine.transcribe_arrays(
-                audios, options, lambda done, tot: bar.update(job, completed=done)
-            )
-    except OASRError as exc:
-        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
-        raise typer.Exit(1) from None
+            job = bar.add_task(f"{run.task} {len(arrays)} file(s)", total=total)
+            try:
+                outcomes: list[Any] = engine.transcribe_arrays(
+                    arrays, options, lambda done, tot: bar.update(job, completed=done)
+                )
+            except Exception:  # noqa: BLE001 - an input failed in the model: find which
+                outcomes = [o.error if o.error is not None else o.transcript
+                            for o in engine.transcribe_outputs(arrays, decoding=options)]  # fmt: skip
+        for k, outcome in zip(order, outcomes, strict=True):
+            results[k] = outcome
+            if run.verbose and not isinstance(outcome, BaseException):
+                _print_verbose(run.files[k], outcome, len(run.files) > 1)
     finally:
         if engine is not None:
             engine.shutdown()  # the scheduler thread and any decode processes
-
-    if output is not None and (len(files) > 1 or output.is_dir()):
-        output.mkdir(parents=True, exist_ok=True)
-        for f, t in zip(files, transcripts, strict=True):
-            target = output / f"{f.stem}.{FILE_EXTENSIONS[fmt]}"
-            target.write_text(render(t, fmt, granularities=grains), encoding="utf-8")
-            err_console.print(f"wrote {target}")
-        return
-    if len(files) > 1 and fmt in ("json", "verbose_json"):
-        # JSON lines: one object per input, each naming its file.
-        lines = []
-        for f, t in zip(files, transcripts, strict=True):
-            body = json.loads(render(t, fmt, granularities=grains))
-            lines.append(json.dumps({"file": str(f), **body}, ensure_ascii=False))
-        text = "\n".join(lines) + "\n"
-    else:
-        parts = []
-        for f, t in zip(files, transcripts, strict=True):
-            body = render(t, fmt, granularities=grains)
-            if len(files) > 1:
-                body = f"==> {f} <==\n{body}"
-            parts.append(body if body.endswith("\n") else body + "\n")
-        text = "".join(parts)
-    if output is not None:
-        output.write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
+    return results
 
 
-def _run_remote(
-    files: list[Path],
-    *,
-    task: str,
-    server: str,
-    api_key: str | None,
-    language: str | None,
-    response_format: Format,
-    granularities: list[Granularity] | None,
-    output: Path | None,
-    temperature: float,
-    prompt: str | None,
-    options: dict[str, object] | None = None,
-) -> None:
-    """Send each file to an OASR (or OpenAI-compatible) server instead of running in-process;
-    ``options`` (beam size, family options) travel as extra form fields."""
+def _transcribe_remote(run: Run, good: list[int]) -> dict[int, Any]:
+    """Each good input through ``--server``: asked for ``verbose_json`` (with the granularities
+    the output needs) and turned back into a Transcript, so the output equals the in-process
+    one."""
+    from oasr.cli.output import transcript_from_verbose_json
     from oasr.client import OASRClient
 
-    client = OASRClient(server, api_key=api_key)
-    fmt = response_format.value
-    grains = [g.value for g in granularities] if granularities else None
-    outputs: list[str] = []
-    try:
-        for f in files:
-            if task == "translate":
-                body = client.translate(f, prompt=prompt, response_format=fmt, temperature=temperature,
-                                        options=options)
+    client = OASRClient(run.server, api_key=run.api_key)  # type: ignore[arg-type]
+    grains = list(run.granularities)
+    if (run.max_line_width or run.max_words_per_line) and "word" not in grains:
+        grains.append("word")
+    options: dict[str, object] = dict(run.family)
+    if run.beam_size != 1:
+        options.setdefault("beam_size", run.beam_size)
+    # the server reads 0 as greedy with fallback, as the CLI does; a custom fallback schedule
+    # (--temperature-increment-on-fallback) travels as the family option of the same meaning
+    temperature = run.temperature
+    if run.temperature_increment is not None:
+        raise_usage = UsageError(
+            "--temperature-increment-on-fallback is not sent to a server; leave it out with "
+            "--server", param="--temperature-increment-on-fallback",
+        )  # fmt: skip
+        _error(raise_usage.message)
+        raise typer.Exit(2)
+    results: dict[int, Any] = {}
+    for k in good:
+        f = run.files[k]
+        try:
+            if run.task == "translate":
+                body = client.translate(f, model=run.model, prompt=run.prompt,
+                                        response_format="verbose_json",
+                                        temperature=temperature, options=options)  # fmt: skip
             else:
                 body = client.transcribe(
-                    f, language=language, prompt=prompt, response_format=fmt,
-                    temperature=temperature, timestamp_granularities=grains, options=options,
-                )
-            if isinstance(body, dict):
-                body = json.dumps({"file": str(f), **body} if len(files) > 1 else body, ensure_ascii=False)
-            outputs.append(body if body.endswith("\n") else body + "\n")
-    except OASRError as exc:
-        err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
-        raise typer.Exit(1) from None
-    text = "".join(outputs)
-    if output is not None:
-        output.write_text(text, encoding="utf-8")
-    else:
+                    f, model=run.model, language=run.language, prompt=run.prompt,
+                    response_format="verbose_json", temperature=temperature,
+                    timestamp_granularities=grains, options=options,
+                )  # fmt: skip
+            if not isinstance(body, dict):
+                raise InvalidRequestError(f"the server answered {body[:80]!r}, not verbose_json")
+            results[k] = transcript_from_verbose_json(body)
+        except OASRError as exc:
+            from oasr.client import ServerError
+
+            if isinstance(exc, ServerError) and "cannot reach" in exc.message:
+                _error(exc.message)
+                raise typer.Exit(1) from None
+            results[k] = exc
+            continue
+        if run.verbose:
+            _print_verbose(f, results[k], len(run.files) > 1)
+    return results
+
+
+def _write(run: Run, targets: Any, results: dict[int, Any]) -> int:
+    """Write every transcribed input (in input order); print each failed one's error. Returns
+    the number of inputs that failed here."""
+    failed = 0
+    bodies: list[str | None] = []
+    kept: list[Path] = []
+    for k, f in enumerate(run.files):
+        if k not in results:
+            continue  # failed its checks (already reported)
+        r = results[k]
+        if isinstance(r, BaseException):
+            _error(_named(f, r))
+            failed += 1
+            continue
+        rendered = {
+            fmt: render_one(r, fmt, run.granularities, run.max_line_width, run.max_words_per_line)
+            for fmt in run.formats
+        }
+        if targets.stdout:
+            kept.append(f)
+            bodies.append(rendered[run.formats[0]])
+            continue
+        for path, fmt in zip(targets.paths(k, run.formats), run.formats, strict=True):
+            try:
+                path.write_text(rendered[fmt], encoding="utf-8")
+            except OSError as exc:
+                _error(f"cannot write {path}: {exc.strerror or exc}")
+                failed += 1
+                continue
+            err_console.print(f"wrote {escape(str(path))}", highlight=False)
+    if targets.stdout and kept:
+        text = join_stdout(kept, bodies, run.formats[0], many=len(run.files) > 1)
         sys.stdout.write(text)
+        sys.stdout.flush()
+    return failed
 
 
-FilesArg = Annotated[list[Path], typer.Argument(help="Audio files (any common container).")]
-CkptOpt = Annotated[
+# -- the commands --------------------------------------------------------------------------------
+
+FilesArg = Annotated[list[Path], typer.Argument(help="Audio files (any common container).",
+                                                metavar="FILE...", show_default=False)]  # fmt: skip
+ModelOpt = Annotated[
     Optional[str],  # noqa: UP045 - typer reads annotations at run time
-    typer.Option("--ckpt-dir", help="Checkpoint directory or Hugging Face Hub id. Default: the bundled Whisper tiny.en."),
-]
-LangOpt = Annotated[Optional[str], typer.Option("--language", help="Spoken language code, e.g. en.")]  # noqa: UP045
-FormatOpt = Annotated[Format, typer.Option("--response-format", "-f", help="Output format.")]
+    typer.Option("--model", "-m", "--ckpt-dir", metavar="NAME|PATH|HUB_ID",
+                 help="Model: a short Whisper name (tiny.en, base, small, medium, large-v3, "
+                 "turbo, ...), a checkpoint directory or a Hugging Face Hub id. Default: the "
+                 "installed Whisper tiny.en."),
+]  # fmt: skip
+LangOpt = Annotated[Optional[str], typer.Option("--language", metavar="CODE",  # noqa: UP045
+                    help="Spoken language code, e.g. en (default: detected).")]  # fmt: skip
+FormatOpt = Annotated[
+    Format,
+    typer.Option("--response-format", "-f", "--output-format", metavar="FORMAT",
+                 help="text (or txt), json, verbose_json, srt, vtt, tsv, or all (txt, vtt, srt, "
+                 "tsv and json files; needs --output-dir)."),
+]  # fmt: skip
 GrainOpt = Annotated[
     Optional[list[Granularity]],  # noqa: UP045
-    typer.Option("--timestamp-granularity", help="word and/or segment (repeatable)."),
-]
+    typer.Option("--timestamp-granularity", metavar="word|segment",
+                 help="word and/or segment (repeatable)."),
+]  # fmt: skip
+WordTsOpt = Annotated[bool, typer.Option("--word-timestamps", help="Word times (same as "
+                      "--timestamp-granularity word --timestamp-granularity segment).")]  # fmt: skip
 OutOpt = Annotated[
-    Optional[Path],  # noqa: UP045
-    typer.Option("--output", "-o", help="Output file, or a directory for one output per input."),
-]
+    Optional[str],  # noqa: UP045
+    typer.Option("--output", "-o", metavar="PATH",
+                 help="A file, or a directory (ending in '/', or existing) for one file per "
+                 "input; several inputs need a directory."),
+]  # fmt: skip
+OutDirOpt = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option("--output-dir", metavar="DIR", help="Write one file per input (and format) "
+                 "into DIR (created if missing)."),
+]  # fmt: skip
 BeamOpt = Annotated[int, typer.Option("--beam-size", min=1, help="1 = greedy.")]
-TempOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy with fallback.")]
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Initial prompt text.")]  # noqa: UP045
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+PatienceOpt = Annotated[Optional[float], typer.Option("--patience", min=0.0,  # noqa: UP045
+                        help="Whisper beam search patience.")]  # fmt: skip
+TempOpt = Annotated[float, typer.Option("--temperature", min=0.0,
+                    help="0 = greedy, falling back to higher temperatures when a window fails "
+                    "the thresholds.")]  # fmt: skip
+TempIncOpt = Annotated[
+    Optional[float],  # noqa: UP045
+    typer.Option("--temperature-increment-on-fallback", min=0.0,
+                 help="Fallback temperatures from --temperature to 1 in these steps (0: none)."),
+]  # fmt: skip
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "--initial-prompt",  # noqa: UP045
+                      metavar="TEXT", help="Initial prompt text.")]  # fmt: skip
+CondOpt = Annotated[
+    Optional[bool],  # noqa: UP045
+    typer.Option("--condition-on-previous-text/--no-condition-on-previous-text",
+                 show_default=False,
+                 help="Whisper, sequential long-form: prompt each window with the text before "
+                 "it (on by default)."),
+]  # fmt: skip
+NoSpeechOpt = Annotated[Optional[str], typer.Option("--no-speech-threshold",  # noqa: UP045
+                        metavar="P|none", help="Whisper: silence above this no-speech "
+                        "probability (default 0.6).")]  # fmt: skip
+LogprobOpt = Annotated[Optional[str], typer.Option("--logprob-threshold",  # noqa: UP045
+                       metavar="X|none", help="Whisper: fall back below this average log "
+                       "probability (default -1).")]  # fmt: skip
+CompressOpt = Annotated[Optional[str], typer.Option("--compression-ratio-threshold",  # noqa: UP045
+                        metavar="X|none", help="Whisper: fall back above this gzip compression "
+                        "ratio (default 2.4).")]  # fmt: skip
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE",
+                      help="cpu, cuda, cuda:N or mps.")]  # fmt: skip
+DtypeOpt = Annotated[str, typer.Option("--compute-type", "--dtype", metavar="TYPE",
+                     help="auto (float32 on CPU, float16 on CUDA), float32, float16 or "
+                     "bfloat16.")]  # fmt: skip
 ServerOpt = Annotated[
     Optional[str],  # noqa: UP045
-    typer.Option("--server", help="Send the audio to this OASR server URL instead of running in-process."),
-]
+    typer.Option("--server", metavar="URL",
+                 help="Send the audio to this OASR server instead of running in-process."),
+]  # fmt: skip
 ApiKeyOpt = Annotated[
     Optional[str],  # noqa: UP045
-    typer.Option("--api-key", envvar="OASR_API_KEY", help="Bearer token for --server."),
-]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")]  # noqa: UP045
+    typer.Option("--api-key", envvar="OASR_API_KEY", metavar="KEY", help="Bearer token for --server."),
+]  # fmt: skip
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", metavar="N",  # noqa: UP045
+                       help="CPU threads for torch.")]  # fmt: skip
 LongFormOpt = Annotated[
     Optional[LongForm],  # noqa: UP045
-    typer.Option("--long-form", help="Whisper, audio over 30 s: sequential (window by window, "
-                 "conditioned on previous text; the default) or vad (VAD speech chunks decoded as "
-                 "one batch)."),
-]
+    typer.Option("--long-form", metavar="sequential|vad",
+                 help="Whisper, audio over 30 s: sequential (window by window, conditioned on "
+                 "previous text; the default) or vad (VAD speech chunks decoded as one batch)."),
+]  # fmt: skip
+VadFilterOpt = Annotated[bool, typer.Option("--vad-filter", help="Decode only the speech the "
+                         "VAD finds (same as --long-form vad).")]  # fmt: skip
 VadGateOpt = Annotated[
     Optional[bool],  # noqa: UP045
-    typer.Option("--vad-gate/--no-vad-gate", help="Whisper, sequential long-form: give an input "
-                 "in which the VAD finds no speech an empty transcript instead of decoding it "
-                 "(on by default)."),
-]
+    typer.Option("--vad-gate/--no-vad-gate", show_default=False,
+                 help="Whisper, sequential long-form: give an input in which the VAD finds no "
+                 "speech an empty transcript instead of decoding it (on by default)."),
+]  # fmt: skip
 ModelOptionOpt = Annotated[
     Optional[list[str]],  # noqa: UP045
     typer.Option("--option", "-O", metavar="NAME=VALUE",
                  help="A decoding option of the model family, e.g. -O no_speech_threshold=none "
                  "or -O decoding_method=ctc_prefix_beam_search (repeatable; docs/decoding.md "
                  "lists them)."),
-]
+]  # fmt: skip
 DecodeProcsOpt = Annotated[
     Optional[int],  # noqa: UP045
-    typer.Option("--decode-processes", min=0, help="Worker processes that decode the files "
-                 f"in parallel (0: one after another here). Default: 0 below {PARALLEL_DECODE_FILES} "
-                 "files, else half the cores up to 8 (none below 4 cores)."),
-]
+    typer.Option("--decode-processes", min=0, metavar="N",
+                 help="Worker processes that decode the files in parallel (0: one after another "
+                 f"here). Default: 0 below {PARALLEL_DECODE_FILES} files, else half the cores up "
+                 "to 8 (none below 4 cores)."),
+]  # fmt: skip
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print each input's segments "
+                       "with their times on stderr as soon as it is transcribed.")]  # fmt: skip
+LineWidthOpt = Annotated[Optional[int], typer.Option("--max-line-width", min=1,  # noqa: UP045
+                         metavar="N", help="srt/vtt: at most N characters per cue (cut at "
+                         "word times; turns on word timestamps).")]  # fmt: skip
+WordsPerLineOpt = Annotated[Optional[int], typer.Option("--max-words-per-line", min=1,  # noqa: UP045
+                            metavar="N", help="srt/vtt: at most N words per cue (turns on word "
+                            "timestamps).")]  # fmt: skip
+
+
+def transcribe(
+    files: FilesArg,
+    model: ModelOpt = None,
+    language: LangOpt = None,
+    task: Annotated[
+        str,
+        typer.Option(
+            "--task", metavar="transcribe|translate", help="transcribe or translate (into English)."
+        ),
+    ] = "transcribe",
+    response_format: FormatOpt = Format.text,
+    output: OutOpt = None,
+    output_dir: OutDirOpt = None,
+    timestamp_granularity: GrainOpt = None,
+    word_timestamps: WordTsOpt = False,
+    max_line_width: LineWidthOpt = None,
+    max_words_per_line: WordsPerLineOpt = None,
+    verbose: VerboseOpt = False,
+    beam_size: BeamOpt = 1,
+    patience: PatienceOpt = None,
+    temperature: TempOpt = 0.0,
+    temperature_increment_on_fallback: TempIncOpt = None,
+    prompt: PromptOpt = None,
+    condition_on_previous_text: CondOpt = None,
+    no_speech_threshold: NoSpeechOpt = None,
+    logprob_threshold: LogprobOpt = None,
+    compression_ratio_threshold: CompressOpt = None,
+    long_form: LongFormOpt = None,
+    vad_filter: VadFilterOpt = False,
+    vad_gate: VadGateOpt = None,
+    option: ModelOptionOpt = None,
+    device: DeviceOpt = "cpu",
+    compute_type: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    decode_processes: DecodeProcsOpt = None,
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Transcribe audio files (in-process, or on a server with --server)."""
+    from oasr.options import parse_assignments
+
+    grains = [g.value for g in (timestamp_granularity or [])] or ["segment"]
+    if word_timestamps or max_line_width or max_words_per_line:
+        grains = list(dict.fromkeys([*grains, "word", "segment"]))
+    fmt = "text" if response_format is Format.txt else response_format.value
+    try:
+        if vad_filter and long_form is LongForm.sequential:
+            raise UsageError("--vad-filter is --long-form vad; drop --long-form sequential")
+        # options of the model family, sent only when given (other families refuse them)
+        family: dict[str, object] = {}
+        if long_form is not None or vad_filter:
+            family["long_form"] = "vad" if vad_filter else long_form.value  # type: ignore[union-attr]
+        if vad_gate is not None:
+            family["vad_gate"] = vad_gate
+        if condition_on_previous_text is not None:
+            family["condition_on_previous_text"] = condition_on_previous_text
+        if patience is not None:
+            family["patience"] = patience
+        for name, value in (("no_speech_threshold", no_speech_threshold),
+                            ("logprob_threshold", logprob_threshold),
+                            ("compression_ratio_threshold", compression_ratio_threshold)):  # fmt: skip
+            if value is not None:
+                family[name] = value
+        family.update(parse_assignments(option or (), param="--option"))
+    except OASRError as exc:
+        _error(exc.message)
+        raise typer.Exit(2 if isinstance(exc, UsageError) else 1) from None
+    run_command(Run(
+        files=list(files), task=task, model=model, language=language, fmt=fmt,
+        granularities=tuple(grains), output=output, output_dir=output_dir, beam_size=beam_size,
+        temperature=temperature, temperature_increment=temperature_increment_on_fallback,
+        prompt=prompt, device=device, dtype=compute_type, threads=threads, server=server,
+        api_key=api_key, verbose=verbose, max_line_width=max_line_width,
+        max_words_per_line=max_words_per_line, family=family, decode_processes=decode_processes,
+    ))  # fmt: skip
+
+
+def _translate_command() -> Any:
+    """``oasr translate``: ``transcribe`` with ``--task translate`` fixed."""
+    import typing
+
+    hints = typing.get_type_hints(transcribe, include_extras=True)
+    sig = inspect.signature(transcribe)
+    sig = sig.replace(parameters=[p.replace(annotation=hints[p.name])
+                                  for p in sig.parameters.values()])  # fmt: skip
+
+    def translate(**kwargs: Any) -> None:
+        transcribe(task="translate", **kwargs)
+
+    translate.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[p for name, p in sig.parameters.items() if name != "task"]
+    )
+    translate.__annotations__ = {k: v for k, v in transcribe.__annotations__.items() if k != "task"}
+    translate.__doc__ = "Translate speech in audio files into English text."
+    return translate
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("transcribe")
-    def transcribe(
-        files: FilesArg,
-        ckpt_dir: CkptOpt = None,
-        language: LangOpt = None,
-        task: Annotated[str, typer.Option("--task", help="transcribe or translate.")] = "transcribe",
-        response_format: FormatOpt = Format.text,
-        timestamp_granularity: GrainOpt = None,
-        output: OutOpt = None,
-        beam_size: BeamOpt = 1,
-        temperature: TempOpt = 0.0,
-        prompt: PromptOpt = None,
-        device: DeviceOpt = "cpu",
-        threads: ThreadsOpt = None,
-        server: ServerOpt = None,
-        api_key: ApiKeyOpt = None,
-        long_form: LongFormOpt = None,
-        vad_gate: VadGateOpt = None,
-        option: ModelOptionOpt = None,
-        decode_processes: DecodeProcsOpt = None,
-    ) -> None:
-        """Transcribe audio files (in-process, or on a server with --server)."""
-        if task not in ("transcribe", "translate"):
-            raise typer.BadParameter("must be 'transcribe' or 'translate'", param_hint="--task")
-        _run(files, task=task, ckpt_dir=ckpt_dir, language=language,
-             response_format=response_format, granularities=timestamp_granularity,
-             output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
-             device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value if long_form else None, vad_gate=vad_gate,
-             model_options=option, decode_processes=decode_processes)
-
-    @app.command("translate")
-    def translate(
-        files: FilesArg,
-        ckpt_dir: CkptOpt = None,
-        language: LangOpt = None,
-        response_format: FormatOpt = Format.text,
-        timestamp_granularity: GrainOpt = None,
-        output: OutOpt = None,
-        beam_size: BeamOpt = 1,
-        temperature: TempOpt = 0.0,
-        prompt: PromptOpt = None,
-        device: DeviceOpt = "cpu",
-        threads: ThreadsOpt = None,
-        server: ServerOpt = None,
-        api_key: ApiKeyOpt = None,
-        long_form: LongFormOpt = None,
-        vad_gate: VadGateOpt = None,
-        option: ModelOptionOpt = None,
-        decode_processes: DecodeProcsOpt = None,
-    ) -> None:
-        """Translate speech in audio files into English text."""
-        _run(files, task="translate", ckpt_dir=ckpt_dir, language=language,
-             response_format=response_format, granularities=timestamp_granularity,
-             output=output, beam_size=beam_size, temperature=temperature, prompt=prompt,
-             device=device, threads=threads, server=server, api_key=api_key,
-             long_form=long_form.value if long_form else None, vad_gate=vad_gate,
-             model_options=option, decode_processes=decode_processes)
+    app.command("transcribe")(transcribe)
+    app.command("translate")(_translate_command())
 
     from oasr.cli.convert import convert  # the same function as the ``oasr-convert`` command
 

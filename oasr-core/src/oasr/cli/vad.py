@@ -1,4 +1,5 @@
-"""``oasr vad FILE...``: speech segments of audio files (rich table, or JSON with ``--json``).
+"""``oasr vad FILE...``: speech segments of audio files (rich table, or with ``--json`` a JSON
+list of one object per input, each with its ``file``, whatever the number of inputs).
 
 numpy, torch and the detector are imported only when the command runs.
 """
@@ -17,7 +18,7 @@ from rich.table import Table
 from oasr.errors import OASRError
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _segment_files(
@@ -80,10 +81,19 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     ) -> None:
         """Detect speech segments in audio files."""
-        for f in files:
-            if not f.is_file():
-                err_console.print(f"[red]error:[/red] no such file: {f}", highlight=False)
-                raise typer.Exit(2)
+        from rich.markup import escape
+
+        from oasr.cli.transcribe import check_device, check_input
+
+        problems = [p for p in (check_input(f) for f in files) if p]
+        try:
+            check_device(device)
+        except OASRError as exc:
+            problems.append(exc.message)
+        for problem in problems:
+            err_console.print(f"[red]error:[/red] {escape(problem)}", highlight=False)
+        if problems:
+            raise typer.Exit(2)
         options = {
             "threshold": threshold,
             "neg_threshold": neg_threshold,
@@ -100,8 +110,8 @@ def register(app: typer.Typer) -> None:
         except OASRError as exc:
             err_console.print(f"[red]error:[/red] {exc.message}", highlight=False)
             raise typer.Exit(1) from None
-        if as_json:
-            typer.echo(json.dumps(results if len(results) > 1 else results[0], indent=2))
+        if as_json:  # always a list, one object (with its "file") per input
+            typer.echo(json.dumps(results, indent=2))
             return
         for res in results:
             table = Table(title=f"{res['file']}  ({res['speech_s']:.2f} s speech of "

@@ -199,12 +199,9 @@ class ParaformerASR:
         conv, alphas = net.predictor(enc, flens)
         alphas = alphas.float()
         if pc.tail_threshold > 0:
-            hidden, alphas_t, token_num = add_tail(
-                enc,
-                alphas,
-                flens if (pc.tail_mask or pc.kind == "CifPredictorV3") else None,
-                pc.tail_threshold,
-            )
+            # the tail weight goes right after each row's last frame: what FunASR does for an
+            # input decoded alone (with or without its tail_mask), whatever the padding
+            hidden, alphas_t, token_num = add_tail(enc, alphas, flens, pc.tail_threshold)
         else:
             hidden, alphas_t, token_num = enc, alphas, alphas.sum(-1)
         if pc.kind == "CifPredictorV3":
@@ -252,11 +249,7 @@ class ParaformerASR:
                     )
                 else:
                     # FunASR passes the CIF fires as the weights and the alphas as the fires
-                    n = (
-                        flens_l[i] + (1 if pc.tail_threshold > 0 else 0)
-                        if pc.tail_mask
-                        else fires.shape[1]
-                    )
+                    n = flens_l[i] + (1 if pc.tail_threshold > 0 else 0)
                     n = min(n, fires.shape[1], alphas_t.shape[1])
                     ts = cif_timestamps(
                         fires[i, :n],

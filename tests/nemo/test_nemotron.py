@@ -182,3 +182,17 @@ def test_engine_streaming_api(hf_checkpoints, nemotron, waves) -> None:
         engine.shutdown()
     assert got == expected
     assert finals[rid].text == expected[0]
+
+
+def test_samples_needed_makes_a_chunk(nemotron, waves) -> None:
+    """Feeding exactly ``samples_needed`` samples always completes the next chunk (the mel of a
+    frame needs half a window past it), so a stream never waits a tick too long."""
+    _, model = nemotron
+    st = model.new_stream(DecodingOptions())
+    pos = 0
+    for _ in range(4):
+        n = st.samples_needed
+        before = st.emitted
+        model.stream_step([st], [waves[0][pos:pos + n]], [False])
+        pos += n
+        assert st.emitted == before + st.lookahead + 1

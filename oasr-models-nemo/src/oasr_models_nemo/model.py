@@ -143,6 +143,10 @@ class NemoASR:
         return self.net.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.net.dtype
+
+    @property
     def frame_shift(self) -> float:
         """Seconds per encoder frame (80 ms for x8 subsampling at a 10 ms hop)."""
         c = self.config
@@ -160,8 +164,14 @@ class NemoASR:
         return options
 
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        feats, flens = self.mel.extract([torch.from_numpy(w) for w in waves])
-        return feats, flens
+        """NeMo mel of a batch, computed on the model's device (one host-to-device copy)."""
+        n = max(len(w) for w in waves)
+        batch = np.zeros((len(waves), n), dtype=np.float32)
+        for i, w in enumerate(waves):
+            batch[i, : len(w)] = w
+        dev = self.net.device
+        lengths = torch.tensor([len(w) for w in waves], dtype=torch.long, device=dev)
+        return self.mel.extract(torch.from_numpy(batch).to(dev), lengths)
 
     def local_window(self, frames: int, options: ResolvedOptions | NemoOptions) -> int:
         w = options.local_attention_window
@@ -199,7 +209,9 @@ class NemoASR:
         lengths = [int(n) for n in lens.tolist()]
         with torch.no_grad():
             if c.head == "ctc":
-                logp = torch.log_softmax(self.net.ctc_head(enc).float(), dim=-1).cpu()
+                # stays on the model's device: the searches read only each frame's best
+                # (greedy) or top-k (prefix beam) back
+                logp = torch.log_softmax(self.net.ctc_head(enc).float(), dim=-1)
                 out = []
                 for b, n in enumerate(lengths):
                     if options.beam_size > 1:

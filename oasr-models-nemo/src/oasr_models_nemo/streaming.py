@@ -39,6 +39,8 @@ class NemotronStreamState:
     mel: Any  # oasr.features.nemo.NemoMelStream
     search: Any
     hop: int
+    #: samples a mel frame needs past its own hop (the centred window's right half)
+    window_extra: int
     subsampling: int
     feats: torch.Tensor  # (n, F) mel frames not yet consumed
     frames_consumed: int = 0  # mel frames consumed by chunks
@@ -70,7 +72,7 @@ class NemotronStreamState:
         if self.finished:
             return 0
         frames = self.frames_consumed + self.chunk_frames
-        return max(1, frames * self.hop - self.samples_received)
+        return max(1, frames * self.hop + self.window_extra - self.samples_received)
 
 
 def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamState:
@@ -89,6 +91,7 @@ def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamSt
     n_strided = model.net.encoder.subsampling.num_strided
     return NemotronStreamState(
         options=options, lookahead=r, mel=model.mel.stream(), search=search, hop=c.hop_length,
+        window_extra=max(0, c.n_fft - c.n_fft // 2 - c.hop_length),
         subsampling=c.subsampling_factor, feats=torch.zeros(0, c.num_mel_bins),
         layer_out=[0] * n_strided)
 

@@ -1,0 +1,320 @@
+"""NeMo FastConformer benchmark: OASR beside ``transformers``' own Parakeet classes.
+
+    python -m benchmarks.nemobench --device cuda                      # H200: < 3 minutes
+    python -m benchmarks.nemobench --device cpu --shape tiny --batch 4 --seconds 5 --streams 2,4
+
+Offline: Parakeet-0.6B shapes (``--shape 0.6b``: FastConformer 24 x 1024, 8 heads, FFN 4096,
+x8 dw-striding subsampling with 256 channels, 128 mel bins, 1024 tokens + blank; TDT: LSTM
+prediction network 2 x 640, durations 0..4), random weights, written with ``save_pretrained`` and
+loaded by OASR as released. ``--batch`` inputs of ``--seconds`` seconds: OASR's
+``model.transcribe`` (mel on the device, encoder, search; fp16 on CUDA) against transformers'
+``generate`` on the same weights in the same dtype, given its features already on the device (its
+feature extraction is not counted). CTC and TDT; RTFx = audio seconds / wall seconds (best of
+``--repeats`` after a warm-up) and the speedup. Both decode the same greedy tokens (reported:
+``same_tokens`` on the first ``--check`` inputs).
+
+Streaming: the Nemotron streaming model at the same size (causal subsampling, LayerNorm
+convolution module, left context 70 frames), ``--lookahead`` 6 (560 ms chunks); N streams fed one
+chunk of audio per tick through a streaming ``ASREngine``; p50 / p99 latency of the step that
+serves them all, for each N of ``--streams``; real time when p99 <= 100 ms.
+
+Prints one JSON object (also written to ``--json``), with the transformers version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {
+    "0.6b": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 8,
+             "intermediate_size": 4096, "subsampling_conv_channels": 256, "num_mel_bins": 128,
+             "vocab": 1024, "decoder_hidden_size": 640},
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "subsampling_conv_channels": 16, "num_mel_bins": 80,
+             "vocab": 256, "decoder_hidden_size": 32},
+}  # fmt: skip
+SR = 16000
+
+
+def _waves(n: int, seconds: float, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    length = int(seconds * SR)
+    t = np.arange(length) / SR
+    out = []
+    for k in range(n):
+        x = 0.05 * rng.standard_normal(length) + 0.2 * np.sin(2 * math.pi * (150 + 7 * k) * t) * (np.sin(3 * t + k) > 0)
+        out.append(x.astype(np.float32))
+    return out
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _best(fn, repeats: int, device: str) -> tuple[float, object]:
+    out = fn()  # warm-up
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _encoder_config(shape: dict, **extra) -> dict:
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "subsampling_conv_channels", "num_mel_bins")
+    return {**{k: shape[k] for k in keys}, "dropout": 0.0, "layerdrop": 0.0,
+            "activation_dropout": 0.0, "attention_dropout": 0.0, **extra}
+
+
+def _calibrate(model, fe, blank: int, device: str, kind: str) -> None:
+    """Random encoders say nearly the same thing at every frame: centre the output layer's
+    logits on a calibration input, scale them to a spread of 4 and set the blank bias so that
+    about a fifth of the frames emit a token (a realistic rate for speech), the same weights for
+    both engines."""
+    import torch
+
+    wave = _waves(1, 4.0, seed=99)[0]
+    feats = fe([wave], sampling_rate=SR, return_tensors="pt").input_features.to(device, model.dtype)
+    if kind == "ctc":
+        hidden = model.encoder(input_features=feats).last_hidden_state[0].float()
+        head = model.ctc_head
+        weight = head.weight.float()[..., 0]
+    else:
+        enc = model.get_audio_features(input_features=feats).pooler_output[0].float()
+        dec = model.decoder(torch.tensor([[blank]], device=device))[0].float()
+        hidden = model.joint.activation(enc + dec)
+        head = model.joint.head
+        weight = head.weight.float()
+    vocab = blank + 1
+    logits = hidden @ weight[:vocab].T
+    bias = -logits.mean(0)
+    scale = 4.0 / float((logits + bias).std())
+    bias = bias * scale
+    logits = (logits + bias / scale) * scale
+    best_token = logits[:, :blank].max(-1).values
+    bias[blank] += float(torch.quantile(best_token - logits[:, blank], 0.8))
+    full = torch.zeros(head.bias.shape[0], device=device)
+    full[:vocab] = bias
+    full[vocab:] = -50.0  # TDT durations: below every token (see tests/nemo) ...
+    if head.bias.shape[0] > vocab:
+        full[vocab] = -56.0  # ... and duration 0 rare, as in trained models
+    head.weight.mul_(scale)
+    if head.bias.shape[0] > vocab:  # keep the duration rows' spread as it was
+        head.weight[vocab:].div_(scale)
+    head.bias.copy_(full.to(head.bias.dtype))
+
+
+def _build(kind: str, shape: dict, path: Path, device: str, dtype):
+    import torch
+    import transformers
+
+    vocab = shape["vocab"]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "ctc":
+            cfg = transformers.ParakeetCTCConfig(vocab_size=vocab + 1, pad_token_id=vocab,
+                                                 encoder_config=_encoder_config(shape))
+            model = transformers.ParakeetForCTC(cfg)
+            fe = transformers.ParakeetFeatureExtractor(feature_size=shape["num_mel_bins"])
+        elif kind == "tdt":
+            cfg = transformers.ParakeetTDTConfig(
+                vocab_size=vocab + 1, blank_token_id=vocab, pad_token_id=vocab,
+                decoder_start_token_id=vocab, decoder_hidden_size=shape["decoder_hidden_size"],
+                durations=[0, 1, 2, 3, 4], encoder_config=_encoder_config(shape))
+            model = transformers.ParakeetForTDT(cfg)
+            fe = transformers.ParakeetFeatureExtractor(feature_size=shape["num_mel_bins"])
+        else:
+            cfg = transformers.NemotronAsrStreamingConfig(
+                vocab_size=vocab + 1, blank_token_id=vocab, pad_token_id=vocab,
+                decoder_start_token_id=vocab, decoder_hidden_size=shape["decoder_hidden_size"],
+                encoder_config=_encoder_config(shape, sliding_window=71,
+                                               default_num_lookahead_tokens=13))
+            model = transformers.NemotronAsrStreamingForRNNT(cfg)
+            fe = transformers.NemotronAsrStreamingFeatureExtractor(feature_size=shape["num_mel_bins"])
+        model = model.to(device=device, dtype=dtype).eval()
+        with torch.no_grad():
+            _calibrate(model, fe, vocab, device, kind)
+        model.save_pretrained(path)
+        fe.save_pretrained(path)
+    pieces = ["<unk>"] + [f"\u2581t{i}" for i in range(vocab - 1)]
+    (path / "vocab.txt").write_text("".join(p + "\n" for p in pieces))
+    return model, fe
+
+
+def _hf_tokens(kind: str, out, lengths: list[int], blank: int) -> list[list[int]]:
+    rows = []
+    if kind == "ctc":
+        for b, row in enumerate(out.tolist()):
+            row = row[: lengths[b]]
+            collapsed = [t for i, t in enumerate(row) if i == 0 or t != row[i - 1]]
+            rows.append([t for t in collapsed if t != blank])
+        return rows
+    for b in range(out.sequences.shape[0]):
+        frame, toks = 0, []
+        for tok, dur in zip(out.sequences[b, 1:].tolist(), out.durations[b, 1:].tolist(), strict=True):
+            if frame >= lengths[b]:
+                break
+            if tok != blank:
+                toks.append(tok)
+            frame += dur
+        rows.append(toks)
+    return rows
+
+
+def offline(args, kind: str, shape: dict) -> dict:
+    import torch
+
+    from oasr.checkpoint import load_model
+    from oasr.types import DecodingOptions, EngineConfig
+
+    dtype = torch.float16 if args.device.startswith("cuda") and args.dtype == "auto" else (
+        torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, fe = _build(kind, shape, Path(tmp), args.device, dtype)
+        model = load_model(EngineConfig(ckpt_dir=tmp, device=args.device,
+                                        dtype=str(dtype).replace("torch.", "")))
+    params = sum(p.numel() for p in ref.parameters())
+    waves = _waves(args.batch, args.seconds)
+    audio = args.batch * args.seconds
+    blank = shape["vocab"]
+    # max_symbols_per_frame: transformers' TDT loop has none
+    opts = DecodingOptions(model_options={"max_symbols_per_frame": 10_000} if kind == "tdt" else {})
+    ours_s, ours = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
+    t0 = time.perf_counter()
+    inp = fe(waves, sampling_rate=SR, return_tensors="pt")
+    fe_s = time.perf_counter() - t0
+    feats = inp.input_features.to(args.device, dtype)
+    mask = inp.attention_mask.to(args.device)
+    with torch.no_grad():
+        lengths = ref._get_output_attention_mask(mask).sum(-1).tolist() if kind == "ctc" else \
+            ref.get_audio_features(input_features=feats[:1], attention_mask=mask[:1],
+                                   output_attention_mask=True).attention_mask.sum(-1).tolist() * args.batch
+        max_new = 12 * int(max(lengths))
+
+        def reference():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if kind == "ctc":
+                    return ref.generate(input_features=feats, attention_mask=mask)
+                return ref.generate(input_features=feats, attention_mask=mask, max_new_tokens=max_new)
+
+        ref_s, ref_out = _best(reference, max(1, args.repeats - 1), args.device)
+    ref_tokens = _hf_tokens(kind, ref_out, lengths, blank)
+    ours_tokens = [t.segments[0].tokens if t.segments else [] for t in ours]
+    check = min(args.check, args.batch)
+    return {
+        "kind": kind, "parameters": params, "batch": args.batch, "seconds": args.seconds,
+        "dtype": str(dtype).replace("torch.", ""),
+        "oasr_s": round(ours_s, 4), "transformers_s": round(ref_s, 4),
+        "oasr_rtfx": round(audio / ours_s, 1), "transformers_rtfx": round(audio / ref_s, 1),
+        "speedup": round(ref_s / ours_s, 2),
+        # transformers' feature extraction (CPU, numpy) is not in transformers_s
+        "transformers_features_s": round(fe_s, 4),
+        "tokens_per_input": round(sum(len(t) for t in ours_tokens) / len(ours_tokens), 1),
+        "same_tokens": ours_tokens[:check] == ref_tokens[:check],
+    }  # fmt: skip
+
+
+def streaming(args, shape: dict) -> dict:
+    import torch
+
+    from oasr.engine import ASREngine
+    from oasr.types import DecodingOptions, EngineConfig
+
+    dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
+    r = args.lookahead
+    chunk = 8 * (r + 1) * 160  # samples of one chunk: (r + 1) encoder frames of 80 ms
+    out = {"lookahead": r, "chunk_ms": chunk * 1000 // SR, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, _ = _build("nemotron", shape, Path(tmp), args.device, dtype)
+        del ref
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        for n in args.streams:
+            engine = ASREngine(EngineConfig(ckpt_dir=tmp, device=args.device,
+                                            dtype=str(dtype).replace("torch.", ""),
+                                            service_mode="streaming", max_batch_size=max(n, 1)))
+            waves = _waves(n, args.stream_seconds, seed=n)
+            opts = DecodingOptions(model_options={"lookahead": r})
+            rids = [engine.add_streaming_request(opts) for _ in range(n)]
+            lat = []
+            ticks = int(args.stream_seconds * SR) // chunk
+            for k in range(ticks):
+                for rid, w in zip(rids, waves, strict=True):
+                    engine.feed_chunk(rid, w[k * chunk:(k + 1) * chunk], is_last=k == ticks - 1)
+                t0 = time.perf_counter()
+                engine.step()
+                _sync(args.device)
+                if k >= 2:  # warm-up steps excluded
+                    lat.append(time.perf_counter() - t0)
+            engine.shutdown()
+            lat_ms = np.array(lat or [0.0]) * 1000
+            p99 = float(np.percentile(lat_ms, 99))
+            out["runs"].append({"streams": n, "steps": len(lat),
+                                "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
+                                "p99_ms": round(p99, 2), "real_time": bool(p99 <= 100.0)})
+    held = [x["streams"] for x in out["runs"] if x["real_time"]]
+    out["max_streams_p99_le_100ms"] = max(held) if held else 0
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--check", type=int, default=16, help="inputs whose tokens are compared")
+    p.add_argument("--kinds", default="ctc,tdt")
+    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[16, 64, 128, 256])
+    p.add_argument("--stream-seconds", type=float, default=6.72)
+    p.add_argument("--lookahead", type=int, default=6)
+    p.add_argument("--skip-streaming", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    import torch
+    import transformers
+
+    torch.set_grad_enabled(False)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    shape = SHAPES[args.shape]
+    result = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "shape": args.shape, "offline": [],
+    }
+    for kind in args.kinds.split(","):
+        result["offline"].append(offline(args, kind, shape))
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if not args.skip_streaming:
+        result["streaming"] = streaming(args, shape)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -41,6 +41,20 @@ def _one_torch_thread():
     torch.set_num_threads(old)
 
 
+REFERENCE_CLASSES = ("ParakeetForCTC", "ParakeetForRNNT", "ParakeetForTDT",
+                     "NemotronAsrStreamingForRNNT")
+
+
+def reference_missing() -> str | None:
+    """Why transformers' reference classes are unavailable, or None."""
+    try:
+        import transformers
+    except ImportError:
+        return "transformers is not installed"
+    missing = [n for n in REFERENCE_CLASSES if not hasattr(transformers, n)]
+    return f"transformers {transformers.__version__} lacks {', '.join(missing)}" if missing else None
+
+
 @dataclass
 class HFCheckpoint:
     kind: str  # ctc | rnnt | tdt | nemotron
@@ -146,11 +160,7 @@ def build_hf(kind: str, path: Path, seed: int = 0) -> HFCheckpoint:
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, HFCheckpoint]:
-    transformers = pytest.importorskip("transformers")
-    missing = [n for n in ("ParakeetForTDT", "ParakeetForRNNT", "NemotronAsrStreamingForRNNT")
-               if not hasattr(transformers, n)]
-    if missing:  # CI pins a transformers that has them; an older one on a GPU machine skips
-        pytest.skip(f"transformers {transformers.__version__} lacks {', '.join(missing)}")
+    # the reference is required (CI pins transformers 5.24); test_gpu.py skips without it
     root = tmp_path_factory.mktemp("nemo_hf")
     return {k: build_hf(k, root / k, seed=i) for i, k in
             enumerate(("ctc", "rnnt", "tdt", "nemotron"))}

@@ -11,10 +11,12 @@ import torch
 
 from oasr.types import DecodingOptions, EngineConfig
 
-from .conftest import BLANK, SR  # noqa: TID252
+from .conftest import BLANK, SR, reference_missing  # noqa: TID252
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(reference_missing() is not None,
+                                 reason=f"reference: {reference_missing()}")]
 
 
 @pytest.fixture(autouse=True)

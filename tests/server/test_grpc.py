@@ -177,3 +177,28 @@ def test_grpc_errors_auth_unsupported_overload_not_ready(kit, app_factory) -> No
     )
     assert full[2]["retry-after"] == "1"  # as HTTP's Retry-After
     assert [a.text for a in answers] == ["hello world 0.50"] * 2
+
+
+def test_error_metadata_stays_valid_for_any_option_name(kit, app_factory) -> None:
+    """An option name with control characters or emoji comes back in ``oasr-error-param``
+    percent-encoded: raw, grpc would refuse the whole reply as INTERNAL "Invalid metadata"."""
+    app, _ = app_factory(grpc_bind="127.0.0.1:0")
+
+    async def go():
+        async with kit.serving(app):
+            async with _channel(app) as channel:
+                speech = speech_pb2_grpc.SpeechStub(channel)
+                return await _code(
+                    speech.Recognize(
+                        speech_pb2.RecognizeRequest(
+                            config=speech_pb2.RecognitionConfig(
+                                model_options={"\x00\x01\U0001f600": "1"}
+                            ),
+                            audio=kit.wav_bytes(1.0),
+                        )
+                    )
+                )
+
+    code, _, meta = kit.run(go())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert meta["oasr-error-param"] == "%00%01%F0%9F%98%80"

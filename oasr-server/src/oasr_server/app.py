@@ -415,13 +415,20 @@ async def read_body(request: Request, limit: int) -> bytes:
                 "(--max-upload-bytes)",
                 param="file",
             )
+    from starlette.requests import ClientDisconnect
+
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise UploadTooLargeError(
-                f"the request body is larger than {limit} bytes (--max-upload-bytes)", param="file"
-            )
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise UploadTooLargeError(
+                    f"the request body is larger than {limit} bytes (--max-upload-bytes)",
+                    param="file",
+                )
+    except ClientDisconnect:
+        # a client that hangs up mid-upload is not a server error (no traceback, no 500)
+        raise ClientDisconnectedError("the client closed the connection mid-upload") from None
     return bytes(buf)
 
 

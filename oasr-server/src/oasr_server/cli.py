@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -214,7 +214,7 @@ def serve_command(
             timeout_graceful_shutdown=max(5, int(request_timeout)),
         )
     )
-    server.run()
+    _run_until_stopped(server)
     if failed:
         exc = failed[0]
         if getattr(exc, "param", None) == "service_mode":
@@ -227,6 +227,20 @@ def serve_command(
         message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
         typer.echo(f"error: the model failed to load: {message}", err=True)
         raise typer.Exit(1)
+
+
+def _run_until_stopped(server: Any) -> None:
+    """Serve until SIGTERM / SIGINT. uvicorn drains in-flight requests, then re-raises the signal
+    it caught; SIGTERM is how orchestrators ask a server to stop, so after a graceful drain it
+    ends with status 0 (not 143). While uvicorn runs, its own handlers apply (a second Ctrl-C
+    forces an exit)."""
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

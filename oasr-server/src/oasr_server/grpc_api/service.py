@@ -48,6 +48,14 @@ _ENCODINGS = {
 }
 
 
+def _metadata_text(value: str) -> str:
+    """A client-chosen name as a gRPC metadata value: printable ASCII only (grpc refuses the
+    whole reply with INTERNAL otherwise), the rest percent-encoded, and bounded."""
+    from urllib.parse import quote
+
+    return quote(value[:128], safe=" !#$&'()*+,/:;=?@[]~{}|^`<>\"")
+
+
 class SpeechServicer(speech_pb2_grpc.SpeechServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -72,7 +80,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
         queue also says when to retry (``retry-after``, seconds, as HTTP's header)."""
         trailing = [("oasr-error-code", exc.code)]
         if exc.param:
-            trailing.append(("oasr-error-param", exc.param))
+            trailing.append(("oasr-error-param", _metadata_text(exc.param)))
         if isinstance(exc, EngineOverloadedError):
             trailing.append(("retry-after", str(self.state.config.retry_after_s)))
         return tuple(trailing)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,15 +171,18 @@ class ASREngine:
         return self.submit_many([audio], options, [request_id])[0]
 
     def submit_many(self, audios: Sequence[AudioInput], options: DecodingOptions | None = None,
-                    request_ids: Sequence[str | None] | None = None) -> list[Future]:  # fmt: skip
+                    request_ids: Sequence[str | None] | None = None,
+                    on_partial: Callable[[int, str], None] | None = None) -> list[Future]:  # fmt: skip
         """:meth:`submit` for several inputs at once: they reach the scheduler together, so they
         can share a batch (the server's chunked uploads). The options are checked and every input
-        decoded before anything is queued: an error here queues nothing."""
+        decoded before anything is queued: an error here queues nothing. ``on_partial(k, text)``
+        receives each new piece of input ``k``'s text as it is decoded, in the scheduler's thread
+        (token-streaming families; see :meth:`transcribe_partials`)."""
         sched = self.scheduler
         # refused before any work; the requests carry the family options resolved
         options = (options or DecodingOptions()).validate_for(self.model)
         waves = [self.load_audio(a) for a in audios]
-        futures = sched.submit_many(waves, options, request_ids)
+        futures = sched.submit_many(waves, options, request_ids, on_partial=on_partial)
         sched.start()
         return futures
 
@@ -190,15 +193,11 @@ class ASREngine:
         of it so far), then one ``is_final`` update with the :class:`Transcript`. Families that
         cannot stream tokens (every family but the speech-LLM today) give the final update only.
         Stopping the iteration early aborts the request."""
-        sched = self.scheduler
-        options = (options or DecodingOptions()).validate_for(self.model)
-        wave = self.load_audio(audio)
         updates: queue.Queue[str | None] = queue.Queue()
-        (future,) = sched.submit_many([wave], options, [request_id],
-                                      on_partial=lambda _k, text: updates.put(text))  # fmt: skip
+        (future,) = self.submit_many([audio], options, [request_id],
+                                     on_partial=lambda _k, text: updates.put(text))  # fmt: skip
         future.add_done_callback(lambda _f: updates.put(None))
         rid = getattr(future, "rid", request_id or "")
-        sched.start()
         text = ""
         try:
             while (delta := updates.get()) is not None:

@@ -196,3 +196,11 @@ def test_samples_needed_makes_a_chunk(nemotron, waves) -> None:
         model.stream_step([st], [waves[0][pos:pos + n]], [False])
         pos += n
         assert st.emitted == before + st.lookahead + 1
+
+
+def test_beam_stream_equals_offline_beam(nemotron, waves) -> None:
+    _, model = nemotron
+    opts = DecodingOptions(beam_size=3)
+    offline = model.transcribe(waves[:1], opts)[0]
+    _, final, _ = _stream(model, waves[0], options=opts)
+    assert final.text == offline.text and final.text

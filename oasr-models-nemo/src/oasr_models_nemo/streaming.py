@@ -5,8 +5,9 @@ A stream with lookahead ``r`` consumes mel frames in chunks of ``1 + 8 r`` (the 
 ``8 (r + 1)`` (then), each giving ``r + 1`` encoder frames. Per stream: the streaming mel (no
 normalisation), unconsumed mel frames, per strided subsampling layer its last ``k - s`` input
 frames, per Conformer layer the last ``left`` keys / values and the causal convolution's last
-``k - 1`` inputs, and an incremental transducer search. One :meth:`step` encodes the ready chunk of
-every stream in one batch: first chunks and later ones go through the subsampling in two groups
+``k - 1`` inputs, and its transducer search (greedy: its hypothesis and prediction-network state,
+resumed into one batched core search per step for all streams; beam: its own search). One step
+encodes the ready chunk of every stream in one batch: first chunks and later ones go through the subsampling in two groups
 (their padding differs), then all rows share the Conformer layers, caches right-aligned to a
 common length with the missing keys masked. At the end the last chunk is zero-padded and the
 frames past the utterance are masked as offline, so a stream's result equals offline decoding.
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from oasr.audio import as_mono_waveform
+from oasr.decoders.hypothesis import Hypothesis
 from oasr.decoders.transducer import TransducerGreedySearch, TransducerModifiedBeamSearch
 from oasr.errors import InvalidRequestError
 from oasr.model import StreamingUpdate
@@ -37,6 +39,8 @@ class NemotronStreamState:
     options: ResolvedOptions
     lookahead: int
     mel: Any  # oasr.features.nemo.NemoMelStream
+    #: beam search: the stream's own incremental search; greedy: None (the stream's hypothesis
+    #: and prediction-network state below are resumed into one search per step for all streams)
     search: Any
     hop: int
     #: samples a mel frame needs past its own hop (the centred window's right half)
@@ -56,6 +60,9 @@ class NemotronStreamState:
     encoder_output: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
     text: str = ""
+    hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
+    decoder_state: Any = None  # (h, c), each (layers, 1, hidden)
+    decoder_out: Any = None  # (1, hidden)
 
     @property
     def first(self) -> bool:
@@ -86,14 +93,19 @@ def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamSt
         search = TransducerModifiedBeamSearch(model.transducer, options.beam_size, 1,
                                               blank_id=c.blank_id)
     else:
-        search = TransducerGreedySearch(model.transducer, 1, blank_id=c.blank_id,
-                                        max_symbols_per_frame=options.max_symbols_per_frame)
+        search = None
     n_strided = model.net.encoder.subsampling.num_strided
-    return NemotronStreamState(
+    state = NemotronStreamState(
         options=options, lookahead=r, mel=model.mel.stream(), search=search, hop=c.hop_length,
         window_extra=max(0, c.n_fft - c.n_fft // 2 - c.hop_length),
         subsampling=c.subsampling_factor, feats=torch.zeros(0, c.num_mel_bins),
         layer_out=[0] * n_strided)
+    if search is None:  # the prediction network after its start symbol (blank), as NeMo starts
+        net = model.transducer
+        with torch.no_grad():
+            blank = torch.full((1,), c.blank_id, dtype=torch.long, device=model.device)
+            state.decoder_out, state.decoder_state = net.predict(blank, net.initial_state(1, model.device))
+    return state
 
 
 def _offline_lengths(model: NemotronASR, mel_frames: int) -> list[int]:
@@ -247,10 +259,29 @@ def _encode(model: NemotronASR, states: list[NemotronStreamState],
         st.v = [lc.v[i, :, end - keep:end] for lc in new]
         # the depthwise convolution's input: cache (k - 1) then the chunk's frames
         st.conv = [lc.conv[i, :, n: n + kpad] for lc in new]
-        st.emitted += n
         if model.keep_encoder_output:
             st.encoder_output.append(out[i, :n].detach().cpu())
-        st.search.step(proj[i: i + 1, :n], [n])
+        if st.search is not None:
+            st.search.step(proj[i: i + 1, :n], [n])
+    # greedy streams: one search over all of them, resumed from each stream's state
+    greedy: dict[int, list[int]] = {}
+    for i, st in enumerate(states):
+        if st.search is None:
+            greedy.setdefault(st.options.max_symbols_per_frame, []).append(i)
+    for max_symbols, rows in greedy.items():
+        group = [states[i] for i in rows]
+        search = TransducerGreedySearch.resume(
+            model.transducer, [st.hyp for st in group], [st.emitted for st in group],
+            tuple(torch.cat([st.decoder_state[j] for st in group], dim=1) for j in (0, 1)),
+            torch.cat([st.decoder_out for st in group]), blank_id=c.blank_id,
+            max_symbols_per_frame=max_symbols)
+        search.step(proj[rows] if len(rows) < len(states) else proj, [int(valid[i]) for i in rows])
+        for k, (st, hyp) in enumerate(zip(group, search.results(), strict=True)):
+            st.hyp = hyp
+            st.decoder_state = tuple(x[:, k:k + 1] for x in search.state)
+            st.decoder_out = search.decoder_out[k:k + 1]
+    for i, st in enumerate(states):
+        st.emitted += int(valid[i])
 
 
 def _chunk_out(sub: Any, s: int, first: bool, right: int) -> int:
@@ -262,8 +293,7 @@ def _chunk_out(sub: Any, s: int, first: bool, right: int) -> int:
 
 
 def _best(st: NemotronStreamState) -> Any:
-    s = st.search
-    return s.best()[0] if isinstance(s, TransducerModifiedBeamSearch) else s.results()[0]
+    return st.hyp if st.search is None else st.search.best()[0]
 
 
 def _finish(model: NemotronASR, st: NemotronStreamState) -> StreamingUpdate:

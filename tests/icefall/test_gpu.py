@@ -80,3 +80,18 @@ def test_cuda_streaming_equals_cpu(causal_release, helpers) -> None:
         return _tokens(finals)
 
     assert run(gpu) == run(cpu)
+
+
+def test_cuda_graph_greedy_equals_eager(offline_release, helpers) -> None:
+    """The greedy search's CUDA-graph frames (icefall's default on CUDA) give the eager frames'
+    hypotheses (fp32 and fp16)."""
+    for dtype in ("float32", "float16"):
+        model = load_model(EngineConfig(ckpt_dir=str(offline_release[1]), device="cuda", dtype=dtype))
+        ws = helpers.waves(3)
+        model.cuda_graphs = True
+        graphed = model.transcribe(ws, DecodingOptions(word_timestamps=True))
+        model.cuda_graphs = False
+        eager = model.transcribe(ws, DecodingOptions(word_timestamps=True))
+        assert _tokens(graphed) == _tokens(eager)
+        assert [[w.start for w in t.segments[0].words] for t in graphed] == \
+            [[w.start for w in t.segments[0].words] for t in eager]

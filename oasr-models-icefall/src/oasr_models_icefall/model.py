@@ -186,6 +186,9 @@ class _IcefallASR:
         self.decoder_network = IcefallDecoderNetwork(net) if cfg.use_transducer else None
         self.default_options = IcefallOptions(chunk_size=16 if cfg.causal else -1)
         self.frame_shift = 0.04  # 25 Hz encoder output
+        #: greedy search replays one frame as a CUDA graph on CUDA (the stateless decoder and
+        #: joiner are capturable); False runs the frames eagerly
+        self.cuda_graphs = True
         self.max_token_duration = 1.0
 
     # -- native format (oasr convert) -----------------------------------------------------
@@ -293,7 +296,8 @@ class _IcefallASR:
         if method == "greedy_search":
             return TransducerGreedySearch(self.decoder_network, batch, blank_id=self.blank_id,
                                           max_symbols_per_frame=o.max_sym_per_frame,
-                                          blank_penalty=o.blank_penalty)  # fmt: skip
+                                          blank_penalty=o.blank_penalty,
+                                          cuda_graph=self.cuda_graphs)  # fmt: skip
         if method == "modified_beam_search":
             return TransducerModifiedBeamSearch(self.decoder_network, self._beam(o), batch,
                                                 blank_id=self.blank_id, blank_penalty=o.blank_penalty,

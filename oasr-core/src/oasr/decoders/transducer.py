@@ -167,6 +167,90 @@ def _copy(h: Hypothesis) -> Hypothesis:
 # -- greedy (RNN-T) ---------------------------------------------------------------------------------
 
 
+#: the shortest chunk worth capturing a CUDA graph for (a capture costs a few frames' time)
+GRAPH_MIN_FRAMES = 32
+
+
+def _tree_clone(state: Any) -> Any:
+    if isinstance(state, (tuple, list)):
+        return type(state)(_tree_clone(x) for x in state)
+    return state.clone()
+
+
+def _tree_copy_(dst: Any, src: Any) -> None:
+    if isinstance(dst, (tuple, list)):
+        for d, x in zip(dst, src, strict=True):
+            _tree_copy_(d, x)
+    else:
+        dst.copy_(src)
+
+
+class _DeviceGreedy:
+    """One on-device greedy pass (one symbol per frame) over a chunk. Every per-frame tensor
+    lives in a fixed buffer and the frame index is a device scalar, so a frame is a fixed
+    sequence of kernels that can be captured once as a CUDA graph and replayed per frame."""
+
+    def __init__(self, search: TransducerGreedySearch, enc: Any, lens: list[int]) -> None:
+        import torch
+
+        dev = enc.device
+        b, t_max = enc.shape[0], max(lens)
+        self.search, self.network = search, search.network
+        self.enc = enc[:, :t_max].contiguous()
+        self.lens = torch.as_tensor(lens, device=dev)
+        self.blanks = torch.full((b,), search.blank_id, dtype=torch.long, device=dev)
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tokens = torch.full((b, t_max), -1, dtype=torch.long, device=dev)
+        self.logps = torch.zeros(b, t_max, dtype=torch.float32, device=dev)
+        self.state = _tree_clone(search._state)
+        self.decoder_out = search._decoder_out.clone()
+
+    def frame(self) -> None:
+        import torch
+
+        s = self.search
+        enc_t = self.enc.index_select(1, self.t).squeeze(1)
+        logits = self.network.join(enc_t, self.decoder_out).float()
+        if s.blank_penalty:
+            logits[:, s.blank_id] -= s.blank_penalty
+        best = logits.argmax(dim=-1)
+        self.logps.index_copy_(1, self.t, logits.log_softmax(dim=-1).gather(1, best.unsqueeze(1)))
+        emit = self.t < self.lens
+        for skip in sorted(s.skip_ids):
+            emit = emit & (best != skip)
+        self.tokens.index_copy_(1, self.t, torch.where(emit, best, -1).unsqueeze(1))
+        out, new_state = self.network.predict(torch.where(emit, best, self.blanks), self.state)
+        _tree_copy_(self.state, self.network.merge_state(self.state, new_state, emit))
+        self.decoder_out.copy_(torch.where(emit.unsqueeze(1), out.to(self.decoder_out.dtype),
+                                           self.decoder_out))
+        self.t += 1
+
+    def eager(self, t_max: int) -> None:
+        for _ in range(t_max):
+            self.frame()
+
+    def replay_graph(self, t_max: int) -> None:
+        import torch
+
+        state0, out0 = _tree_clone(self.state), self.decoder_out.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: libraries set up outside the capture
+            self.frame()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.frame()
+        # the warm-up advanced the buffers (the capture did not run): start again
+        _tree_copy_(self.state, state0)
+        self.decoder_out.copy_(out0)
+        self.t.zero_()
+        self.tokens.fill_(-1)
+        self.logps.zero_()
+        for _ in range(t_max):
+            graph.replay()
+
+
 class TransducerGreedySearch:
     """Greedy transducer search over ``batch_size`` streams, fed any number of frames at a time.
 
@@ -180,12 +264,18 @@ class TransducerGreedySearch:
 
     def __init__(self, network: TransducerNetwork, batch_size: int = 1, *, blank_id: int = 0,
                  max_symbols_per_frame: int = 1, unk_id: int | None = None,
-                 blank_penalty: float = 0.0, sync_free: bool | None = None) -> None:
+                 blank_penalty: float = 0.0, sync_free: bool | None = None,
+                 cuda_graph: bool = False) -> None:
         _check_positive(batch_size, "batch_size")
         _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
         #: one symbol per frame without a host read per frame (every row's prediction network
         #: runs each frame; rows that did not emit keep their state): None = on CUDA
         self.sync_free = sync_free
+        #: with ``sync_free`` on CUDA, replay one frame as a CUDA graph (captured per call of at
+        #: least ``GRAPH_MIN_FRAMES`` frames; a network whose ``join`` / ``predict`` cannot be
+        #: captured falls back to eager frames). For prediction networks known to be capturable
+        #: (icefall's stateless decoder)
+        self.cuda_graph = cuda_graph
         self.network = network
         self.batch_size = batch_size
         self.blank_id = blank_id
@@ -250,31 +340,23 @@ class TransducerGreedySearch:
         row is joined, the emitting rows' prediction network advances (``merge_state``), and the
         tokens and log-probabilities are read back once at the end. Same hypotheses as the
         frame-by-frame loop."""
-        import torch
-
-        dev = enc.device
-        b = self.batch_size
         t_max = max(lens)
-        lens_t = torch.as_tensor(lens, device=dev)
-        skip = torch.as_tensor(sorted(self.skip_ids), device=dev)
-        blanks = torch.full((b,), self.blank_id, dtype=torch.long, device=dev)
-        tokens = torch.empty(b, t_max, dtype=torch.long, device=dev)
-        logps = torch.empty(b, t_max, dtype=torch.float32, device=dev)
-        state, decoder_out = self._state, self._decoder_out
-        for t in range(t_max):
-            logits = self.network.join(enc[:, t], decoder_out).float()
-            if self.blank_penalty:
-                logits[:, self.blank_id] -= self.blank_penalty
-            best = logits.argmax(dim=-1)
-            logps[:, t] = logits.log_softmax(dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
-            emit = (t < lens_t) & ~torch.isin(best, skip)
-            tokens[:, t] = torch.where(emit, best, -1)
-            out, new_state = self.network.predict(torch.where(emit, best, blanks), state)
-            state = self.network.merge_state(state, new_state, emit)
-            decoder_out = torch.where(emit.unsqueeze(1), out.to(decoder_out.dtype), decoder_out)
-        self._state, self._decoder_out = state, decoder_out
-        tokens_l, logps_l = tokens.tolist(), logps.tolist()
-        for r in range(b):
+        run = _DeviceGreedy(self, enc, lens)
+        if self.cuda_graph and enc.device.type == "cuda" and t_max >= GRAPH_MIN_FRAMES:
+            try:
+                run.replay_graph(t_max)
+            except RuntimeError as exc:  # not capturable: eager frames, same results
+                import logging
+
+                logging.getLogger(__name__).warning("transducer greedy: CUDA graph capture "
+                                                    "failed (%s); running eagerly", exc)
+                run = _DeviceGreedy(self, enc, lens)
+                run.eager(t_max)
+        else:
+            run.eager(t_max)
+        self._state, self._decoder_out = run.state, run.decoder_out
+        tokens_l, logps_l = run.tokens.tolist(), run.logps.tolist()
+        for r in range(self.batch_size):
             hyp = self._hyps[r]
             for t in range(lens[r]):
                 lp = logps_l[r][t]
@@ -316,14 +398,15 @@ class TransducerGreedySearch:
 def transducer_greedy_search(network: TransducerNetwork, encoder_out: Any,
                              lengths: Sequence[int] | Any | None = None, *, blank_id: int = 0,
                              max_symbols_per_frame: int = 1, unk_id: int | None = None,
-                             blank_penalty: float = 0.0, sync_free: bool | None = None
-                             ) -> list[Hypothesis]:
+                             blank_penalty: float = 0.0, sync_free: bool | None = None,
+                             cuda_graph: bool = False) -> list[Hypothesis]:
     """Greedy search of each utterance of a (B, T, D) batch (or one (T, D) input -> a list of
     one). See :class:`TransducerGreedySearch`."""
     enc, lens = _batch(encoder_out, lengths)
     search = TransducerGreedySearch(network, enc.shape[0], blank_id=blank_id,
                                     max_symbols_per_frame=max_symbols_per_frame, unk_id=unk_id,
-                                    blank_penalty=blank_penalty, sync_free=sync_free)
+                                    blank_penalty=blank_penalty, sync_free=sync_free,
+                                    cuda_graph=cuda_graph)
     search.step(enc, lens)
     return search.results()
 

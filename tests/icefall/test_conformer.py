@@ -58,3 +58,14 @@ def test_tokens_equal_icefall(model, golden, helpers, beam, key) -> None:
     out = model.transcribe(helpers.waves(3), DecodingOptions(beam_size=beam, word_timestamps=True))
     assert [t.segments[0].tokens for t in out] == runs[key]
     assert all(t.segments[0].words for t in out)
+
+
+def test_native_round_trip(model, helpers, tmp_path) -> None:
+    from oasr.checkpoint import convert_checkpoint
+
+    assert convert_checkpoint(DATA, tmp_path / "native") == "transducer"
+    again = load_model(EngineConfig(ckpt_dir=str(tmp_path / "native")))
+    assert again.cfg == model.cfg and again.source_format == "oasr"
+    ws = helpers.waves(2)
+    assert [t.text for t in again.transcribe(ws, DecodingOptions())] == \
+        [t.text for t in model.transcribe(ws, DecodingOptions())]

@@ -74,12 +74,14 @@ class AudioEncoder(nn.Module):
 
 
 class _Attention(nn.Module):
+    """q/k/v in one :class:`Linear` (``qkv_proj``: the checkpoint's q, k and v rows
+    concatenated when loading; one GEMM per layer), ``o_proj``."""
+
     def __init__(self, dims: TextDims, **kw: Any) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = dims.heads, dims.kv_heads, dims.head_dim
-        self.q_proj = Linear(dims.hidden, dims.heads * dims.head_dim, bias=True, **kw)
-        self.k_proj = Linear(dims.hidden, dims.kv_heads * dims.head_dim, bias=True, **kw)
-        self.v_proj = Linear(dims.hidden, dims.kv_heads * dims.head_dim, bias=True, **kw)
+        self.split = (dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.kv_heads * dims.head_dim)
+        self.qkv_proj = Linear(dims.hidden, sum(self.split), bias=True, **kw)
         self.o_proj = Linear(dims.heads * dims.head_dim, dims.hidden, bias=False, **kw)
 
 
@@ -112,10 +114,11 @@ class Qwen2Decoder(nn.Module):
         for li, layer in enumerate(self.layers):
             att = layer.self_attn
             h = layer.input_layernorm(x)
-            q = att.q_proj(h).view(b, t, att.heads, att.head_dim).transpose(1, 2)
-            k = att.k_proj(h).view(b, t, att.kv_heads, att.head_dim).transpose(1, 2)
+            q, k, v = att.qkv_proj(h).split(att.split, dim=-1)
+            q = q.reshape(b, t, att.heads, att.head_dim).transpose(1, 2)
+            k = k.reshape(b, t, att.kv_heads, att.head_dim).transpose(1, 2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            out = attend(li, q, k.transpose(1, 2).reshape(b, t, -1), att.v_proj(h))
+            out = attend(li, q, k.transpose(1, 2).reshape(b, t, -1), v)
             x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
@@ -152,6 +155,22 @@ class Qwen2AudioNet(nn.Module):
         return self.lm_head(hidden)
 
 
+def fuse_weights(weights: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The checkpoint's per-projection decoder weights concatenated into the network's fused
+    ones (``qkv_proj`` from q/k/v, ``gate_up_proj`` from gate/up); other names unchanged."""
+    out = dict(weights)
+    for i in range(layers):
+        pre = f"decoder.layers.{i}."
+        fused = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                 ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))  # fmt: skip
+        for name, parts in fused:
+            for kind in ("weight", "bias"):
+                keys = [f"{pre}{p}.{kind}" for p in parts]
+                if all(k in out for k in keys):
+                    out[f"{pre}{name}.{kind}"] = torch.cat([out.pop(k) for k in keys])
+    return out
+
+
 def build_network(loaded: Any, device: torch.device | str, dtype: torch.dtype) -> Qwen2AudioNet:
     """The network of a :class:`~oasr_models_qwen.checkpoints.LoadedQwenAudio`, its weights
     loaded (every parameter must be in the checkpoint)."""
@@ -159,12 +178,14 @@ def build_network(loaded: Any, device: torch.device | str, dtype: torch.dtype) -
 
     with torch.device("meta"):
         net = Qwen2AudioNet(loaded.config, dtype=dtype)
+    weights = fuse_weights(loaded.weights, loaded.config.text.layers)
     expected = {k for k in net.state_dict() if not k.endswith("inv_freq")}
-    missing = sorted(expected - loaded.weights.keys())
+    missing = sorted(expected - weights.keys())
     if missing:
-        raise CheckpointError(f"{loaded.path}: the checkpoint has no weight {missing[0]!r} "
+        name = missing[0].replace("qkv_proj", "q_proj/k_proj/v_proj").replace("gate_up_proj", "gate_proj/up_proj")
+        raise CheckpointError(f"{loaded.path}: the checkpoint has no weight {name!r} "
                               f"({len(missing)} missing)")  # fmt: skip
-    state = {k: loaded.weights[k].to(dtype) for k in expected}
+    state = {k: weights[k].to(dtype) for k in expected}
     net.load_state_dict(state, strict=False, assign=True)
     net.decoder.rotary = RotaryEmbedding(loaded.config.text.head_dim, loaded.config.text.rope_theta)
     return net.to(device).eval()

@@ -146,8 +146,32 @@ def test_beam_search(models, waves) -> None:
         # a beam of one is greedy
         one = model.transcribe(waves, DecodingOptions(beam_size=1))
         assert [t.text for t in one] == [t.text for t in greedy]
-    with pytest.raises(Exception, match="TDT"):
-        models["tdt"].transcribe(waves, DecodingOptions(beam_size=4))
+    tdt = models["tdt"]
+    beam = tdt.transcribe(waves, DecodingOptions(beam_size=4, word_timestamps=True))
+    assert all(t.text and t.words for t in beam)
+
+
+def test_tdt_beam_of_one_is_greedy_and_wider_beams_rank(models, waves) -> None:
+    from oasr.decoders.tdt_beam import tdt_beam_search
+
+    tdt = models["tdt"]
+    c = tdt.config
+    opts = tdt._check(DecodingOptions())
+    enc, lens = tdt.encode(waves, opts)
+    greedy = tdt.search(enc, lens, opts)
+    with torch.no_grad():
+        proj = tdt.net.encoder_projector(enc)
+        one = tdt_beam_search(tdt.transducer, proj, lens.tolist(), durations=c.durations,
+                              blank_id=c.blank_id, beam_size=1)
+        wide = tdt_beam_search(tdt.transducer, proj, lens.tolist(), durations=c.durations,
+                               blank_id=c.blank_id, beam_size=6, length_norm=False)
+    for g, (b,), w in zip(greedy, one, wide, strict=True):
+        assert (b.tokens, b.times, b.durations) == (g.tokens, g.times, g.durations)
+        assert b.score == pytest.approx(g.score, abs=1e-3)
+        assert len(w) <= 6
+        assert [h.score for h in w] == sorted((h.score for h in w), reverse=True)
+        # the merged beam keeps at least the probability of the greedy path
+        assert w[0].score >= g.score - 1e-4
 
 
 def test_batched_equals_one_at_a_time(models, waves) -> None:

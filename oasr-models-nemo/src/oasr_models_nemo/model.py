@@ -8,8 +8,9 @@ Offline: NeMo mel (core ``nemo_mel``, the checkpoint's preprocessor) -> FastConf
 * RNN-T (``ParakeetRNNT``, ``NemotronASR``): greedy with ``max_symbols_per_frame``, or icefall's
   modified beam search at ``beam_size > 1`` (core ``oasr.decoders.transducer``); word times from
   the emission frames;
-* TDT (``ParakeetTDT``): NeMo's greedy TDT (core ``TDTGreedySearch``); token spans from the
-  predicted durations.
+* TDT (``ParakeetTDT``): NeMo's greedy TDT (core ``TDTGreedySearch``), or the TDT beam search
+  (core ``oasr.decoders.tdt_beam``) at ``beam_size > 1``; token spans from the predicted
+  durations.
 
 ``NemotronASR`` adds cache-aware streaming (``model_stream.py``).
 """
@@ -26,6 +27,7 @@ import torch
 from oasr.audio import as_mono_waveform
 from oasr.decoders.ctc import CTCGreedySearch, CTCPrefixBeamSearch, group_words, token_timestamps
 from oasr.decoders.hypothesis import Hypothesis
+from oasr.decoders.tdt_beam import tdt_beam_search
 from oasr.decoders.transducer import (
     TDTGreedySearch,
     TransducerGreedySearch,
@@ -157,10 +159,6 @@ class NemoASR:
         if options.task == "translate":
             raise UnsupportedOptionError(f"{self.name} transcribes only; task must be "
                                          f"'transcribe'", param="task")
-        if options.beam_size > 1 and self.config.head == "tdt":
-            raise UnsupportedOptionError(
-                "TDT decodes greedily (durations); beam_size must be 1 for a TDT model",
-                param="beam_size")
         return options
 
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +223,11 @@ class NemoASR:
                 return out
             proj = self.net.encoder_projector(enc)
             b = proj.shape[0]
+            if c.head == "tdt" and options.beam_size > 1:
+                return [n[0] for n in tdt_beam_search(
+                    self.transducer, proj, lengths, durations=c.durations, blank_id=c.blank_id,
+                    beam_size=options.beam_size,
+                    max_symbols_per_frame=options.max_symbols_per_frame)]
             if c.head == "tdt":
                 tdt = TDTGreedySearch(self.transducer, c.durations, b, blank_id=c.blank_id,
                                       max_symbols_per_frame=options.max_symbols_per_frame)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Build an installable wheel of every distribution in this repository (they are not on a package
+# index yet), into dist/ or the folder given:
+#
+#   scripts/build_wheels.sh [OUT_DIR]
+#   pip install --find-links dist oasr-core oasr-models-whisper oasr-vad-silero   # elsewhere
+#
+# Uses .venv's Python when there is one (else python3, or $PYTHON). With setuptools and wheel
+# installed there it builds without network access (--no-build-isolation); otherwise pip fetches
+# setuptools from the package index for each build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-dist}"
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3; fi
+
+isolation=()
+if "$PY" -c "import setuptools, wheel" 2>/dev/null; then isolation=(--no-build-isolation); fi
+
+dists=()
+for d in oasr-core oasr-*/ examples/oasr-plugin-example; do
+  d="${d%/}"
+  [[ -f "$d/pyproject.toml" ]] || continue
+  [[ " ${dists[*]} " == *" $d "* ]] || dists+=("$d")
+done
+
+mkdir -p "$OUT"
+n=0
+for d in "${dists[@]}"; do
+  n=$((n + 1))
+  echo "[$n/${#dists[@]}] building $d" >&2
+  had_build=0; [[ -e "$d/build" ]] && had_build=1
+  "$PY" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir "$OUT" "./$d"
+  # setuptools builds in the source tree: leave no build/ behind (stale files would ship later)
+  [[ $had_build == 1 ]] || rm -rf "$d/build"
+done
+echo "wheels in $OUT:" >&2
+ls -1 "$OUT"/*.whl >&2
+echo "install them with: pip install --find-links $OUT oasr-core oasr-models-whisper oasr-vad-silero  (add oasr-server and other families as needed)" >&2

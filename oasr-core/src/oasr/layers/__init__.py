@@ -135,3 +135,11 @@ __all__ += [
     "rel_position_table",
     "swish",
 ]
+
+# Decoder-only language-model pieces (the speech-LLM issue): RMSNorm (op rms_norm, declared
+# here so a kernel provider can override it before any model is loaded), rotary positions, the
+# gated SiLU feed-forward block, and attention with grouped key/value heads.
+from oasr.layers.attention import grouped_attention  # noqa: E402
+from oasr.layers.llm import RMSNorm, RotaryEmbedding, SiLUGatedMLP, apply_rotary  # noqa: E402
+
+__all__ += ["RMSNorm", "RotaryEmbedding", "SiLUGatedMLP", "apply_rotary", "grouped_attention"]

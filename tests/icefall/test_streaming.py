@@ -168,3 +168,13 @@ def test_ctc_stream_equals_icefall_streaming(ref, causal, ws) -> None:
         beam, _ = _stream(model, w, DecodingOptions.build(decoding_method="ctc_prefix_beam_search",
                                                            beam_size=4, word_timestamps=True), seed=k)
         assert beam.segments and beam.segments[0].words
+
+
+def test_silence_too_short_for_a_frame_is_empty(causal) -> None:
+    _, model = causal
+    for n in (0, 10):
+        audio = np.full(n, 0.1, np.float32)
+        assert model.transcribe([audio], DecodingOptions())[0].text == ""
+        st = model.new_stream(DecodingOptions())
+        final = model.stream_step([st], [audio], [True])[0]
+        assert final.is_final and final.text == ""

@@ -380,7 +380,10 @@ class _IcefallASR:
         sr = self.feature_spec.sample_rate
         out: list[Transcript | None] = [None] * len(waves)
         # icefall needs at least 9 fbank frames (7 for the front end, then a frame) offline
-        todo = [i for i, w in enumerate(waves) if self.fbank.num_frames(len(w)) + (CAUSAL_TAIL_FRAMES if self.cfg.causal else 0) >= 9]
+        # no fbank frame: nothing to say; a model that is not causal needs 9 frames (its
+        # front end's context), a causal one is padded with 30 frames as icefall decodes it
+        need = 1 if self.cfg.causal else 9
+        todo = [i for i, w in enumerate(waves) if self.fbank.num_frames(len(w)) >= need]
         for i, w in enumerate(waves):
             if i not in todo:
                 out[i] = Transcript(text="", language=self.tokens.language, duration=len(w) / sr)
@@ -419,8 +422,11 @@ class _IcefallASR:
             st.feats = st.feats[2 * st.chunk :]
             st.frames_consumed += 2 * st.chunk
         if last:
+            rest = st.fbank.finish()
+            if st.fbank.emitted == 0:  # not one fbank frame: nothing to say (as offline)
+                return out
             tail = torch.full((STREAM_PAD, self.fbank.dim), LOG_EPS)
-            st.feats = torch.cat([st.feats, st.fbank.finish(), tail])
+            st.feats = torch.cat([st.feats, rest, tail])
             while st.feats.shape[0] > 0:
                 w = st.feats[: st.window]
                 if w.shape[0] < st.window:

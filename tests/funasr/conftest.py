@@ -31,7 +31,8 @@ def clips() -> dict[str, np.ndarray]:
 def releases(tmp_path_factory) -> dict[str, Path]:
     """name -> release directory: ``zh`` (Paraformer, CJK characters), ``en`` (Paraformer,
     ``@@`` BPE pieces), ``bicif`` (BiCifParaformer, CJK characters), ``seaco`` (SeacoParaformer
-    with the BiCif timestamp predictor, CJK characters)."""
+    with the BiCif timestamp predictor, CJK characters); BiCif and SeACo with the released
+    ``cnn_blstm`` timestamp head, ``bicif_cnn`` with the plain ``cnn`` one."""
     from oasr_models_funasr.testing import en_tokens, write_release, zh_tokens
 
     root = tmp_path_factory.mktemp("funasr")
@@ -40,6 +41,13 @@ def releases(tmp_path_factory) -> dict[str, Path]:
         "en": write_release(root / "en", tokens=en_tokens(), seed=2),
         "bicif": write_release(root / "bicif", model="BiCifParaformer", tokens=zh_tokens(), seed=3),
         "seaco": write_release(root / "seaco", model="SeacoParaformer", tokens=zh_tokens(), seed=4),
+        "bicif_cnn": write_release(
+            root / "bicif_cnn",
+            model="BiCifParaformer",
+            tokens=zh_tokens(),
+            seed=5,
+            upsample_type="cnn",
+        ),  # fmt: skip
     }
 
 

@@ -213,14 +213,17 @@ class CifPredictor(nn.Module):
         self.cif_conv1d = Conv1d(d, d, cfg.l_order + cfg.r_order + 1)
         self.cif_output = Linear(d, 1)
         if cfg.kind == "CifPredictorV3":
-            if cfg.upsample_type != "cnn":
+            if cfg.upsample_type not in ("cnn", "cnn_blstm"):
                 from oasr.errors import CheckpointError
 
                 raise CheckpointError(
-                    f"CifPredictorV3 upsample_type {cfg.upsample_type!r} is not supported (only 'cnn')"
+                    f"CifPredictorV3 upsample_type {cfg.upsample_type!r} is not supported "
+                    f"(only 'cnn' and 'cnn_blstm')"
                 )
             self.upsample_cnn = nn.ConvTranspose1d(d, d, cfg.upsample_times, cfg.upsample_times)
-            self.cif_output2 = Linear(d, 1)
+            if cfg.upsample_type == "cnn_blstm":
+                self.blstm = nn.LSTM(d, d, 1, bias=True, batch_first=True, bidirectional=True)
+            self.cif_output2 = Linear(2 * d if cfg.upsample_type == "cnn_blstm" else d, 1)
 
     def _conv(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = F.pad(hidden.transpose(1, 2), (self.cfg.l_order, self.cfg.r_order))
@@ -248,6 +251,15 @@ class CifPredictor(nn.Module):
         c = self.cfg
         src = conv if c.use_cif1_cnn else hidden.transpose(1, 2)
         out2 = self.upsample_cnn(src).transpose(1, 2)
+        up = lengths * c.upsample_times
+        if c.upsample_type == "cnn_blstm":
+            # packed: each row's backward pass starts at its own end, as for an input alone
+            packed = nn.utils.rnn.pack_padded_sequence(
+                out2, up.cpu(), batch_first=True, enforce_sorted=False
+            )
+            out2 = nn.utils.rnn.pad_packed_sequence(
+                self.blstm(packed)[0], batch_first=True, total_length=out2.shape[1]
+            )[0]
         a2 = torch.sigmoid(self.cif_output2(out2))
         a2 = F.relu(a2 * c.smooth_factor2 - c.noise_threshold2).squeeze(-1)
         t = hidden.shape[1]

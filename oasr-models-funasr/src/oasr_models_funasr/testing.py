@@ -63,7 +63,9 @@ def en_tokens(n: int = 200, seed: int = 0) -> list[str]:
     return ["<blank>", "<s>", "</s>", *out, "<unk>"]
 
 
-def _config(model: str, dims: dict[str, Any], lfr_m: int, lfr_n: int) -> dict[str, Any]:
+def _config(
+    model: str, dims: dict[str, Any], lfr_m: int, lfr_n: int, upsample_type: str = "cnn_blstm"
+) -> dict[str, Any]:
     d = dims["output_size"]
     pred = "CifPredictorV3" if model in ("BiCifParaformer", "SeacoParaformer") else "CifPredictorV2"
     pconf: dict[str, Any] = {
@@ -80,7 +82,7 @@ def _config(model: str, dims: dict[str, Any], lfr_m: int, lfr_n: int) -> dict[st
                 "noise_threshold2": 0.01,
                 "upsample_times": 3,
                 "use_cif1_cnn": False,
-                "upsample_type": "cnn",
+                "upsample_type": upsample_type,
             }
         )
     raw: dict[str, Any] = {
@@ -202,8 +204,10 @@ def write_release(
     alpha_bias: float = -0.4,
     logit_scale: float = 8.0,
     seaco_no_bias: float = 3.0,
+    upsample_type: str = "cnn_blstm",
 ) -> Path:
-    """Write a random-weight release into ``dst`` (created) and return it."""
+    """Write a random-weight release into ``dst`` (created) and return it. BiCif and SeACo
+    releases use the timestamp head FunASR's released models have (``cnn_blstm``)."""
     import torch
     import yaml
 
@@ -214,7 +218,7 @@ def write_release(
     dst.mkdir(parents=True, exist_ok=True)
     tokens = list(tokens if tokens is not None else zh_tokens())
     dims = dict(dims or TINY)
-    raw = _config(model, dims, lfr_m, lfr_n)
+    raw = _config(model, dims, lfr_m, lfr_n, upsample_type)
     cfg = parse_config(raw, len(tokens))
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)

@@ -188,7 +188,20 @@ def test_epoch_averaging_as_icefall(ref, offline_release, tmp_path) -> None:
     m2 = build_reference(ref, causal=False, seed=7)
     write_release(tmp_path, m1)
     (tmp_path / "exp" / "pretrained.pt").unlink()
-    torch.save({"model": m1.state_dict(), "epoch": 2}, tmp_path / "exp" / "epoch-2.pt")
+    # a training checkpoint also pickles the run's params (icefall's AttributeDict, paths) and
+    # sampler state, whose classes need not be installed where the model is served
+    import types
+
+    fake = types.ModuleType("icefall_training_only")
+    fake.Params = type("Params", (dict,), {"__module__": "icefall_training_only"})
+    import sys
+
+    sys.modules["icefall_training_only"] = fake
+    try:
+        torch.save({"model": m1.state_dict(), "epoch": 2, "params": fake.Params(lr=0.045),
+                    "exp_dir": tmp_path}, tmp_path / "exp" / "epoch-2.pt")
+    finally:
+        del sys.modules["icefall_training_only"]
     torch.save({"model": m2.state_dict(), "epoch": 3}, tmp_path / "exp" / "epoch-3.pt")
     model = load_icefall(tmp_path, epoch=3, avg=2)
     sd1, sd2 = m1.state_dict(), m2.state_dict()

@@ -304,6 +304,18 @@ def _is_silent(samples: torch.Tensor) -> bool:
     return float(samples.double().square().mean().sqrt()) < SILENCE_RMS
 
 
+def _clamp_to(segments: list[Segment], duration: float) -> None:
+    """Segment and word times inside ``[0, duration]``: the last window's timestamp tokens may
+    run past the end of the audio (a 29.4 s clip's last segment ended at 32.6 s)."""
+    end = round(duration, 3)
+    for s in segments:
+        s.end = min(s.end, end)
+        s.start = min(s.start, s.end)
+        for w in s.words:
+            w.end = min(w.end, end)
+            w.start = min(w.start, w.end)
+
+
 def _advance(job: _Job, size: int, r: WindowResult, feats: torch.Tensor, network, tokenizer,
              options: RequestOptions) -> None:  # fmt: skip
     """Turn one decoded window into segments and move ``job.seek`` forward."""
@@ -371,6 +383,7 @@ def _advance(job: _Job, size: int, r: WindowResult, feats: torch.Tensor, network
             s.text = ""
             s.tokens = []
             s.words = []
+    _clamp_to(current, job.duration)
     job.segments.extend(current)
     job.all_tokens.extend(t for s in current for t in s.tokens)
     if not options.condition_on_previous_text or r.temperature > 0.5:

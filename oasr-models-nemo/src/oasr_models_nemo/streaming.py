@@ -53,9 +53,9 @@ class NemotronStreamState:
     emitted: int = 0  # encoder frames emitted
     layer_out: list[int] = field(default_factory=list)  # output frames per strided layer so far
     sub_cache: list[torch.Tensor] | None = None  # per strided layer (C, k - s, F')
-    k: list[torch.Tensor] = field(default_factory=list)  # per layer (H, C, dk)
-    v: list[torch.Tensor] = field(default_factory=list)
-    conv: list[torch.Tensor] = field(default_factory=list)  # per layer (D, k - 1)
+    k: torch.Tensor | None = None  # every layer's last keys (layers, H, C, dk)
+    v: torch.Tensor | None = None
+    conv: torch.Tensor | None = None  # every layer's causal-convolution inputs (layers, D, k - 1)
     #: encoder output chunks, kept only when the model's ``keep_encoder_output`` is set (tests)
     encoder_output: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
@@ -224,41 +224,54 @@ def _encode(model: NemotronASR, states: list[NemotronStreamState],
             for s in range(n_strided):
                 states[i].layer_out[s] += min(limits[i][s], _chunk_out(sub, s, group is firsts, right))
     # Conformer layers: every row gives t_out frames; caches right-aligned to a common length
-    lens = [st.k[0].shape[1] if st.k else 0 for st in states]
+    lens = [0 if st.k is None else st.k.shape[2] for st in states]
     cmax = max(lens)
     b = len(states)
-    heads, dk = net.encoder.layers[0].self_attn.heads, net.encoder.layers[0].self_attn.head_dim
-    kpad = net.config.conv_kernel_size - 1
+    n_layers = len(enc.layers)
+    heads, dk = enc.layers[0].self_attn.heads, enc.layers[0].self_attn.head_dim
+    kpad = c.conv_kernel_size - 1
     valid = torch.tensor([min(t_out, limits[i][-1]) for i in range(b)], device=dev)
     valid_mask = torch.arange(t_out, device=dev)[None, :] < valid[:, None]
     key_valid = torch.zeros(b, cmax + t_out, dtype=torch.bool, device=dev)
     for i, n in enumerate(lens):
         key_valid[i, cmax - n: cmax] = True
     key_valid[:, cmax:] = valid_mask
-    caches = []
-    for li in range(len(enc.layers)):
-        k = torch.zeros(b, heads, cmax, dk, device=dev, dtype=dt)
-        v = torch.zeros_like(k)
-        conv = torch.zeros(b, c.hidden_size, kpad, device=dev, dtype=dt)
-        for i, st in enumerate(states):
-            if lens[i]:
-                k[i, :, cmax - lens[i]:] = st.k[li]
-                v[i, :, cmax - lens[i]:] = st.v[li]
-            if st.conv:
-                conv[i] = st.conv[li]
-        caches.append(LayerCache(k, v, conv))
+
+    def stacked(get, shape) -> torch.Tensor:  # noqa: ANN001
+        """(B, layers, ...) from each stream's tensor (zeros for a new stream), left-padded on
+        the cache axis to ``cmax`` (one stack, not a copy per layer and stream)."""
+        rows = []
+        for st in states:
+            t = get(st)
+            if t is None:
+                rows.append(torch.zeros(shape, device=dev, dtype=dt))
+            elif t.shape[2] < shape[2]:
+                rows.append(torch.nn.functional.pad(t, (0, 0, shape[2] - t.shape[2], 0)))
+            else:
+                rows.append(t)
+        return torch.stack(rows)
+
+    keys = stacked(lambda st: st.k, (n_layers, heads, cmax, dk))
+    values = stacked(lambda st: st.v, (n_layers, heads, cmax, dk))
+    convs = torch.stack([st.conv if st.conv is not None else
+                         torch.zeros(n_layers, c.hidden_size, kpad, device=dev, dtype=dt)
+                         for st in states])
+    caches = [LayerCache(keys[:, li], values[:, li], convs[:, li]) for li in range(n_layers)]
     left = c.att_context[0]
     with torch.no_grad():
         out, new = enc.forward_stream(x, valid_mask, key_valid, caches, right)
         proj = net.encoder_projector(out)
+        new_k = torch.stack([lc.k for lc in new], dim=1)  # (B, layers, H, cmax + T, dk)
+        new_v = torch.stack([lc.v for lc in new], dim=1)
+        new_conv = torch.stack([lc.conv for lc in new], dim=1)  # (B, layers, D, k - 1 + T)
     for i, st in enumerate(states):
         n = int(valid[i])
         keep = min(lens[i] + n, left) if left >= 0 else lens[i] + n
         end = cmax + n
-        st.k = [lc.k[i, :, end - keep:end] for lc in new]
-        st.v = [lc.v[i, :, end - keep:end] for lc in new]
+        st.k = new_k[i, :, :, end - keep:end]
+        st.v = new_v[i, :, :, end - keep:end]
         # the depthwise convolution's input: cache (k - 1) then the chunk's frames
-        st.conv = [lc.conv[i, :, n: n + kpad] for lc in new]
+        st.conv = new_conv[i, :, :, n: n + kpad]
         if model.keep_encoder_output:
             st.encoder_output.append(out[i, :n].detach().cpu())
         if st.search is not None:
@@ -301,5 +314,6 @@ def _finish(model: NemotronASR, st: NemotronStreamState) -> StreamingUpdate:
     duration = st.samples_received / model.feature_spec.sample_rate
     tr = model.transcript(_best(st), duration, st.emitted, st.options)
     st.text = tr.text
-    st.k, st.v, st.conv, st.sub_cache = [], [], [], []
+    st.k = st.v = st.conv = None
+    st.sub_cache = []
     return StreamingUpdate(text=tr.text, is_final=True, transcript=tr)

@@ -196,7 +196,11 @@ def models_command(
         if r["installed"]:
             status = f"{r['distribution']} [green](installed)[/green]"
         else:
-            status = f"[dim]not installed: {r['install_hint']}[/dim]"
+            hint = r["install_hint"].split(" (", 1)[0]  # the form that works here
+            status = f"[dim]not installed: {hint}"
+            if hint != r["install"]:
+                status += f"\n(elsewhere: {r['install']})"
+            status += "[/dim]"
         cells = [name, r["decode_family"] or "-", modes if r["installed"] else "-"]
         if wide:
             cells.append(", ".join(r["source_formats"]) or "-")

@@ -59,7 +59,6 @@ class Qwen2AudioASR:
                                   f"audio_token_index {network.config.audio_token_id}")  # fmt: skip
         self.feature_spec = FeatureSpec(kind="whisper_logmel", num_bins=network.config.audio.n_mels,
                                         options={"chunk_seconds": 30})  # fmt: skip
-        self._executor: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -127,7 +126,8 @@ class Qwen2AudioASR:
         self.check(options)
         if not audios:
             return []
-        config = SchedulerConfig(max_batch_size=self.max_batch_size, min_admit_group=1)
+        # a private executor sized to this call (its KV pool is freed when the call returns)
+        config = SchedulerConfig(max_batch_size=min(self.max_batch_size, len(audios)), min_admit_group=1)
         scheduler = Scheduler(self.make_executor(config), config)
         futures = [scheduler.submit(np.asarray(a, dtype=np.float32), options) for a in audios]
         scheduler.run_until_idle()

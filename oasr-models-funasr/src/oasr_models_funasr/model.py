@@ -148,6 +148,75 @@ class ParaformerASR:
             net, cfg, tokens, cmvn=cmvn, name=name, source_path=Path(path), seg_dict=seg_dict
         )
 
+    @classmethod
+    def from_native(
+        cls,
+        path: str | Path,
+        body: dict[str, Any] | None = None,
+        config: EngineConfig | None = None,
+    ) -> ParaformerASR:
+        """Load OASR's native format (``oasr convert`` of a FunASR release)."""
+        from safetensors.torch import load_file
+
+        from oasr.checkpoint import read_native_config
+        from oasr_models_funasr.checkpoints import parse_config
+
+        path = Path(path)
+        body = body or read_native_config(path)
+        config = config or EngineConfig()
+        try:
+            tokens = list(body["tokens"])
+            cfg = parse_config(body["funasr_config"], len(tokens), name=f"{path}/oasr_model.json")
+            cmvn = None if body.get("cmvn") is None else np.asarray(body["cmvn"], dtype=np.float32)
+            seg_dict = body.get("seg_dict")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: incomplete oasr_model.json ({exc})") from exc
+        try:
+            state = load_file(str(path / "model.safetensors"))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several types
+            raise CheckpointError(f"cannot read {path / 'model.safetensors'}: {exc}") from exc
+        net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
+        e = cfg.encoder
+        model = cls(net, cfg, tokens, cmvn=cmvn, name=f"funasr {cfg.model} {e.num_blocks}x{e.output_size}",
+                    source_path=path, seg_dict=seg_dict)  # fmt: skip
+        model.source_format = "oasr"
+        saved = body.get("decoding") or {}
+        model.default_options = model.default_options.override(
+            {k: v for k, v in saved.items() if k in model.default_options.specs()}
+        )
+        return model
+
+    def save_native(self, dst: str | Path) -> str:
+        """Write OASR's native format: ``model.safetensors`` (FunASR's parameter names, float32)
+        and ``oasr_model.json`` (the release's config.yaml, tokens, CMVN, seg_dict). Returns
+        ``"paraformer"``."""
+        from safetensors.torch import save_file
+
+        from oasr.checkpoint import write_native_config
+        from oasr_models_funasr.plugin import ARCHITECTURE
+
+        dst = Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        state = {
+            k: v.detach().to("cpu", torch.float32).contiguous()
+            for k, v in self.net.state_dict().items()
+        }
+        save_file(state, str(dst / "model.safetensors"))
+        fs = self.feature_spec
+        write_native_config(dst, ARCHITECTURE, {
+            "funasr_config": self.config.raw,
+            "tokens": self.tokens,
+            "cmvn": None if self.frontend.cmvn_np is None else self.frontend.cmvn_np.tolist(),
+            "seg_dict": self.seg_dict,
+            "source_format": self.source_format,
+            "feature_spec": {"kind": fs.kind, "sample_rate": fs.sample_rate, "num_bins": fs.num_bins,
+                             "hop_length": fs.hop_length, "win_length": fs.win_length,
+                             "options": fs.options},
+            "tokenizer": {"kind": "funasr_tokens"},
+            "decoding": self.default_options.as_dict(),
+        })  # fmt: skip
+        return ARCHITECTURE
+
     def hotword_ids(self, hotwords: Sequence[str]) -> list[list[int]]:
         """FunASR's SeACo hotword list: every whitespace-separated word of ``hotwords`` is one
         hotword, tokenised with the release's ``seg_dict`` (else CJK characters one by one, else

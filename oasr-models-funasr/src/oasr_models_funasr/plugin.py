@@ -29,7 +29,7 @@ def register_architectures(register: Register) -> None:
         ARCHITECTURE,
         "oasr_models_funasr.model:ParaformerASR",
         capabilities=CAPABILITIES,
-        source_formats=["funasr"],
+        source_formats=["funasr", "oasr"],
         description="FunASR Paraformer / BiCifParaformer (non-autoregressive CIF, timestamps)",
     )
 

@@ -5,6 +5,7 @@ weights), word timestamps, the engine's offline path, averaging and errors."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,3 +310,33 @@ def test_native_format_round_trip(offline_release, tmp_path) -> None:
     ws = waves(2)
     assert [t.text for t in a.transcribe(ws, DecodingOptions(beam_size=4))] == \
         [t.text for t in b.transcribe(ws, DecodingOptions(beam_size=4))]
+
+
+def test_use_averaged_model_equals_icefall(ref, tmp_path) -> None:
+    """--epoch 3 --avg 2 --use-averaged-model: the running averages of epoch-1.pt and
+    epoch-3.pt combined as icefall's average_checkpoints_with_averaged_model (the zipformer
+    package's utils/checkpoint.py, loaded from its file) computes them."""
+    import importlib.util
+
+    from oasr_models_icefall.model import load_icefall
+
+    spec = importlib.util.find_spec("zipformer")
+    path = Path(list(spec.submodule_search_locations)[0]) / "utils" / "checkpoint.py"
+    mspec = importlib.util.spec_from_file_location("icefall_checkpoint_reference", path)
+    reference = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(reference)
+    m1, m3 = build_reference(ref, causal=False, seed=1), build_reference(ref, causal=False, seed=7)
+    avg1, avg3 = build_reference(ref, causal=False, seed=8), build_reference(ref, causal=False, seed=9)
+    write_release(tmp_path, m1)
+    (tmp_path / "exp" / "pretrained.pt").unlink()
+    for n, m, a, idx in ((1, m1, avg1, 1100), (3, m3, avg3, 3350)):
+        torch.save({"model": m.state_dict(), "model_avg": a.state_dict(), "batch_idx_train": idx,
+                    "average_period": 200}, tmp_path / "exp" / f"epoch-{n}.pt")
+    expected = reference.average_checkpoints_with_averaged_model(
+        str(tmp_path / "exp" / "epoch-1.pt"), str(tmp_path / "exp" / "epoch-3.pt"))
+    model = load_icefall(tmp_path, epoch=3, avg=2, use_averaged_model=True)
+    ours = dict(model.net.named_parameters())
+    for key in ("encoder.encoders.0.layers.0.feed_forward1.in_proj.weight", "joiner.output_linear.bias"):
+        assert torch.equal(ours[key], expected[key])
+    plain = reference.average_checkpoints([str(tmp_path / "exp" / f"epoch-{n}.pt") for n in (1, 3)])
+    assert not torch.equal(plain["joiner.output_linear.bias"], expected["joiner.output_linear.bias"])

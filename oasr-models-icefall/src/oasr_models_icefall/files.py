@@ -61,6 +61,16 @@ def numbered(path: Path, kind: str, last: int, avg: int) -> list[Path]:
                           f"{avg} files (in {path} or {path / 'exp'}); some are missing")
 
 
+def numbered_pair(path: Path, kind: str, start: int, end: int) -> tuple[Path, Path]:
+    """``kind-start.pt`` and ``kind-end.pt`` in the directory or its ``exp/``."""
+    for d in _weight_dirs(path):
+        a, b = d / f"{kind}-{start}.pt", d / f"{kind}-{end}.pt"
+        if a.is_file() and b.is_file():
+            return a, b
+    raise CheckpointError(f"{path}: --use-averaged-model needs {kind}-{start}.pt and {kind}-{end}.pt "
+                          f"(in {path} or {path / 'exp'})")
+
+
 def find_tokens(path: Path) -> Path | None:
     """``tokens.txt`` or ``bpe.model`` for a model in ``path`` (see the module docstring)."""
     roots = [path, path.parent, path.parent.parent] if path.name == "exp" else [path, path.parent]
@@ -219,3 +229,33 @@ def load_state(files: list[Path]) -> dict[str, Any]:
             else:
                 v //= len(files)
     return avg
+
+
+def load_averaged_model(start: Path, end: Path) -> dict[str, Any]:
+    """icefall's ``--use-averaged-model``: the average over the batches between two training
+    checkpoints from their running averages (``model_avg``), as icefall's
+    ``average_checkpoints_with_averaged_model`` computes it: with ``s`` / ``e`` the checkpoints'
+    ``batch_idx_train`` rounded down to ``average_period``,
+    ``(avg_e + avg_s * (w_s / w_e)) * w_e`` where ``w_e = e / (e - s)``, ``w_s = 1 - w_e``."""
+    first, last = _torch_load(start), _torch_load(end)
+    try:
+        period = first["average_period"]
+        s_idx = (first["batch_idx_train"] // period) * period
+        e_idx = (last["batch_idx_train"] // period) * period
+        model_start, avg = first["model_avg"], last["model_avg"]
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{start} / {end}: not icefall training checkpoints with an averaged "
+                              f"model (missing {exc}); use plain averaging instead") from None
+    if e_idx <= s_idx:
+        raise CheckpointError(f"{end} was not trained past {start}; cannot average between them")
+    w_end = e_idx / (e_idx - s_idx)
+    w_start = 1 - w_end
+    seen: set[int] = set()
+    for k, v in avg.items():
+        if v.data_ptr() in seen or not v.is_floating_point():
+            continue
+        seen.add(v.data_ptr())
+        v *= 1.0
+        v += model_start[k] * (w_start / w_end)
+        v *= w_end
+    return {k.removeprefix("module."): v for k, v in avg.items()}

@@ -57,8 +57,10 @@ from oasr_models_icefall.fbank import CenteredFbankStream
 from oasr_models_icefall.files import (
     find_tokens,
     find_weights_cheap,
+    load_averaged_model,
     load_state,
     numbered,
+    numbered_pair,
     read_tokens,
 )
 from oasr_models_icefall.nn import (
@@ -555,12 +557,16 @@ class ZipformerCTC(_IcefallASR):
 
 
 def load_icefall(path: str | Path, config: EngineConfig | None = None, *, epoch: int | None = None,
-                 avg: int = 1, iteration: int | None = None) -> _IcefallASR:  # fmt: skip
+                 avg: int = 1, iteration: int | None = None,
+                 use_averaged_model: bool | None = None) -> _IcefallASR:  # fmt: skip
     """Load an icefall experiment / release directory, or one ``.pt`` file in it.
 
     ``epoch`` + ``avg`` average ``epoch-(epoch-avg+1).pt .. epoch-epoch.pt`` (``iteration``:
-    ``checkpoint-N.pt`` files) as icefall's ``--epoch`` / ``--avg``; the override file
-    (``oasr_icefall.json``) may name them too (``{"epoch": 30, "avg": 9}``)."""
+    ``checkpoint-N.pt`` files) as icefall's ``--epoch`` / ``--avg``; with
+    ``use_averaged_model`` the running averages of ``epoch-(epoch-avg).pt`` and
+    ``epoch-epoch.pt`` give the average instead (icefall's ``--use-averaged-model``). The
+    override file (``oasr_icefall.json``) may name them too (``{"epoch": 30, "avg": 9,
+    "use_averaged_model": true}``)."""
     config = config or EngineConfig()
     path = Path(path)
     directory = path.parent if path.is_file() else path
@@ -570,7 +576,15 @@ def load_icefall(path: str | Path, config: EngineConfig | None = None, *, epoch:
     epoch = epoch if epoch is not None else override.get("epoch")
     iteration = iteration if iteration is not None else override.get("iteration")
     avg = int(override.get("avg", avg)) if avg == 1 else avg
-    if path.is_file():
+    if use_averaged_model is None:
+        use_averaged_model = bool(override.get("use_averaged_model", False))
+    averaged = None
+    if use_averaged_model and not path.is_file() and (epoch is not None or iteration is not None):
+        kind, last = ("checkpoint", int(iteration)) if iteration is not None else ("epoch", int(epoch))
+        averaged = numbered_pair(path, kind, last - avg, last)
+    if averaged:
+        files = [averaged[1]]
+    elif path.is_file():
         files = [path]
     elif iteration is not None:
         files = numbered(path, "checkpoint", int(iteration), avg)
@@ -586,7 +600,7 @@ def load_icefall(path: str | Path, config: EngineConfig | None = None, *, epoch:
     if tokens_path is None:
         raise CheckpointError(f"{path} has no tokens: expected tokens.txt or bpe.model beside the weights "
                               f"or in data/lang_bpe_500/")
-    state = load_state(files)
+    state = load_averaged_model(*averaged) if averaged else load_state(files)
     from oasr_models_icefall.conformer import (
         convert_conformer_state,
         infer_conformer_config,

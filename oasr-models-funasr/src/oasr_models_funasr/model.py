@@ -117,6 +117,9 @@ class ParaformerASR:
         self.hotword_filter = 50
         #: the transcripts' language: "zh" for a CJK token list, else "en"
         self.language = self._token_language()
+        #: VAD pieces of long inputs are decoded in batches of at most this many (or of as many
+        #: as the inputs of the call, when more): ``EngineConfig.max_batch_size``
+        self.max_batch_size = 16
         self.name = name
         self.source_format = "funasr"
         self.source_path = source_path
@@ -180,6 +183,7 @@ class ParaformerASR:
         model = cls(net, cfg, tokens, cmvn=cmvn, name=f"funasr {cfg.model} {e.num_blocks}x{e.output_size}",
                     source_path=path, seg_dict=seg_dict)  # fmt: skip
         model.source_format = "oasr"
+        model.max_batch_size = config.max_batch_size
         saved = body.get("decoding") or {}
         model.default_options = model.default_options.override(
             {k: v for k, v in saved.items() if k in model.default_options.specs()}
@@ -399,12 +403,21 @@ class ParaformerASR:
             else:
                 pieces.append((i, 0, w))
         pieces = [p for p in pieces if len(p[2]) >= self.feature_spec.win_length]
-        decoded: list[Decoded] = []
+        decoded: list[Decoded | None] = [None] * len(pieces)
         if pieces:
             hw = self.hotword_ids(options.hotwords) if options.hotwords else None
-            decoded = self.decode_batch([p[2] for p in pieces], options.word_timestamps, hw)
+            # the inputs are one batch (the engine bounds and buckets it); VAD pieces of long
+            # inputs are more: they run longest first, in batches of at least as many
+            size = max(self.max_batch_size, len(waves))
+            order = sorted(range(len(pieces)), key=lambda k: -len(pieces[k][2]))
+            for c in range(0, len(order), size):
+                idx = order[c : c + size]
+                outs = self.decode_batch([pieces[k][2] for k in idx], options.word_timestamps, hw)
+                for k, d in zip(idx, outs, strict=True):
+                    decoded[k] = d
         per_input: list[list[tuple[int, np.ndarray, Decoded]]] = [[] for _ in waves]
         for (i, start, w), d in zip(pieces, decoded, strict=True):
+            assert d is not None
             per_input[i].append((start, w, d))
         if progress is not None:
             total = sum(len(w) for w in waves) / sr

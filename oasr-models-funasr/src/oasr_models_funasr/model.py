@@ -147,9 +147,11 @@ class ParaformerASR:
         name = f"funasr {cfg.model} {e.num_blocks}x{e.output_size}"
         seg = Path(path) / "seg_dict"
         seg_dict = read_seg_dict(seg) if cfg.seaco is not None and seg.is_file() else None
-        return cls(
+        model = cls(
             net, cfg, tokens, cmvn=cmvn, name=name, source_path=Path(path), seg_dict=seg_dict
         )
+        model.max_batch_size = config.max_batch_size
+        return model
 
     @classmethod
     def from_native(

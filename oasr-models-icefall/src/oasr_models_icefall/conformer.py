@@ -78,7 +78,9 @@ class BasicNorm(nn.Module):
         self.eps = nn.Parameter(torch.tensor(math.log(0.25)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * (x.pow(2).mean(dim=-1, keepdim=True) + self.eps.exp()).rsqrt()
+        # statistics in float32, as under icefall's fp16 autocast
+        scale = (x.float().pow(2).mean(dim=-1, keepdim=True) + self.eps.float().exp()).rsqrt()
+        return x * scale.to(x.dtype)
 
 
 class Subsampling(nn.Module):

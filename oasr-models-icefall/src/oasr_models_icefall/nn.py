@@ -85,8 +85,10 @@ class BiasNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = (x - self.bias).pow(2).mean(dim=-1, keepdim=True).rsqrt() * self.log_scale.exp()
-        return x * scale
+        # statistics in float32 (icefall runs fp16 under autocast, which does pow/rsqrt in fp32)
+        d = x.float() - self.bias.float()
+        scale = d.pow(2).mean(dim=-1, keepdim=True).rsqrt() * self.log_scale.float().exp()
+        return x * scale.to(x.dtype)
 
 
 class Bypass(nn.Module):

@@ -64,3 +64,23 @@ def test_ten_minute_input(models) -> None:
     local = models["ctc"].transcribe([wave], DecodingOptions(
         model_options={"local_attention_window": 256}))[0].text
     assert texts["ctc"] == local
+
+
+def test_nemotron_long_input_blockwise_equals_dense(hf_checkpoints, waves) -> None:
+    """A chunked-limited model encodes long inputs block-wise with its own context: the same
+    frames as its dense mask."""
+    from oasr_models_nemo.model import NemoASR
+
+    model = NemoASR.from_hf(hf_checkpoints["nemotron"].path)
+    enc = model.net.encoder
+    feats, flens = model.features([_noise(40.0, 3), waves[1]])
+    with torch.no_grad():
+        dense, lens = enc(feats, flens)
+        old = enc.dense_limit
+        enc.dense_limit = 0
+        try:
+            blockwise, _ = enc(feats, flens)
+        finally:
+            enc.dense_limit = old
+    for b, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(blockwise[b, :n], dense[b, :n], atol=1e-4, rtol=1e-4)

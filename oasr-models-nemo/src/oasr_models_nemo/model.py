@@ -172,6 +172,11 @@ class NemoASR:
         return self.mel.extract(torch.from_numpy(batch).to(dev), lengths)
 
     def local_window(self, frames: int, options: ResolvedOptions | NemoOptions) -> int:
+        """Local attention window of a full-context model for an input of ``frames`` (0: full
+        attention). A limited-context model (Nemotron) keeps its own context, encoded
+        block-wise when long."""
+        if self.config.att_context != (-1, -1):
+            return 0
         w = options.local_attention_window
         if w >= 0:
             return w

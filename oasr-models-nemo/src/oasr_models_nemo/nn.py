@@ -211,29 +211,47 @@ class RelPosAttention(nn.Module):
         out = attention(q + self.bias_u[None, :, None], k, v, mask=bd, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
-    def forward_local(self, x: torch.Tensor, valid: torch.Tensor, window: int,
-                      block: int = 256) -> torch.Tensor:
-        """Attention of each frame to the frames at most ``window`` away only, one block of
-        queries at a time (memory linear in the length). ``valid`` (B, T) bool."""
+    def forward_local(self, x: torch.Tensor, valid: torch.Tensor, context: tuple[int, int],
+                      style: str = "regular", block: int = 256) -> torch.Tensor:
+        """Limited-context attention one block of queries at a time (memory linear in the
+        length): ``regular`` lets frame i see frames ``i - left .. i + right``;
+        ``chunked_limited`` lets a chunk of ``right + 1`` frames see itself and ``left //
+        (right + 1)`` chunks before it. ``valid`` (B, T) bool. Equal to the dense masks."""
         b, t, _ = x.shape
+        left, right = context
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
-        reach = block - 1 + window
+        if style == "chunked_limited":
+            chunk = right + 1
+            back = left // chunk
+            reach = block + (back + 1) * chunk
+        else:
+            reach = block - 1 + max(left, right)
         pe = rel_pe(reach, -reach, q.shape[1] * q.shape[3], x.device, x.dtype)
         p = self.relative_k_proj(pe).view(1, -1, self.heads, self.head_dim).transpose(1, 2)
         qu, qv = q + self.bias_u[None, :, None], q + self.bias_v[None, :, None]
         outs = []
         for start in range(0, t, block):
             end = min(t, start + block)
-            k0, k1 = max(0, start - window), min(t, end + window)
+            if style == "chunked_limited":
+                k0 = max(0, (start // chunk - back) * chunk)
+                k1 = min(t, ((end - 1) // chunk + 1) * chunk)
+            else:
+                k0, k1 = max(0, start - left), min(t, end + right)
             qi = torch.arange(start, end, device=x.device)
             kj = torch.arange(k0, k1, device=x.device)
             dist = qi[:, None] - kj[None, :]  # (Bq, Kw)
             scores = torch.matmul(qv[:, :, start:end], p.transpose(-1, -2))  # (B, H, Bq, 2R+1)
             idx = (reach - dist).clamp(0, 2 * reach).expand(b, self.heads, -1, -1)
             bd = scores.gather(-1, idx) * self.scale
-            allowed = (dist.abs() <= window)[None, None] & valid[:, None, None, k0:k1]
+            if style == "chunked_limited":
+                behind = torch.div(qi, chunk, rounding_mode="floor")[:, None] - torch.div(
+                    kj, chunk, rounding_mode="floor")[None, :]
+                ok = (behind >= 0) & (behind <= back)
+            else:
+                ok = (dist <= left) & (-dist <= right)
+            allowed = ok[None, None] & valid[:, None, None, k0:k1]
             bd = bd.masked_fill(~allowed, _neg(bd.dtype))
             outs.append(attention(qu[:, :, start:end], k[:, :, k0:k1], v[:, :, k0:k1], mask=bd,
                                   scale=self.scale))
@@ -319,12 +337,13 @@ class FastConformerLayer(nn.Module):
         self.norm_feed_forward2 = LayerNorm(d)
         self.norm_out = LayerNorm(d)
 
-    def forward(self, x, pe, mask, valid, *, local_window: int = 0, cache: LayerCache | None = None):
+    def forward(self, x, pe, mask, valid, *, local: tuple[tuple[int, int], str] | None = None,
+                cache: LayerCache | None = None):
         x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
         h = self.norm_self_att(x)
         k = v = conv_in = None
-        if local_window > 0:
-            x = x + self.self_attn.forward_local(h, valid, local_window)
+        if local is not None:
+            x = x + self.self_attn.forward_local(h, valid, *local)
         else:
             a, k, v = self.self_attn(h, pe, mask, None if cache is None else cache.k,
                                      None if cache is None else cache.v)
@@ -366,25 +385,35 @@ class FastConformerEncoder(nn.Module):
         self.layers = nn.ModuleList(FastConformerLayer(c) for _ in range(c.num_layers))
         self.input_scale = math.sqrt(c.hidden_size) if c.scale_input else 1.0
 
+    #: longest input (encoder frames) a limited-context model encodes with a dense mask; longer
+    #: ones go block-wise (the same result, memory linear in the length)
+    dense_limit = 2048
+
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor, *, local_window: int = 0,
                 att_context: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, F) features -> (B, T', D) encoder frames and their lengths. ``att_context``
-        defaults to the model's; ``local_window > 0`` encodes with local attention instead."""
+        defaults to the model's; ``local_window > 0`` gives a full-context model local
+        attention of that many frames each side (block-wise)."""
         c = self.config
         x, lengths = self.subsampling(feats, lengths)
         x = x * self.input_scale
         b, t, _ = x.shape
         valid = torch.arange(t, device=x.device)[None, :] < lengths[:, None]
+        context = att_context or c.att_context
+        style = c.att_context_style
+        if context == (-1, -1) and local_window > 0:
+            context, style = (local_window, local_window), "regular"
+        limited = context != (-1, -1)
+        local = (context, style) if limited and (local_window > 0 or t > self.dense_limit) else None
         mask = pe = None
-        if local_window <= 0:
+        if local is None:
             pe = rel_pe(t - 1, -(t - 1), c.hidden_size, x.device, x.dtype)
-            ctx = context_mask(t, t, 0, att_context or c.att_context, c.att_context_style,
-                               x.device)
+            ctx = context_mask(t, t, 0, context, style, x.device)
             mask = valid[:, None, None, :] & valid[:, None, :, None]
             if ctx is not None:
                 mask = mask & ctx[None, None]
         for layer in self.layers:
-            x = layer(x, pe, mask, valid, local_window=local_window)[0]
+            x = layer(x, pe, mask, valid, local=local)[0]
         return x, lengths
 
     def forward_stream(self, x: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,

@@ -53,9 +53,12 @@ def test_cuda_equals_cpu_and_icefall(request, helpers, which) -> None:
         assert _tokens(gpu.transcribe(ws, opts)) == _tokens(cpu.transcribe(ws, opts))
     half = load_model(EngineConfig(ckpt_dir=str(path), device="cuda"))  # auto: float16
     assert half.dtype == torch.float16
-    same = sum(a == b for a, b in zip(_tokens(half.transcribe(ws, DecodingOptions())),
-                                      _tokens(cpu.transcribe(ws, DecodingOptions())), strict=True))
-    assert same >= 2  # fp16 may flip a near-tie in one utterance of random weights
+    import difflib
+
+    # fp16 may flip near-ties of random weights: most tokens agree
+    a = sum(_tokens(half.transcribe(ws, DecodingOptions())), [])
+    b = sum(_tokens(cpu.transcribe(ws, DecodingOptions())), [])
+    assert difflib.SequenceMatcher(a=a, b=b, autojunk=False).ratio() > 0.8
 
 
 def test_cuda_streaming_equals_cpu(causal_release, helpers) -> None:
@@ -92,6 +95,7 @@ def test_cuda_graph_greedy_equals_eager(offline_release, helpers) -> None:
         graphed = model.transcribe(ws, DecodingOptions(word_timestamps=True))
         model.cuda_graphs = False
         eager = model.transcribe(ws, DecodingOptions(word_timestamps=True))
-        assert _tokens(graphed) == _tokens(eager)
+        assert _tokens(graphed) == _tokens(eager)  # the same kernels, replayed
         assert [[w.start for w in t.segments[0].words] for t in graphed] == \
             [[w.start for w in t.segments[0].words] for t in eager]
+        assert max(len(t) for t in _tokens(graphed)) >= 5

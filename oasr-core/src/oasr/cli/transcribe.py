@@ -541,7 +541,7 @@ def _write(run: Run, targets: Any, results: dict[int, Any]) -> int:
 # -- the commands --------------------------------------------------------------------------------
 
 FilesArg = Annotated[list[Path], typer.Argument(help="Audio files (any common container).",
-                                                metavar="FILE...", show_default=False)]  # fmt: skip
+                                                metavar="FILE", show_default=False)]  # fmt: skip
 ModelOpt = Annotated[
     Optional[str],  # noqa: UP045 - typer reads annotations at run time
     typer.Option("--model", "-m", "--ckpt-dir", metavar="NAME|PATH|HUB_ID",

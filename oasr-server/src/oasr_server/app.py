@@ -11,8 +11,10 @@ errors in :mod:`oasr.errors` / :mod:`oasr_server.errors`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -115,6 +117,13 @@ class ServerState:
         self.streams -= 1
         self.metrics.streams_active.labels(api).dec()
         self.metrics.streams_total.labels(api, outcome).inc()
+        if self.streams == 0:
+            release_free_memory()
+            # and once more when the stream's last work (VAD, a final transcription) has ended
+            try:
+                asyncio.get_running_loop().call_later(2.0, release_free_memory)
+            except RuntimeError:  # no loop: a synchronous caller
+                pass
 
     async def vad_detector(self) -> Any:
         """The process-wide Silero detector (``oasr.vad.default_detector``), loaded in a thread
@@ -399,6 +408,30 @@ def _one_torch_thread() -> None:
     helper = threading.Thread(target=torch.set_num_threads, args=(default,))
     helper.start()
     helper.join()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand memory that is free inside the C allocator back to the OS. A stream's audio and the
+    VAD's intermediate tensors are freed when it ends, but glibc keeps the pages in its per-thread
+    arenas, so without this the server's RSS ratchets up with the largest streams it has seen
+    (measured: +300 MB over 170 fuzzed realtime sessions, none of it live objects). Called when
+    the last live stream closes; costs about a millisecond."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -623,9 +623,13 @@ class TDTGreedySearch:
     the token parts of the emitted tokens; ``durations`` the predicted frames per token."""
 
     def __init__(self, network: TransducerNetwork, durations: Sequence[int], batch_size: int = 1,
-                 *, blank_id: int, max_symbols_per_frame: int = 10) -> None:
+                 *, blank_id: int, max_symbols_per_frame: int = 10,
+                 sync_free: bool | None = None) -> None:
         _check_positive(batch_size, "batch_size")
         _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
+        #: every row stepped on the device, the host reading only a "still running?" flag every
+        #: few steps and the results at the end (default on CUDA); same hypotheses as the loop
+        self.sync_free = sync_free
         self.durations = [int(d) for d in durations]
         if not self.durations or min(self.durations) < 0:
             raise CheckpointError(
@@ -656,6 +660,10 @@ class TDTGreedySearch:
             if self._state is None:
                 self._state, self._decoder_out = _start(self.network, self.batch_size,
                                                         self.blank_id, enc.device)
+            sync_free = self.sync_free if self.sync_free is not None else enc.device.type == "cuda"
+            if sync_free:
+                self._step_on_device(enc, first)
+                return
             while True:
                 active = [b for b in range(self.batch_size) if self.time[b] < self.frames[b]]
                 if not active:
@@ -706,18 +714,93 @@ class TDTGreedySearch:
             self._state, self._decoder_out = _advance_rows(
                 self.network, self._state, self._decoder_out, emitted_rows, emitted_tokens)
 
+    def _step_on_device(self, enc: Any, first: list[int], check_every: int = 8) -> None:
+        """The loop of :meth:`_step_rows` over all rows at once on the device: every row is
+        joined at its pointer (finished rows are masked), emitted tokens are written to device
+        buffers, the prediction network advances for the emitting rows (``merge_state``); the
+        host reads one flag every ``check_every`` steps and the buffers at the end."""
+        import torch
+
+        dev = enc.device
+        n, width = self.batch_size, enc.shape[1]
+        rows = torch.arange(n, device=dev)
+        durations = torch.as_tensor(self.durations, dtype=torch.long, device=dev)
+        start = torch.as_tensor(first, dtype=torch.long, device=dev)
+        end = torch.as_tensor(self.frames, dtype=torch.long, device=dev)
+        time = torch.as_tensor(self.time, dtype=torch.long, device=dev)
+        last = torch.as_tensor(self._last_time, dtype=torch.long, device=dev)
+        run = torch.as_tensor(self._run, dtype=torch.long, device=dev)
+        score = torch.zeros(n, dtype=torch.float32, device=dev)
+        count = torch.zeros(n, dtype=torch.long, device=dev)
+        cap = width + 16  # emissions per row; grown when a row nears it
+        buffers = [torch.zeros(n, cap + 1, dtype=dt, device=dev) for dt in
+                   (torch.long, torch.long, torch.long, torch.float32)]  # token, time, dur, lp
+        blank = torch.full((n,), self.blank_id, dtype=torch.long, device=dev)
+        state, decoder_out = self._state, self._decoder_out
+        n_dur = len(self.durations)
+        while True:
+            for _ in range(check_every):
+                active = time < end
+                column = (time - start).clamp(0, width - 1)
+                logits = self.network.join(enc[rows, column], decoder_out).float()
+                n_tok = logits.shape[-1] - n_dur
+                if n_tok <= self.blank_id:
+                    raise CheckpointError(
+                        f"the joiner gives {logits.shape[-1]} logits, too few for blank id "
+                        f"{self.blank_id} and {n_dur} durations; check the TDT durations and "
+                        f"the vocabulary size of the model")
+                tok_logits, dur_logits = logits[:, :n_tok], logits[:, n_tok:]
+                token = tok_logits.argmax(-1)
+                d_index = dur_logits.argmax(-1)
+                lp = tok_logits.log_softmax(-1).gather(1, token[:, None])[:, 0]
+                dlp = dur_logits.log_softmax(-1).gather(1, d_index[:, None])[:, 0]
+                skip = durations[d_index]
+                score = score + torch.where(active, lp + dlp, torch.zeros_like(lp))
+                emit = active & (token != self.blank_id)
+                slot = torch.where(emit, count, torch.full_like(count, cap))[:, None]
+                for buf, value in zip(buffers, (token, time, skip, lp), strict=True):
+                    buf.scatter_(1, slot, value[:, None].to(buf.dtype))
+                count = count + emit.long()
+                run = torch.where(emit, torch.where(last == time, run + 1, torch.ones_like(run)), run)
+                last = torch.where(emit, time, last)
+                advance = torch.where(emit, skip, skip.clamp_min(1))
+                stuck = emit & (skip == 0) & (run >= self.max_symbols_per_frame)
+                time = torch.where(active, time + advance + stuck.long(), time)
+                out, new_state = self.network.predict(torch.where(emit, token, blank), state)
+                state = self.network.merge_state(state, new_state, emit)
+                decoder_out = torch.where(emit[:, None], out.to(decoder_out.dtype), decoder_out)
+            running, most = torch.stack([(time < end).any().long(), count.max()]).tolist()
+            if not running:
+                break
+            if most + check_every > cap:  # at most one emission per row and step
+                extra = max(cap, check_every)
+                buffers = [torch.cat([b[:, :cap], b.new_zeros(n, extra), b[:, cap:]], 1)
+                           for b in buffers]
+                cap += extra
+        self._state, self._decoder_out = state, decoder_out
+        self.time, self._last_time, self._run = time.tolist(), last.tolist(), run.tolist()
+        counts = count.tolist()
+        tokens, times, durs, lps = (b[:, :max(counts, default=0)].tolist() for b in buffers)
+        for b, (hyp, k, sc) in enumerate(zip(self._hyps, counts, score.tolist(), strict=True)):
+            hyp.score += sc
+            hyp.tokens += tokens[b][:k]
+            hyp.times += times[b][:k]
+            hyp.durations += durs[b][:k]
+            hyp.token_logprobs += lps[b][:k]
+
     def results(self) -> list[Hypothesis]:
         return [_copy(h) for h in self._hyps]
 
 
 def tdt_greedy_search(network: TransducerNetwork, encoder_out: Any,
                       lengths: Sequence[int] | Any | None = None, *, durations: Sequence[int],
-                      blank_id: int, max_symbols_per_frame: int = 10) -> list[Hypothesis]:
+                      blank_id: int, max_symbols_per_frame: int = 10,
+                      sync_free: bool | None = None) -> list[Hypothesis]:
     """Greedy TDT search of each utterance of a (B, T, D) batch (or one (T, D) input). See
     :class:`TDTGreedySearch`."""
     enc, lens = _batch(encoder_out, lengths)
     search = TDTGreedySearch(network, durations, enc.shape[0], blank_id=blank_id,
-                             max_symbols_per_frame=max_symbols_per_frame)
+                             max_symbols_per_frame=max_symbols_per_frame, sync_free=sync_free)
     search.step(enc, lens)
     return search.results()
 

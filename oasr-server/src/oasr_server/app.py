@@ -249,7 +249,11 @@ class ServerState:
             from oasr.model import HasDevice
 
             model = engine.model
-            device = model.device if isinstance(model, HasDevice) else getattr(engine.config, "device", "cpu")
+            device = (
+                model.device
+                if isinstance(model, HasDevice)
+                else getattr(engine.config, "device", "cpu")
+            )
             self.metrics.bind_gpu(str(device))
             if stream_engine is not None:
                 self.metrics.bind_engine_streams(lambda: stream_engine.open_streams)
@@ -366,20 +370,7 @@ class ServerState:
         if the engine has not started it. Cancelling the awaiting task drops the work too."""
         job: Job = worker.submit(audio, options, multi=multi)
         try:
-            while not job.future.done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RequestTimeoutError(
-                        f"the request was not answered within {self.config.request_timeout:g} s "
-                        "(--request-timeout); the server is overloaded or the audio is very long"
-                    )
-                await asyncio.wait({job.future}, timeout=min(remaining, DISCONNECT_POLL_S))
-                if (
-                    not job.future.done()
-                    and is_disconnected is not None
-                    and await is_disconnected()
-                ):
-                    raise ClientDisconnectedError("the client closed the connection")
+            await self._wait(job, deadline, is_disconnected, job.future)
             result = job.future.result()
         except asyncio.CancelledError:
             worker.abandon(job)
@@ -387,12 +378,89 @@ class ServerState:
         finally:
             if not job.future.done():
                 worker.abandon(job)  # timed out or the client went away: skip the work
+        self._observe(job)
+        return result
+
+    async def transcribe_pieces(
+        self,
+        worker: EngineWorker,
+        audio: np.ndarray,
+        options: DecodingOptions,
+        deadline: float,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[str | Any]:
+        """:meth:`transcribe` with the text as it is decoded: yields each new piece (``str``)
+        the model streams (token-streaming families), then the :class:`~oasr.types.Transcript`.
+        Families without partials yield the transcript only. Closing the iterator early drops
+        the work (the engine aborts it)."""
+        loop = asyncio.get_running_loop()
+        pieces: list[str] = []
+        arrived = asyncio.Event()
+
+        def take(text: str) -> None:
+            pieces.append(text)
+            arrived.set()
+
+        def on_partial(_k: int, text: str) -> None:  # the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(take, text)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
+
+        job: Job = worker.submit(audio, options, on_partial=on_partial)
+        waiter: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                # pieces are queued on the loop before the result (same thread, in order)
+                while pieces:
+                    yield pieces.pop(0)
+                if job.future.done():
+                    break
+                arrived.clear()
+                waiter = asyncio.ensure_future(arrived.wait())
+                await self._wait(job, deadline, is_disconnected, job.future, waiter)
+                waiter.cancel()
+            result = job.future.result()
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+            if not job.future.done():
+                worker.abandon(job)
+        self._observe(job)
+        yield result
+
+    async def _wait(
+        self,
+        job: Job,
+        deadline: float,
+        is_disconnected: Callable[[], Awaitable[bool]] | None,
+        *wake: asyncio.Future[Any],
+    ) -> None:
+        """Wait until one of ``wake`` is done; raise at ``deadline`` or when the client left."""
+        while not any(w.done() for w in wake):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeoutError(
+                    f"the request was not answered within {self.config.request_timeout:g} s "
+                    "(--request-timeout); the server is overloaded or the audio is very long"
+                )
+            await asyncio.wait(
+                set(wake), timeout=min(remaining, DISCONNECT_POLL_S),
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+            if (
+                not any(w.done() for w in wake)
+                and is_disconnected is not None
+                and await is_disconnected()
+            ):
+                raise ClientDisconnectedError("the client closed the connection")
+
+    def _observe(self, job: Job) -> None:
         waited = time.monotonic() - job.enqueued_at
         self.metrics.queue_wait.observe(waited)
         if self.engine is not None:
             samples = sum(a.shape[-1] for a in job.inputs)
             self.metrics.on_transcribed(samples / self.engine.sample_rate, waited)
-        return result
 
 
 def _one_torch_thread() -> None:

@@ -45,7 +45,9 @@ def serve_command(
     max_queue: Annotated[
         int,
         typer.Option(
-            "--max-queue", min=1, help="Requests that may wait for the engine (503 overloaded above)."
+            "--max-queue",
+            min=1,
+            help="Requests that may wait for the engine (503 overloaded above).",
         ),
     ] = 64,
     request_timeout: Annotated[

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -12,7 +13,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from oasr.errors import InvalidRequestError
+from oasr.errors import InvalidRequestError, OASRError
 from oasr.formats import CONTENT_TYPES, RESPONSE_FORMATS, render
 from oasr_server.app import ServerState, read_body
 from oasr_server.errors import NotReadyError, error_body
@@ -20,6 +21,8 @@ from oasr_server.multipart import Form, UploadedFile, boundary_of, parse_multipa
 
 if TYPE_CHECKING:
     from oasr.types import DecodingOptions, Transcript
+
+log = logging.getLogger("oasr_server")
 
 GRANULARITIES = ("word", "segment")
 #: form fields of OpenAI's transcription and translation requests; every other field is a
@@ -187,16 +190,55 @@ def _sse(event: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
-async def _stream_events(transcript: Transcript) -> AsyncIterator[bytes]:
-    for delta in _deltas(transcript.text):
-        yield _sse({"type": "transcript.text.delta", "delta": delta})
-    yield _sse(
+def _done_event(transcript: Transcript) -> bytes:
+    return _sse(
         {
             "type": "transcript.text.done",
             "text": transcript.text,
             "usage": {"type": "duration", "seconds": round(transcript.duration, 3)},
         }
     )
+
+
+async def _stream_events(transcript: Transcript) -> AsyncIterator[bytes]:
+    """A finished transcript as SSE: word deltas of its text, then the done event."""
+    for delta in _deltas(transcript.text):
+        yield _sse({"type": "transcript.text.delta", "delta": delta})
+    yield _done_event(transcript)
+
+
+async def _stream_pieces(
+    first: Any, rest: AsyncIterator[Any], state: ServerState
+) -> AsyncIterator[bytes]:
+    """SSE from :meth:`ServerState.transcribe_pieces`: one delta per piece as the model decodes
+    it, then the done event. The deltas add up to the final text: a model whose last pieces did
+    not reach it gets the rest as one more delta (or, with no pieces at all, word deltas of the
+    final text). A failure after the stream started is an ``error`` event (the status is sent)."""
+    from oasr.types import Transcript
+
+    sent = ""
+    item = first
+    try:
+        while not isinstance(item, Transcript):
+            if item:
+                sent += item
+                yield _sse({"type": "transcript.text.delta", "delta": item})
+            item = await rest.__anext__()
+        if not sent:
+            for delta in _deltas(item.text):
+                yield _sse({"type": "transcript.text.delta", "delta": delta})
+        elif item.text.startswith(sent) and len(item.text) > len(sent):
+            yield _sse({"type": "transcript.text.delta", "delta": item.text[len(sent) :]})
+        yield _done_event(item)
+    except OASRError as exc:
+        state.metrics_error(exc)
+        yield _sse({"type": "error", **error_body(exc)})
+    except Exception:  # noqa: BLE001 - the status line is sent: report it in the stream
+        log.exception("transcription stream failed")
+        err = OASRError("internal server error; the failure is in the server log")
+        yield _sse({"type": "error", **error_body(err)})
+    finally:
+        await rest.aclose()  # drops the engine work when the client went away
 
 
 def _chunking(form: Form) -> Any:
@@ -268,6 +310,22 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         # refuse what this model cannot do (family options included) before any decoding work
         options.validate_for(engine.model)
         audio = await state.decode(upload.data, engine.sample_rate, route)
+        if stream and chunking is None:
+            # token streaming: deltas go out as the model decodes them; a failure before the
+            # first piece (overloaded, a bad input) is still a plain HTTP error
+            pieces = state.transcribe_pieces(
+                worker, audio, options, deadline, request.is_disconnected
+            )
+            try:
+                first = await pieces.__anext__()
+            except BaseException:
+                await pieces.aclose()
+                raise
+            return StreamingResponse(
+                _stream_pieces(first, pieces, state),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         if chunking is not None:
             from oasr_server.chunking import transcribe_chunked
 

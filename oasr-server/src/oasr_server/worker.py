@@ -55,6 +55,9 @@ class Job:
     multi: bool = False
     #: the engine futures of this job's inputs (for abort)
     engine_futures: list[Any] = field(default_factory=list)
+    #: ``on_partial(k, text)``: each new piece of input ``k``'s text as it is decoded (token
+    #: streaming; called in the scheduler's thread; families without partials never call it)
+    on_partial: Callable[[int, str], None] | None = None
 
     @property
     def inputs(self) -> list[np.ndarray]:
@@ -130,11 +133,17 @@ class EngineWorker:
 
     # -- submission (event-loop side; never blocks) ------------------------------------------
     def submit(
-        self, audio: np.ndarray | list[np.ndarray], options: DecodingOptions, *, multi: bool = False
+        self,
+        audio: np.ndarray | list[np.ndarray],
+        options: DecodingOptions,
+        *,
+        multi: bool = False,
+        on_partial: Callable[[int, str], None] | None = None,
     ) -> Job:
-        """Queue one input (or, with ``multi``, a list of inputs answered by a list)."""
+        """Queue one input (or, with ``multi``, a list of inputs answered by a list);
+        ``on_partial``: see :attr:`Job.on_partial`."""
         loop = asyncio.get_running_loop()
-        job = Job(audio, options, loop, loop.create_future(), multi=multi)
+        job = Job(audio, options, loop, loop.create_future(), multi=multi, on_partial=on_partial)
         with self._submit_lock:
             if not self._accepting:
                 from oasr_server.errors import NotReadyError
@@ -252,7 +261,10 @@ class EngineWorker:
                 finish()
 
         try:
-            futures = self.engine.submit_many(inputs, job.options)
+            if job.on_partial is not None:
+                futures = self.engine.submit_many(inputs, job.options, on_partial=job.on_partial)
+            else:
+                futures = self.engine.submit_many(inputs, job.options)
         except BaseException as exc:  # noqa: BLE001 - this request fails alone (nothing queued)
             errors.append(exc)
             finish()

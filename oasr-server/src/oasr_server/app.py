@@ -666,6 +666,8 @@ def create_app(
 
     @app.exception_handler(OASRError)
     async def _oasr_error(request: Request, exc: OASRError) -> JSONResponse:
+        if isinstance(exc, ClientDisconnectedError):  # one line, no traceback (counted 499)
+            log.info("%s %s: %s (499)", request.method, request.url.path, exc.message)
         return error_response(exc, state)
 
     @app.exception_handler(StarletteHTTPException)

@@ -6,15 +6,18 @@ released, no renaming).
   input is the LFR feature width, so no attention residual) and ``encoders`` (the rest); each
   layer is pre-norm SANM self-attention (multi-head attention plus an FSMN memory: a depthwise
   convolution over the values) and a ReLU feed-forward; ``after_norm``.
-* ``predictor``: CIF predictor V2 (Paraformer) or V3 (BiCif: also a transposed-convolution
-  timestamp head upsampling time by ``upsample_times``).
+* ``predictor``: CIF predictor V2 (Paraformer) or V3 (BiCif, SeACo: also a timestamp head, a
+  transposed convolution upsampling time by ``upsample_times``, ``cnn`` or ``cnn_blstm``).
 * ``decoder``: Paraformer SANM decoder: ``decoders`` (FSMN self-memory + cross-attention),
   ``decoders2`` (FSMN only), ``decoders3`` (feed-forward only), ``after_norm``,
-  ``output_layer``. The training-time token embedding (``decoder.embed``) is loaded and unused.
+  ``output_layer``. Its token embedding (``decoder.embed``) serves training and SeACo's hotword
+  encoder only.
+* SeACo: ``bias_encoder`` (LSTM), ``lstm_proj`` (bidirectional only), ``seaco_decoder`` (a SANM
+  decoder without output layer, attending over the hotwords), ``hotword_output_layer``.
 
-Padding: encoder outputs past each row's length are zeroed before the predictor, so a row's
-result does not depend on the rows it is batched with (FunASR, which runs one input at a time,
-gives the same result as a batch of one).
+Padding: encoder outputs past each row's length are zeroed before the predictor and the
+timestamp head's BLSTM runs packed, so a row's result does not depend on the rows it is batched
+with: every row gets what FunASR gives for that input decoded alone.
 """
 
 from __future__ import annotations

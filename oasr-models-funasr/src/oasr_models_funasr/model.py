@@ -1,4 +1,5 @@
-"""``ParaformerASR``: FunASR Paraformer / BiCifParaformer as an OASR :class:`~oasr.model.ASRModel`.
+"""``ParaformerASR``: FunASR Paraformer / BiCifParaformer / SeacoParaformer as an OASR
+:class:`~oasr.model.ASRModel`.
 
 One non-autoregressive pass per batch: FunASR fbank + LFR + CMVN (core frontend, the release's
 ``am.mvn``) -> SANM encoder -> CIF predictor (token count and acoustic embeddings,
@@ -7,8 +8,11 @@ One non-autoregressive pass per batch: FunASR fbank + LFR + CMVN (core frontend,
 result does not depend on its batch.
 
 Timestamps (``word_timestamps=True``) follow FunASR: Paraformer's from the CIF fires of the
-predictor, BiCif's from its upsampled timestamp predictor; CJK characters are words, ``@@``
-pieces are joined into words (:mod:`oasr_models_funasr.text`).
+predictor, BiCif's and SeACo's from their upsampled timestamp predictor; CJK characters are words,
+``@@`` pieces are joined into words (:mod:`oasr_models_funasr.text`).
+
+Hotwords (SeACo checkpoints only; the others refuse them): FunASR's bias path, see
+:meth:`ParaformerASR._bias`.
 
 Long inputs (longer than ``max_segment_s``, by default; ``long_form="vad"`` for every input) are
 cut at the speech segments the core's VAD finds (Silero), each segment at most
@@ -87,7 +91,7 @@ def frontend_spec(fc: dict[str, Any]) -> FeatureSpec:
 
 
 class ParaformerASR:
-    """A loaded Paraformer (``model: Paraformer``) or BiCifParaformer."""
+    """A loaded Paraformer, BiCifParaformer or SeacoParaformer."""
 
     capabilities: ModelCapabilities = CAPABILITIES
 

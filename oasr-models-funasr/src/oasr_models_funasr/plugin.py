@@ -30,7 +30,7 @@ def register_architectures(register: Register) -> None:
         "oasr_models_funasr.model:ParaformerASR",
         capabilities=CAPABILITIES,
         source_formats=["funasr", "oasr"],
-        description="FunASR Paraformer / BiCifParaformer (non-autoregressive CIF, timestamps)",
+        description="FunASR Paraformer / BiCif / SeACo (non-autoregressive CIF, timestamps, hotwords)",
     )
 
 

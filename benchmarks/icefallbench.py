@@ -8,7 +8,8 @@ defaults of icefall's ``egs/librispeech/ASR/zipformer/train.py``; random weights
 icefall's release layout and loaded by OASR as released) on ``--batch`` inputs of ``--seconds``
 seconds: OASR's ``model.transcribe`` (fbank on the device, encoder, greedy search; the engine's
 dtype, fp16 on CUDA) against the package's ``AsrModel.forward_encoder`` + ``greedy_search`` (batched)
-(as icefall decodes: fp32, features given, so its fbank time is not even counted) in the same
+(as icefall decodes: fp32, features given, so its fbank time is not even counted; its Swoosh
+activations through ``torch.compile`` as the package does by default, on CUDA) in the same
 process. RTFx = audio seconds / wall seconds, best of ``--repeats`` after a warm-up.
 
 Streaming (causal variant of the same shape): N concurrent streams each fed 320 ms of audio per
@@ -123,10 +124,23 @@ def offline(args, ref, shape: dict) -> dict:
             enc, enc_lens = m.forward_encoder(feats32, lens_d)
             return ref.search.greedy_search(m, enc, enc_lens, max_sym_per_frame=1)
 
-        ref_s = _best(reference, args.repeats, args.device)
+        compiled = args.reference_compile
+        try:
+            ref_s = _best(reference, args.repeats, args.device)
+        except Exception as exc:  # noqa: BLE001 - torch.compile unavailable here: eager
+            if not compiled:
+                raise
+            print(f"reference with torch.compile failed ({type(exc).__name__}: {exc}); eager",
+                  file=sys.stderr)
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
+            compiled = False
+            ref_s = _best(reference, args.repeats, args.device)
     return {
         "shape": args.shape, "parameters": params, "batch": args.batch, "seconds": args.seconds,
         "oasr_dtype": str(model.dtype).replace("torch.", ""), "reference_dtype": "float32",
+        "reference_compiled_activations": compiled,
         "oasr_s": round(ours_s, 4), "reference_s": round(ref_s, 4),
         "oasr_rtfx": round(audio / ours_s, 1), "reference_rtfx": round(audio / ref_s, 1),
         "speedup": round(ref_s / ours_s, 2),
@@ -183,14 +197,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 128, 256])
     p.add_argument("--stream-seconds", type=float, default=6.4)
     p.add_argument("--skip-streaming", action="store_true")
+    p.add_argument("--reference-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the package's Swoosh activations through torch.compile, as it does by "
+                        "default (default: on CUDA)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     import torch
 
     torch.set_grad_enabled(False)  # PyTorch's default TF32 settings for both sides
+    if args.reference_compile is None:
+        args.reference_compile = args.device.startswith("cuda")
     shape = FULL if args.shape == "full" else TINY
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
-    with _reference_module().icefall_reference() as ref:
+    with _reference_module().icefall_reference(compile_activations=args.reference_compile) as ref:
         result["offline"] = offline(args, ref, shape)
         if not args.skip_streaming:
             result["streaming"] = streaming(args, ref, shape)

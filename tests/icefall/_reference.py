@@ -25,13 +25,14 @@ def _classes(*names: str) -> dict[str, type]:
 
 
 @contextlib.contextmanager
-def icefall_reference() -> Iterator[types.SimpleNamespace]:
+def icefall_reference(compile_activations: bool = False) -> Iterator[types.SimpleNamespace]:
     """Yields ``model`` (zipformer.modules.model), ``search`` (zipformer.decode.search) and
     ``zipformer`` (zipformer.modules.zipformer) imported from the installed package, with its
     training-only dependencies (atdataset, kaldialign, the ngram LM, tensorboard ...) replaced by
     small fakes in ``sys.modules``; everything is restored afterwards. ``torch.compile`` of the
     Swoosh activations is turned off (the package's own ``K2_ONNX_EXPORT`` switch) so the
-    reference runs eagerly."""
+    reference runs eagerly, unless ``compile_activations`` (the package's default, for the
+    benchmark)."""
     spec = importlib.util.find_spec("zipformer")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("the icefall reference is missing: pip install --no-deps zipformer==0.1.3")
@@ -39,7 +40,7 @@ def icefall_reference() -> Iterator[types.SimpleNamespace]:
     names = ("zipformer", "atdataset", "kaldialign")
     saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in names}
     old_env = os.environ.get("K2_ONNX_EXPORT")
-    os.environ["K2_ONNX_EXPORT"] = "1"
+    os.environ["K2_ONNX_EXPORT"] = "0" if compile_activations else "1"
     for name in saved:
         del sys.modules[name]
     root = _module("zipformer", package=True)

@@ -104,6 +104,13 @@ def _calibrate(model, fe, blank: int, device: str, kind: str) -> None:
         hidden = model.joint.activation(enc[:, None] + dec[None]).reshape(-1, dec.shape[-1])
         head = model.joint.head
         weight = head.weight.float()
+    _set_output_bias(head, hidden, blank, device, weight)
+
+
+def _set_output_bias(head, hidden, blank: int, device: str, weight=None) -> None:  # noqa: ANN001
+    import torch
+
+    weight = head.weight.float() if weight is None else weight
     vocab = blank + 1
     logits = hidden @ weight[:vocab].T
     bias = -logits.mean(0)
@@ -117,10 +124,11 @@ def _calibrate(model, fe, blank: int, device: str, kind: str) -> None:
     full[vocab:] = -50.0  # TDT durations: below every token (see tests/nemo) ...
     if head.bias.shape[0] > vocab:
         full[vocab] = -56.0  # ... and duration 0 rare, as in trained models
-    head.weight.mul_(scale)
-    if head.bias.shape[0] > vocab:  # keep the duration rows' spread as it was
-        head.weight[vocab:].div_(scale)
-    head.bias.copy_(full.to(head.bias.dtype))
+    with torch.no_grad():
+        head.weight.mul_(scale)
+        if head.bias.shape[0] > vocab:  # keep the duration rows' spread as it was
+            head.weight[vocab:].div_(scale)
+        head.bias.copy_(full.to(head.bias.dtype))
 
 
 def _build(kind: str, shape: dict, path: Path, device: str, dtype):
@@ -161,6 +169,93 @@ def _build(kind: str, shape: dict, path: Path, device: str, dtype):
     return model, fe
 
 
+REFERENCE = {"ctc": "ParakeetForCTC", "tdt": "ParakeetForTDT",
+             "nemotron": "NemotronAsrStreamingForRNNT"}
+
+
+def _has_reference(kind: str) -> bool:
+    try:
+        import transformers
+    except ImportError:
+        return False
+    return hasattr(transformers, REFERENCE[kind])
+
+
+def _build_without_transformers(kind: str, shape: dict, path: Path, device: str, dtype) -> None:
+    """The same Hugging Face layout written by OASR itself (random weights, the same
+    calibration) for a machine whose transformers lacks the class: OASR is then measured alone."""
+    import torch
+    from safetensors.torch import save_file
+
+    from oasr.features.nemo import NemoMel
+    from oasr.types import FeatureSpec
+    from oasr_models_nemo.config import NemoConfig
+    from oasr_models_nemo.nn import FastConformerNet
+
+    vocab = shape["vocab"]
+    head = "ctc" if kind == "ctc" else ("tdt" if kind == "tdt" else "rnnt")
+    streaming = kind == "nemotron"
+    cfg = NemoConfig(
+        head=head, vocab_size=vocab + 1, blank_id=vocab, hidden_size=shape["hidden_size"],
+        num_layers=shape["num_hidden_layers"], num_heads=shape["num_attention_heads"],
+        intermediate_size=shape["intermediate_size"],
+        subsampling_channels=shape["subsampling_conv_channels"],
+        num_mel_bins=shape["num_mel_bins"], decoder_hidden_size=shape["decoder_hidden_size"],
+        durations=(0, 1, 2, 3, 4) if head == "tdt" else (), streaming=streaming,
+        causal=streaming, conv_norm="layer_norm" if streaming else "batch_norm",
+        att_context=(70, 13) if streaming else (-1, -1),
+        att_context_style="chunked_limited" if streaming else "regular",
+        normalize=None if streaming else "per_feature")
+    torch.manual_seed(0)
+    net = FastConformerNet(cfg).to(device=device, dtype=dtype).eval()
+    mel = NemoMel(FeatureSpec(kind="nemo_mel", num_bins=cfg.num_mel_bins, n_fft=512,
+                              options={"normalize": cfg.normalize}))
+    feats, flens = mel.extract(torch.from_numpy(_waves(1, 4.0, seed=99)[0])[None])
+    enc, _ = net.encoder(feats.to(device, dtype), flens.to(device))
+    if head == "ctc":
+        hidden, out = enc[0].float(), net.ctc_head
+    else:
+        e = net.encoder_projector(enc[0]).float()
+        ids = torch.tensor([vocab, *range(1, vocab, max(1, vocab // 15))], device=device)
+        z = torch.zeros(cfg.num_decoder_layers, len(ids), cfg.decoder_hidden_size, device=device,
+                        dtype=dtype)
+        dec = net.decoder(ids, (z, z.clone()))[0].float()
+        hidden = torch.relu(e[:, None] + dec[None]).reshape(-1, dec.shape[-1])
+        out = net.joint.head
+    _set_output_bias(out, hidden, vocab, device)
+    state = {}
+    for key, value in net.state_dict().items():
+        if key.endswith(("pointwise_conv1.weight", "pointwise_conv2.weight")) or key == "ctc_head.weight":
+            value = value[..., None]
+        parts = key.split(".")
+        if key.startswith("decoder.lstm."):  # cells -> nn.LSTM names
+            key = f"decoder.lstm.{parts[3]}_l{parts[2]}"
+        if streaming and key.startswith("encoder.subsampling.layers."):
+            i = int(parts[3])
+            rest = ".".join(parts[4:])
+            key = ("encoder.subsampling.conv_in." + rest if i == 0 else
+                   f"encoder.subsampling.layers.{(i - 2) // 3}."
+                   f"{'pointwise' if (i - 2) % 3 else 'depthwise'}_conv.{rest}")
+        state[key] = value.detach().cpu().contiguous()
+    save_file(state, str(path / "model.safetensors"))
+    enc_cfg = {**_encoder_config(shape), "subsampling_factor": 8, "subsampling_conv_kernel_size": 3,
+               "subsampling_conv_stride": 2, "conv_kernel_size": 9}
+    if streaming:
+        enc_cfg.update(sliding_window=71, default_num_lookahead_tokens=13)
+    body = {"model_type": {"ctc": "parakeet_ctc", "tdt": "parakeet_tdt"}.get(kind, "nemotron_asr_streaming"),
+            "vocab_size": vocab + 1, "pad_token_id": vocab, "blank_token_id": vocab,
+            "decoder_hidden_size": shape["decoder_hidden_size"], "num_decoder_layers": 2,
+            "encoder_config": enc_cfg}
+    if head == "tdt":
+        body["durations"] = [0, 1, 2, 3, 4]
+    (path / "config.json").write_text(json.dumps(body))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "feature_size": shape["num_mel_bins"], "sampling_rate": SR, "hop_length": 160,
+        "n_fft": 512, "win_length": 400, "preemphasis": 0.97}))
+    pieces = ["<unk>"] + [f"\u2581t{i}" for i in range(vocab - 1)]
+    (path / "vocab.txt").write_text("".join(p + "\n" for p in pieces))
+
+
 def _hf_tokens(kind: str, out, lengths: list[int], blank: int) -> list[list[int]]:
     rows = []
     if kind == "ctc":
@@ -189,17 +284,28 @@ def offline(args, kind: str, shape: dict) -> dict:
 
     dtype = torch.float16 if args.device.startswith("cuda") and args.dtype == "auto" else (
         torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
+    have_ref = _has_reference(kind)
     with tempfile.TemporaryDirectory() as tmp:
-        ref, fe = _build(kind, shape, Path(tmp), args.device, dtype)
+        if have_ref:
+            ref, fe = _build(kind, shape, Path(tmp), args.device, dtype)
+        else:
+            _build_without_transformers(kind, shape, Path(tmp), args.device, dtype)
         model = load_model(EngineConfig(ckpt_dir=tmp, device=args.device,
                                         dtype=str(dtype).replace("torch.", "")))
-    params = sum(p.numel() for p in ref.parameters())
+    params = sum(p.numel() for p in model.net.parameters())
     waves = _waves(args.batch, args.seconds)
     audio = args.batch * args.seconds
     blank = shape["vocab"]
     # max_symbols_per_frame: transformers' TDT loop has none
     opts = DecodingOptions(model_options={"max_symbols_per_frame": 10_000} if kind == "tdt" else {})
     ours_s, ours = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
+    ours_tokens = [t.segments[0].tokens if t.segments else [] for t in ours]
+    if not have_ref:
+        return {"kind": kind, "parameters": params, "batch": args.batch, "seconds": args.seconds,
+                "dtype": str(dtype).replace("torch.", ""), "oasr_s": round(ours_s, 4),
+                "oasr_rtfx": round(audio / ours_s, 1),
+                "transformers": f"missing {REFERENCE[kind]}: OASR measured alone",
+                "tokens_per_input": round(sum(map(len, ours_tokens)) / len(ours_tokens), 1)}
     t0 = time.perf_counter()
     inp = fe(waves, sampling_rate=SR, return_tensors="pt")
     fe_s = time.perf_counter() - t0
@@ -220,7 +326,6 @@ def offline(args, kind: str, shape: dict) -> dict:
 
         ref_s, ref_out = _best(reference, max(1, args.repeats - 1), args.device)
     ref_tokens = _hf_tokens(kind, ref_out, lengths, blank)
-    ours_tokens = [t.segments[0].tokens if t.segments else [] for t in ours]
     check = min(args.check, args.batch)
     return {
         "kind": kind, "parameters": params, "batch": args.batch, "seconds": args.seconds,
@@ -247,8 +352,10 @@ def streaming(args, shape: dict) -> dict:
     out = {"lookahead": r, "chunk_ms": chunk * 1000 // SR, "max_symbols_per_frame": args.max_symbols,
            "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        ref, _ = _build("nemotron", shape, Path(tmp), args.device, dtype)
-        del ref
+        if _has_reference("nemotron"):
+            del _build("nemotron", shape, Path(tmp), args.device, dtype)[0]
+        else:
+            _build_without_transformers("nemotron", shape, Path(tmp), args.device, dtype)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         for n in args.streams:
@@ -301,8 +408,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     import torch
-    import transformers
 
+    try:
+        import transformers
+
+        version = transformers.__version__
+    except ImportError:
+        version = None
     torch.set_grad_enabled(False)
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -310,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = SHAPES[args.shape]
     result = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__, "transformers": version,
         "shape": args.shape, "offline": [],
     }
     for kind in args.kinds.split(","):

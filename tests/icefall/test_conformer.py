@@ -69,3 +69,17 @@ def test_native_round_trip(model, helpers, tmp_path) -> None:
     ws = helpers.waves(2)
     assert [t.text for t in again.transcribe(ws, DecodingOptions())] == \
         [t.text for t in model.transcribe(ws, DecodingOptions())]
+
+
+def test_unknown_variant_refused(tmp_path) -> None:
+    """Tensors the stateless2 layout lacks (another recipe's variant) are named, not ignored."""
+    import shutil
+
+    from oasr.errors import CheckpointError
+
+    shutil.copytree(DATA, tmp_path / "variant")
+    sd = torch.load(DATA / "exp" / "pretrained.pt", weights_only=True)["model"]
+    sd["encoder.encoder.combiner.linear.weight"] = torch.zeros(2, 2)
+    torch.save({"model": sd}, tmp_path / "variant" / "exp" / "pretrained.pt")
+    with pytest.raises(CheckpointError, match="encoder.encoder.combiner.linear.weight"):
+        load_model(EngineConfig(ckpt_dir=str(tmp_path / "variant")))

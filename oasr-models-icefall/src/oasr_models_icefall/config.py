@@ -90,7 +90,8 @@ def infer_config(state: dict[str, Any], override: dict[str, Any] | None = None) 
     stacks = sorted({int(m.group(1)) for k in state if (m := re.match(r"encoder\.encoders\.(\d+)\.", k))})
     if not stacks or "encoder_embed.out.weight" not in state:
         raise CheckpointError("the checkpoint has no encoder.encoders.* / encoder_embed.* tensors: it is "
-                              "not an icefall Zipformer (zipformer recipe) state dict")
+                              "not an icefall Zipformer (zipformer recipe) state dict; oasr-models-icefall "
+                              "loads the zipformer recipe and the pruned_transducer_stateless2 Conformer")
     dims, layers, ds, heads, qd, pd, vd, ffs, kernels = [], [], [], [], [], [], [], [], []
     causal = False
     pos_dim = None

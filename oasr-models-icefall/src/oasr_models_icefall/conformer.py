@@ -309,8 +309,21 @@ def infer_conformer_config(state: dict[str, Any], override: dict[str, Any] | Non
 
 
 def convert_conformer_state(state: dict[str, Any], cfg: ConformerConfig) -> dict[str, torch.Tensor]:
-    """icefall names and scales -> this module's plain weights."""
+    """icefall names and scales -> this module's plain weights. Encoder, decoder or joiner
+    tensors this layout does not know (another recipe's variant) are refused by name."""
     out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+
+    class _Seen(dict):
+        def __getitem__(self, key: str) -> Any:
+            used.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key: str, default: Any = None) -> Any:
+            used.add(key)
+            return super().get(key, default)
+
+    state = _Seen(state)
 
     def put(dst: str, src: str, *, bias: bool = True, squeeze: bool = False) -> None:
         for name, t in _scaled(state, src, bias).items():
@@ -344,6 +357,12 @@ def convert_conformer_state(state: dict[str, Any], cfg: ConformerConfig) -> dict
         out["decoder.conv.weight"] = _scaled(state, "decoder.conv", bias=False)["weight"]
     for p in ("encoder_proj", "decoder_proj", "output_linear"):
         put(f"joiner.{p}", f"joiner.{p}")
+    unknown = sorted(k for k in state if k.startswith(("encoder.", "decoder.", "joiner.")) and k not in used)
+    if unknown:
+        raise CheckpointError(
+            f"this conformer checkpoint has tensors the pruned_transducer_stateless2 layout does not "
+            f"have ({', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''}): a recipe variant "
+            f"oasr-models-icefall does not load yet")
     return out
 
 

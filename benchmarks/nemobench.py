@@ -353,7 +353,7 @@ def streaming(args, shape: dict) -> dict:
            "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         if _has_reference("nemotron"):
-            del _build("nemotron", shape, Path(tmp), args.device, dtype)[0]
+            _build("nemotron", shape, Path(tmp), args.device, dtype)  # (the model is dropped)
         else:
             _build_without_transformers("nemotron", shape, Path(tmp), args.device, dtype)
         if args.device.startswith("cuda"):

@@ -96,9 +96,9 @@ def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamSt
         search = None
     n_strided = model.net.encoder.subsampling.num_strided
     state = NemotronStreamState(
-        options=options, lookahead=r, mel=model.mel.stream(), search=search, hop=c.hop_length,
+        options=options, lookahead=r, mel=model.mel.stream(model.device), search=search, hop=c.hop_length,
         window_extra=max(0, c.n_fft - c.n_fft // 2 - c.hop_length),
-        subsampling=c.subsampling_factor, feats=torch.zeros(0, c.num_mel_bins),
+        subsampling=c.subsampling_factor, feats=torch.zeros(0, c.num_mel_bins, device=model.device),
         layer_out=[0] * n_strided)
     if search is None:  # the prediction network after its start symbol (blank), as NeMo starts
         net = model.transducer
@@ -129,11 +129,11 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
         a = as_mono_waveform(chunk, f"chunk #{k}") if chunk is not None and len(chunk) else None
         if a is not None:
             st.samples_received += len(a)
-            new = st.mel.accept(torch.from_numpy(a)).cpu()
+            new = st.mel.accept(torch.from_numpy(a))  # on the model's device
             st.feats = torch.cat([st.feats, new.to(st.feats.dtype)])
             st.mel_frames += new.shape[0]
         if last:
-            tail = st.mel.finish().cpu()
+            tail = st.mel.finish()
             st.feats = torch.cat([st.feats, tail.to(st.feats.dtype)])
             st.mel_frames += tail.shape[0]
         pending.append(_take_chunks(st, bool(last)))
@@ -167,7 +167,7 @@ def _take_chunks(st: NemotronStreamState, last: bool) -> list[tuple[torch.Tensor
         _mark_started(st)
     if last and (st.feats.shape[0] or not out):
         n = st.chunk_frames
-        pad = torch.zeros(n - st.feats.shape[0], st.feats.shape[1], dtype=st.feats.dtype)
+        pad = st.feats.new_zeros(n - st.feats.shape[0], st.feats.shape[1])
         out.append((torch.cat([st.feats, pad]), True))
         st.frames_consumed += st.feats.shape[0]
         st.feats = st.feats[:0]

@@ -142,6 +142,8 @@ def load_nemo(path: Path) -> tuple[NemoConfig, dict[str, torch.Tensor], Sentence
         raise CheckpointError(f"{where} has no SentencePiece tokenizer (*.model); character "
                               f"vocabularies are not supported")
     tokenizer = SentencePieceDecoder(*read_sentencepiece_model(members[pick], pick))
+    if config.is_transducer:  # hybrid TDT/RNN-T + CTC models: the auxiliary CTC head is unused
+        state = {k: v for k, v in state.items() if not k.startswith("ctc_decoder.")}
     return config, to_oasr_state(rename_nemo(state)), tokenizer
 
 

@@ -116,6 +116,7 @@ def _random_value(rng: random.Random) -> str:
         "", "0", "-1", "1e308", "nan", "inf", "true", "maybe", "[]", "{}", '{"type": "server_vad"',
         "auto", "verbose_json", "srt", "word", "en", "zz", "\x00\x01", "😀" * 50,
         "9" * 400, "x" * rng.randint(1, 9000), str(rng.random()), str(rng.randint(-10**9, 10**9)),
+        '{"a": ' * 1000 + "1" + "}" * 1000,  # deep JSON (issue #26: a RecursionError 500)
     ])  # fmt: skip
 
 
@@ -220,8 +221,13 @@ def _fuzz_realtime(rng: random.Random, port: int, clips: dict[str, bytes], stats
         assert first["type"] in ("session.created", "transcription_session.created"), first
         frames: list[Any] = []
         for _ in range(rng.randint(1, 12)):
-            choice = rng.randrange(9)
-            if choice == 0:
+            choice = rng.randrange(10)
+            if choice == 9:  # deeply nested JSON (issue #26: RecursionError killed the session)
+                depth = rng.choice([40, 1000, 5000])
+                frames.append(
+                    '{"type": "session.update", "session": ' + "[" * depth + "]" * depth + "}"
+                )
+            elif choice == 0:
                 frames.append(rng.randbytes(rng.randint(1, 2000)))  # binary frame
             elif choice == 1:
                 frames.append("not json" * rng.randint(1, 50))

@@ -15,12 +15,12 @@ also cut at ``max_speech_s`` = 30 s so each fits one Whisper window.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oasr.errors import InvalidRequestError
+from oasr_server import jsonsafe
 
 if TYPE_CHECKING:
     import numpy as np
@@ -98,7 +98,9 @@ def parse_chunking_strategy(
                 param=PARAM,
             )
         try:
-            obj = json.loads(text)
+            obj = jsonsafe.loads(text)
+        except jsonsafe.JSONTooDeepError as exc:
+            raise InvalidRequestError(f"{PARAM}: {exc}", param=PARAM) from None
         except ValueError:
             raise InvalidRequestError(f"{PARAM} is not valid JSON", param=PARAM) from None
     if not isinstance(obj, dict):

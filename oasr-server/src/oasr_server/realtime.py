@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from oasr.errors import InvalidRequestError, OASRError
+from oasr_server import jsonsafe
 from oasr_server.streaming import InputFormat, StreamEvent, TurnStream, VADSettings, new_id
 
 if TYPE_CHECKING:
@@ -577,7 +578,12 @@ class RealtimeSession:
     # -- client events -----------------------------------------------------------------------
     async def _dispatch(self, text: str) -> None:
         try:
-            event = json.loads(text)
+            event = jsonsafe.loads(text)
+        except jsonsafe.JSONTooDeepError as exc:
+            self.send_error(
+                RealtimeError(f"The client event is not valid: {exc}.", code="invalid_json")
+            )
+            return
         except ValueError:
             event = None
         if not isinstance(event, dict):

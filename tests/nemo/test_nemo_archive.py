@@ -106,12 +106,22 @@ def _nemo_config(kind: str, cfg) -> dict:  # noqa: ANN001 - a transformers confi
     return out
 
 
-def write_nemo(path: Path, kind: str, model: torch.nn.Module) -> Path:
-    """A .nemo archive of ``model``'s weights under NeMo's names."""
+def write_nemo(path: Path, kind: str, model: torch.nn.Module, hybrid: bool = False) -> Path:
+    """A .nemo archive of ``model``'s weights under NeMo's names (``hybrid``: with the auxiliary
+    CTC head of NeMo's hybrid transducer + CTC models)."""
     buf = io.BytesIO()
-    torch.save(_nemo_state(model, kind == "nemotron"), buf)
+    state = _nemo_state(model, kind == "nemotron")
+    config = _nemo_config(kind, model.config)
+    if hybrid:
+        hidden = model.config.encoder_config.hidden_size
+        state["ctc_decoder.decoder_layers.0.weight"] = torch.randn(VOCAB + 1, hidden, 1)
+        state["ctc_decoder.decoder_layers.0.bias"] = torch.randn(VOCAB + 1)
+        config["aux_ctc"] = {"ctc_loss_weight": 0.3, "decoder": {
+            "_target_": "nemo.collections.asr.modules.ConvASRDecoder", "feat_in": hidden,
+            "num_classes": VOCAB}}
+    torch.save(state, buf)
     files = {
-        "./model_config.yaml": yaml.safe_dump(_nemo_config(kind, model.config)).encode(),
+        "./model_config.yaml": yaml.safe_dump(config).encode(),
         "./model_weights.ckpt": buf.getvalue(),
         "./3f2a_tokenizer.model": TOKENIZER.read_bytes(),
         "./3f2a_vocab.txt": b"",
@@ -174,3 +184,13 @@ def test_bad_archives_are_clear_errors(tmp_path) -> None:
         tar.addfile(info, io.BytesIO(data))
     with pytest.raises(CheckpointError, match="model_weights.ckpt"):
         NemoASR.from_nemo(partial)
+
+
+def test_hybrid_tdt_ctc_archive(hf_checkpoints, waves, tmp_path) -> None:
+    from oasr_models_nemo.model import NemoASR
+
+    ck = hf_checkpoints["tdt"]
+    model = NemoASR.from_nemo(write_nemo(tmp_path / "hybrid.nemo", "tdt", ck.model, hybrid=True))
+    assert type(model).__name__ == "ParakeetTDT"
+    assert [t.text for t in model.transcribe(waves, DecodingOptions())] == \
+        [t.text for t in NemoASR.from_hf(ck.path).transcribe(waves, DecodingOptions())]

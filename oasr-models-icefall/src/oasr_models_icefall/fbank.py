@@ -31,7 +31,8 @@ class CenteredFbankStream:
         """Samples needed before ``frames`` frames are complete."""
         return 0 if frames <= 0 else (frames - 1) * self.hop - self.lead + self.win
 
-    def _frames(self, first: int, last: int, total: int | None) -> torch.Tensor:
+    def _raw(self, first: int, last: int, total: int | None) -> torch.Tensor:
+        """Samples of frames ``first .. last - 1``, (n, win), scaled."""
         t = torch.arange(first, last)
         idx = (t * self.hop - self.lead)[:, None] + torch.arange(self.win)[None, :]
         idx = torch.where(idx < 0, -idx - 1, idx)
@@ -39,9 +40,7 @@ class CenteredFbankStream:
             idx = torch.where(idx >= total, 2 * total - 1 - idx, idx)
             idx = idx.clamp(0, total - 1)
         frames = self.buffer[idx - self.buffer_start]
-        if self.scale != 1.0:
-            frames = frames * self.scale
-        return self.fbank.compute_frames(frames)
+        return frames * self.scale if self.scale != 1.0 else frames
 
     def _trim(self) -> None:
         keep_from = max(0, self.emitted * self.hop - self.lead)
@@ -51,8 +50,9 @@ class CenteredFbankStream:
             self.buffer = self.buffer[keep_from - self.buffer_start :]
             self.buffer_start = keep_from
 
-    def accept(self, chunk: torch.Tensor) -> torch.Tensor:
-        """New samples -> the frames they complete, (n, dim)."""
+    def accept_raw(self, chunk: torch.Tensor) -> torch.Tensor:
+        """New samples -> the raw windows of the frames they complete, (n, win): several
+        streams' windows go through ``KaldiFbank.compute_frames`` in one call."""
         chunk = torch.as_tensor(chunk, dtype=torch.float32).reshape(-1)
         self.buffer = torch.cat([self.buffer, chunk])
         self.received += chunk.numel()
@@ -60,17 +60,25 @@ class CenteredFbankStream:
         if self.received >= self.win - self.lead:
             ready = (self.received + self.lead - self.win) // self.hop + 1
         if ready <= self.emitted:
-            return torch.zeros(0, self.fbank.dim)
-        out = self._frames(self.emitted, ready, None)
+            return torch.zeros(0, self.win)
+        out = self._raw(self.emitted, ready, None)
         self.emitted = ready
         self._trim()
         return out
 
-    def finish(self) -> torch.Tensor:
-        """The last frames (reflected at the end of the signal)."""
+    def finish_raw(self) -> torch.Tensor:
+        """Raw windows of the last frames (reflected at the end of the signal)."""
         total = self.fbank.num_frames(self.received)
         if total <= self.emitted or self.received == 0:
-            return torch.zeros(0, self.fbank.dim)
-        out = self._frames(self.emitted, total, self.received)
+            return torch.zeros(0, self.win)
+        out = self._raw(self.emitted, total, self.received)
         self.emitted = total
         return out
+
+    def accept(self, chunk: torch.Tensor) -> torch.Tensor:
+        """New samples -> the frames they complete, (n, dim)."""
+        return self.fbank.compute_frames(self.accept_raw(chunk))
+
+    def finish(self) -> torch.Tensor:
+        """The last frames (reflected at the end of the signal)."""
+        return self.fbank.compute_frames(self.finish_raw())

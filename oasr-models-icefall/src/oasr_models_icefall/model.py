@@ -424,11 +424,10 @@ class _IcefallASR:
             st.feats = st.feats[2 * st.chunk :]
             st.frames_consumed += 2 * st.chunk
         if last:
-            rest = st.fbank.finish()
             if st.fbank.emitted == 0:  # not one fbank frame: nothing to say (as offline)
                 return out
             tail = torch.full((STREAM_PAD, self.fbank.dim), LOG_EPS)
-            st.feats = torch.cat([st.feats, rest, tail])
+            st.feats = torch.cat([st.feats, tail])
             while st.feats.shape[0] > 0:
                 w = st.feats[: st.window]
                 if w.shape[0] < st.window:
@@ -442,16 +441,22 @@ class _IcefallASR:
                     is_last: Sequence[bool]) -> list[StreamingUpdate]:  # fmt: skip
         if not len(states) == len(chunks) == len(is_last):
             raise InvalidRequestError("states, chunks and is_last must have the same length")
-        pending = []
+        raw: list[torch.Tensor] = []
         for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
             if st.finished:
                 raise InvalidRequestError("this stream already finished; start a new one")
             a = np.zeros(0, np.float32) if chunk is None or not len(chunk) else as_mono_waveform(chunk, f"chunk #{k}")
-            if a.size:
-                st.samples_received += a.size
-                new = st.fbank.accept(torch.from_numpy(a))
-                if new.shape[0]:
-                    st.feats = torch.cat([st.feats, new])
+            st.samples_received += a.size
+            frames = st.fbank.accept_raw(torch.from_numpy(a)) if a.size else torch.zeros(0, st.fbank.win)
+            if last:
+                frames = torch.cat([frames, st.fbank.finish_raw()])
+            raw.append(frames)
+        # the new fbank frames of every stream in one call
+        feats = self.fbank.compute_frames(torch.cat(raw)).split([r.shape[0] for r in raw])
+        pending = []
+        for st, new, last in zip(states, feats, is_last, strict=True):
+            if new.shape[0]:
+                st.feats = torch.cat([st.feats, new])
             pending.append(self._windows(st, bool(last)))
         for r in range(max((len(p) for p in pending), default=0)):
             groups: dict[tuple[int, int], list[int]] = {}

@@ -28,25 +28,27 @@ def clips() -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="session")
-def releases(tmp_path_factory) -> dict[str, Path]:
+def releases(tmp_path_factory, clips) -> dict[str, Path]:
     """name -> release directory: ``zh`` (Paraformer, CJK characters), ``en`` (Paraformer,
     ``@@`` BPE pieces), ``bicif`` (BiCifParaformer, CJK characters), ``seaco`` (SeacoParaformer
     with the BiCif timestamp predictor, CJK characters); BiCif and SeACo with the released
-    ``cnn_blstm`` timestamp head, ``bicif_cnn`` with the plain ``cnn`` one."""
+    ``cnn_blstm`` timestamp head, ``bicif_cnn`` with the plain ``cnn`` one. Their ``am.mvn``
+    holds the clips' feature statistics."""
     from oasr_models_funasr.testing import en_tokens, write_release, zh_tokens
 
     root = tmp_path_factory.mktemp("funasr")
+    audio = list(clips.values())
+
+    def rel(name: str, **kw) -> Path:  # noqa: ANN003
+        return write_release(root / name, cmvn_audio=audio, **kw)
+
     return {
-        "zh": write_release(root / "zh", tokens=zh_tokens(), seed=1),
-        "en": write_release(root / "en", tokens=en_tokens(), seed=2),
-        "bicif": write_release(root / "bicif", model="BiCifParaformer", tokens=zh_tokens(), seed=3),
-        "seaco": write_release(root / "seaco", model="SeacoParaformer", tokens=zh_tokens(), seed=4),
-        "bicif_cnn": write_release(
-            root / "bicif_cnn",
-            model="BiCifParaformer",
-            tokens=zh_tokens(),
-            seed=5,
-            upsample_type="cnn",
+        "zh": rel("zh", tokens=zh_tokens(), seed=1),
+        "en": rel("en", tokens=en_tokens(), seed=2),
+        "bicif": rel("bicif", model="BiCifParaformer", tokens=zh_tokens(), seed=3),
+        "seaco": rel("seaco", model="SeacoParaformer", tokens=zh_tokens(), seed=4),
+        "bicif_cnn": rel(
+            "bicif_cnn", model="BiCifParaformer", tokens=zh_tokens(), seed=5, upsample_type="cnn"
         ),  # fmt: skip
     }
 

@@ -178,9 +178,20 @@ def _config(
     return raw
 
 
-def write_am_mvn(path: Path, dim: int, rng: np.random.Generator) -> None:
-    shift = -(rng.normal(10.0, 2.0, dim)).astype(np.float32)
-    rescale = (1.0 / rng.uniform(2.0, 5.0, dim)).astype(np.float32)
+def write_am_mvn(
+    path: Path,
+    dim: int,
+    rng: np.random.Generator,
+    stats: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
+    """FunASR's ``am.mvn``: from (mean, std) of real features when given (what a recipe
+    computes), else random values of the usual size."""
+    if stats is not None:
+        shift = (-stats[0]).astype(np.float32)
+        rescale = (1.0 / np.maximum(stats[1], 1e-3)).astype(np.float32)
+    else:
+        shift = -(rng.normal(10.0, 2.0, dim)).astype(np.float32)
+        rescale = (1.0 / rng.uniform(2.0, 5.0, dim)).astype(np.float32)
     fmt = lambda v: " ".join(f"{x:.6f}" for x in v)  # noqa: E731
     path.write_text(
         "<Nnet>\n"
@@ -190,6 +201,21 @@ def write_am_mvn(path: Path, dim: int, rng: np.random.Generator) -> None:
         "</Nnet>\n",
         encoding="utf-8",
     )
+
+
+def _feature_stats(
+    audio: Sequence[np.ndarray], raw: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray]:
+    import torch
+
+    from oasr.features.funasr import FunASRFbankLFR
+    from oasr_models_funasr.model import frontend_spec
+
+    fe = FunASRFbankLFR(frontend_spec(raw["frontend_conf"]))
+    feats = torch.cat(
+        [fe.extract(torch.from_numpy(np.asarray(a, np.float32))[None])[0][0] for a in audio]
+    )
+    return feats.mean(0).numpy(), feats.std(0).numpy()
 
 
 def write_release(
@@ -205,9 +231,12 @@ def write_release(
     logit_scale: float = 8.0,
     seaco_no_bias: float = 3.0,
     upsample_type: str = "cnn_blstm",
+    cmvn_audio: Sequence[np.ndarray] | None = None,
 ) -> Path:
     """Write a random-weight release into ``dst`` (created) and return it. BiCif and SeACo
-    releases use the timestamp head FunASR's released models have (``cnn_blstm``)."""
+    releases use the timestamp head FunASR's released models have (``cnn_blstm``).
+    ``cmvn_audio``: 16 kHz waveforms whose LFR feature statistics become ``am.mvn`` (normalised
+    features make a random model's tokens far more varied)."""
     import torch
     import yaml
 
@@ -251,7 +280,9 @@ def write_release(
     (dst / "seg_dict").write_text(
         "".join(f"{t} {t}\n" for t in tokens if not t.startswith("<")), encoding="utf-8"
     )
-    write_am_mvn(dst / "am.mvn", 80 * lfr_m, rng)
+    write_am_mvn(
+        dst / "am.mvn", 80 * lfr_m, rng, _feature_stats(cmvn_audio, raw) if cmvn_audio else None
+    )
     (dst / "configuration.json").write_text(
         json.dumps(
             {

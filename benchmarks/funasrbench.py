@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             dims = LARGE if args.shape == "large" else TINY
             ckpt = write_release(Path(tmp) / "release", model=args.model, dims=dims,
-                                 tokens=zh_tokens(8400 if args.shape == "large" else 200))  # fmt: skip
+                                 tokens=zh_tokens(8400 if args.shape == "large" else 200),
+                                 cmvn_audio=waves[: len(CLIPS)])  # fmt: skip
         out["write_release_s"] = round(time.perf_counter() - t0, 2)
         cfg = EngineConfig(ckpt_dir=str(ckpt), device=args.device, dtype=args.dtype,
                            max_batch_size=args.batch)  # fmt: skip

@@ -34,11 +34,13 @@ LOG_EPS = math.log(1e-10)  # icefall's feature padding value
 
 
 def swoosh_l(x: torch.Tensor) -> torch.Tensor:
-    return F.softplus(x - 4.0) - 0.08 * x - 0.035
+    """``log(1 + exp(x - 4)) - 0.08 x - 0.035`` (four elementwise passes)."""
+    return torch.add(F.softplus(x - 4.0), x, alpha=-0.08).sub_(0.035)
 
 
 def swoosh_r(x: torch.Tensor) -> torch.Tensor:
-    return F.softplus(x - 1.0) - 0.08 * x - 0.313261687
+    """``log(1 + exp(x - 1)) - 0.08 x - 0.313261687``."""
+    return torch.add(F.softplus(x - 1.0), x, alpha=-0.08).sub_(0.313261687)
 
 
 @dataclass(frozen=True)

@@ -241,18 +241,18 @@ class AttentionWeights(nn.Module):
         k = k.reshape(b, k_len, h, dq).permute(0, 2, 3, 1)
         scores = q @ k
         pe = self.linear_pos(pos).reshape(pos.shape[0], h, dp).permute(1, 2, 0)  # (H, dp, n)
-        scores = scores + _rel_shift(p @ pe, k_len)
+        scores += _rel_shift(p @ pe, k_len)  # in place: (B, H, T, T) is the largest tensor here
         return scores, new_key
 
     def forward(self, x, pos, mask: torch.Tensor | None) -> torch.Tensor:
         scores, _ = self._scores(x, pos, None)
         if mask is not None:
-            scores = scores.masked_fill(mask, -1000.0)
+            scores.masked_fill_(mask, -1000.0)
         return scores.softmax(dim=-1)
 
     def streaming_forward(self, x, pos, cached_key, mask):
         scores, new_key = self._scores(x, pos, cached_key)
-        scores = scores.masked_fill(mask, -1000.0)
+        scores.masked_fill_(mask, -1000.0)
         return scores.softmax(dim=-1), new_key
 
 

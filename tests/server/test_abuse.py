@@ -97,3 +97,51 @@ def test_deep_json_is_a_400_and_an_error_event(tmp_path: Path) -> None:
         code = server.stop()
     assert code == 0
     assert "Traceback" not in server.log_path.read_text()
+
+
+@pytest.mark.slow  # a real server process
+def test_openai_compatibility_gaps(tmp_path: Path) -> None:
+    import openai
+
+    server = fault.Server(
+        tmp_path, 0.5, "--max-batch-size", "1", "--max-concurrency", "1", "--max-queue", "2"
+    )
+    ckpt = str(tmp_path / "ckpt")
+    try:
+        files = {"file": ("a.wav", fault._wav(1.0), "audio/wav")}
+        url = f"{server.base}/v1/audio/transcriptions"
+        plain = httpx.post(url, files=files, timeout=30).json()
+        assert plain == {"text": "1.00", "usage": {"type": "duration", "seconds": 1.0}}
+        data = {"response_format": "verbose_json"}
+        verbose = httpx.post(url, files=files, data=data, timeout=30).json()
+        assert verbose["usage"] == {"type": "duration", "seconds": 1.0}, verbose
+        assert verbose["segments"][0]["text"] == "1.00"
+        logprobs = httpx.post(url, files=files, data={"include[]": "logprobs"}, timeout=30)
+        assert logprobs.status_code == 400 and logprobs.json()["error"]["param"] == "include"
+        # no server path among the listed aliases; retrieve works by id and alias
+        listed = httpx.get(f"{server.base}/v1/models").json()["data"][0]
+        assert ckpt not in json.dumps(listed)
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0)
+        assert client.models.retrieve("whisper-1").id == listed["id"]
+        assert httpx.get(f"{server.base}/v1/models/{listed['id']}").status_code == 200
+        gone = httpx.get(f"{server.base}/v1/models/gpt-9")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+        # Retry-After follows the queue: 1 runs, 2 wait (0.5 s each), the rest are refused
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base, timeout=60) as c:
+                return await asyncio.gather(*[
+                    c.post("/v1/audio/transcriptions", files={"file": ("a.wav", fault._wav(1.0))})
+                    for _ in range(10)
+                ])  # fmt: skip
+
+        answers = asyncio.run(flood())
+        busy = [r for r in answers if r.status_code == 503]
+        assert busy and all(r.status_code in (200, 503) for r in answers)
+        # three waves of 0.5 s ahead: 2 s, not a fixed 1 s
+        assert all(int(r.headers["Retry-After"]) >= 2 for r in busy), [
+            r.headers["Retry-After"] for r in busy
+        ]
+    finally:
+        code = server.stop()
+    assert code == 0

@@ -147,7 +147,7 @@ def test_chunking_silence_and_invalid_values(kit, app_factory) -> None:
             return empty, verbose, calls, bad
 
     empty, verbose, calls, bad = kit.run(go())
-    assert empty.status_code == 200 and empty.json() == {"text": ""}
+    assert empty.status_code == 200 and empty.json()["text"] == ""
     v = verbose.json()
     assert v["text"] == "" and v["segments"] == [] and v["duration"] == pytest.approx(3.0)
     assert calls == 1  # only the warm-up: silence never reached the engine

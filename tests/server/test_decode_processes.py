@@ -67,5 +67,7 @@ def test_config_and_flag() -> None:
 
     with pytest.raises(InvalidRequestError):
         ServerConfig(decode_processes=-1)
-    assert "--decode-processes" in CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert (
+        "--decode-processes" in CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    )
     assert CliRunner().invoke(app, ["--decode-processes", "-1"]).exit_code == 2

@@ -172,9 +172,7 @@ def test_grpc_errors_auth_unsupported_overload_not_ready(kit, app_factory) -> No
     assert (
         unsupported[2]["oasr-error-code"] == "unsupported_option" and "translate" in unsupported[1]
     )
-    assert (
-        full[0] == grpc.StatusCode.UNAVAILABLE and full[2]["oasr-error-code"] == "overloaded"
-    )
+    assert full[0] == grpc.StatusCode.UNAVAILABLE and full[2]["oasr-error-code"] == "overloaded"
     assert full[2]["retry-after"] == "1"  # as HTTP's Retry-After
     assert [a.text for a in answers] == ["hello world 0.50"] * 2
 

@@ -45,22 +45,43 @@ def test_extra_form_fields_are_decoding_options(kit, app_factory) -> None:
                                                   "max_new_tokens": "7"})  # fmt: skip
             assert ok.status_code == 200, ok.text
             got = model.options[-1]
-            assert (got.greeting, got.loudness, got.beam_size, got.max_new_tokens) == ("hi", 0.9, 3, 7)
+            assert (got.greeting, got.loudness, got.beam_size, got.max_new_tokens) == (
+                "hi",
+                0.9,
+                3,
+                7,
+            )
             plain = await kit.post_audio(c, path="/v1/audio/translations")
             assert plain.status_code == 200, plain.text
             assert model.options[-1].greeting == "hello"  # the model's default
             calls = len(model.options)
-            msg = _error(await kit.post_audio(c, fields={"greting": "hi"}), "unsupported_option", "greting")
+            msg = _error(
+                await kit.post_audio(c, fields={"greting": "hi"}), "unsupported_option", "greting"
+            )
             assert "no option 'greting'" in msg and "greeting, loudness" in msg
-            _error(await kit.post_audio(c, fields={"loudness": "11"}), "invalid_request", "loudness")
-            _error(await kit.post_audio(c, fields={"greeting": "hey"}), "invalid_request", "greeting")
-            _error(await kit.post_audio(c, fields={"beam_size": "wide"}), "invalid_request", "beam_size")
+            _error(
+                await kit.post_audio(c, fields={"loudness": "11"}), "invalid_request", "loudness"
+            )
+            _error(
+                await kit.post_audio(c, fields={"greeting": "hey"}), "invalid_request", "greeting"
+            )
+            _error(
+                await kit.post_audio(c, fields={"beam_size": "wide"}),
+                "invalid_request",
+                "beam_size",
+            )
             _error(await kit.post_audio(c, fields={"task": "translate"}), "invalid_request", "task")
             # the family cannot bias: hotwords are refused by it
             _error(await kit.post_audio(c, fields=[("hotwords[]", "OASR"), ("hotwords[]", "WeNet")]),
                    "unsupported_option", "hotwords")  # fmt: skip
+            # include[]=logprobs is refused, not silently ignored (no model here returns them)
+            _error(await kit.post_audio(c, fields={"include[]": "logprobs"}),
+                   "unsupported_option", "include")  # fmt: skip
+            _error(await kit.post_audio(c, fields={"include[]": "x"}), "invalid_request", "include")
             # OpenAI fields this server does not offer are still accepted and ignored
-            assert (await kit.post_audio(c, fields={"include[]": "logprobs"})).status_code == 200
+            assert (
+                await kit.post_audio(c, fields={"known_speaker_names[]": "a"})
+            ).status_code == 200
             assert len(model.options) == calls + 1  # refused requests never reached the model
 
     kit.run(go())
@@ -73,7 +94,9 @@ def test_models_lists_the_family_options(kit, app_factory) -> None:
         async with kit.serving(app) as c:
             entry = (await c.get("/v1/models")).json()["data"][0]["oasr"]
             assert entry["model_options"]["loudness"] == {
-                "type": "a number", "default": 0.5, "description": "how loud"
+                "type": "a number",
+                "default": 0.5,
+                "description": "how loud",
             }
             assert list(entry["model_options"]) == ["greeting", "loudness"]
 
@@ -98,7 +121,9 @@ def test_recognize_query_options(kit, app_factory) -> None:
 
     async def go():
         async with kit.serving(app) as c:
-            r = await c.post("/v1/speech:recognize?greeting=hi&beam_size=2", content=kit.wav_bytes())
+            r = await c.post(
+                "/v1/speech:recognize?greeting=hi&beam_size=2", content=kit.wav_bytes()
+            )
             assert r.status_code == 200, r.text
             assert (model.options[-1].greeting, model.options[-1].beam_size) == ("hi", 2)
             r = await c.post("/v1/speech:recognize?shout=1", content=kit.wav_bytes())
@@ -118,12 +143,18 @@ def test_grpc_model_options_map(kit, app_factory) -> None:
             port = app.state.grpc_server.oasr_port
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 speech = speech_pb2_grpc.SpeechStub(channel)
-                cfg = speech_pb2.RecognitionConfig(model_options={"greeting": "hi", "max_new_tokens": "5"})
-                await speech.Recognize(speech_pb2.RecognizeRequest(config=cfg, audio=kit.wav_bytes()))
+                cfg = speech_pb2.RecognitionConfig(
+                    model_options={"greeting": "hi", "max_new_tokens": "5"}
+                )
+                await speech.Recognize(
+                    speech_pb2.RecognizeRequest(config=cfg, audio=kit.wav_bytes())
+                )
                 assert (model.options[-1].greeting, model.options[-1].max_new_tokens) == ("hi", 5)
                 bad = speech_pb2.RecognitionConfig(model_options={"loudness": "loud"})
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await speech.Recognize(speech_pb2.RecognizeRequest(config=bad, audio=kit.wav_bytes()))
+                    await speech.Recognize(
+                        speech_pb2.RecognizeRequest(config=bad, audio=kit.wav_bytes())
+                    )
                 err = info.value
                 meta = dict(err.trailing_metadata() or ())
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -137,12 +168,22 @@ def test_realtime_session_model_options(kit) -> None:
     from oasr_server.realtime import SessionConfig, apply_update, session_options
 
     engine = kit.make_engine(_greeting_model(kit))
-    state = SimpleNamespace(engine=engine, config=SimpleNamespace(served_model_name="fake", model_aliases=()))
-    cfg = apply_update(state, SessionConfig("fake"),
-                       {"input_audio_transcription": {"language": "en", "model_options": {"greeting": "hi"}}})
+    state = SimpleNamespace(
+        engine=engine, config=SimpleNamespace(served_model_name="fake", model_aliases=())
+    )
+    cfg = apply_update(
+        state,
+        SessionConfig("fake"),
+        {"input_audio_transcription": {"language": "en", "model_options": {"greeting": "hi"}}},
+    )
     opts = session_options(cfg)
-    assert opts.model_options == {"greeting": "hi"} and opts.validate_for(engine.model).greeting == "hi"
-    assert cfg.to_json("s", True)["input_audio_transcription"]["model_options"] == {"greeting": "hi"}
+    assert (
+        opts.model_options == {"greeting": "hi"}
+        and opts.validate_for(engine.model).greeting == "hi"
+    )
+    assert cfg.to_json("s", True)["input_audio_transcription"]["model_options"] == {
+        "greeting": "hi"
+    }
     with pytest.raises(UnsupportedOptionError) as info:
         apply_update(state, cfg, {"input_audio_transcription": {"model_options": {"volume": 1}}})
     assert info.value.param == "volume"

@@ -28,7 +28,10 @@ def test_json_is_the_default(kit, app_factory) -> None:
             r = await kit.post_audio(c, audio=kit.wav_bytes(1.0), fields={"model": "fake"})
             assert r.status_code == 200, r.text
             assert r.headers["content-type"].startswith("application/json")
-            assert r.json() == {"text": "hello world 1.00"}
+            assert r.json() == {
+                "text": "hello world 1.00",
+                "usage": {"type": "duration", "seconds": 1.0},
+            }
 
     kit.run(go())
 
@@ -57,7 +60,10 @@ def test_each_response_format(kit, app_factory, fmt: str, ctype: str) -> None:
 
     body = kit.run(go())
     if fmt == "json":
-        assert json.loads(body) == {"text": "hello world 2.00"}
+        assert json.loads(body) == {
+            "text": "hello world 2.00",
+            "usage": {"type": "duration", "seconds": 2.0},
+        }
     elif fmt == "text":
         assert body == "hello world 2.00\n"
     elif fmt == "srt":
@@ -67,7 +73,7 @@ def test_each_response_format(kit, app_factory, fmt: str, ctype: str) -> None:
         assert body.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nhello world\n")
     else:
         v = json.loads(body)
-        assert v["task"] == "transcribe" and v["language"] == "en"
+        assert v["task"] == "transcribe" and v["language"] == "english"
         assert v["duration"] == pytest.approx(2.0)
         assert [s["text"] for s in v["segments"]] == [" hello world", " 2.00"]
         assert "words" not in v
@@ -94,7 +100,9 @@ def test_verbose_json_word_and_segment_granularities(kit, app_factory) -> None:
 
     words_only, both = kit.run(go())
     assert [w["word"] for w in words_only["words"]] == [" hello", " world"]
-    assert "segments" not in words_only
+    # OpenAI keeps the segments when only word timestamps are asked
+    assert [s["text"] for s in words_only["segments"]] == [" hello world", " 1.00"]
+    assert words_only["usage"] == {"type": "duration", "seconds": 1.0}
     assert set(words_only["words"][0]) == {"word", "start", "end", "probability"}
     assert "segments" in both and len(both["words"]) == 2
     assert model.options[-1].word_timestamps is True
@@ -289,6 +297,6 @@ def test_multipart_edge_cases(kit, app_factory) -> None:
             return big, no_boundary, garbage
 
     big, no_boundary, garbage = kit.run(go())
-    assert big.status_code == 200 and big.json() == {"text": "hello world 12.00"}
+    assert big.status_code == 200 and big.json()["text"] == "hello world 12.00"
     _error(no_boundary, 400, "invalid_request", "file")
     _error(garbage, 400, "invalid_request", "file")

@@ -73,7 +73,11 @@ def test_openai_sdk_transcriptions_translations_stream_errors(kit, app_factory) 
     out = kit.run(go())
     assert out["json"].text == "hello world 1.00"
     v = out["verbose"]
-    assert v.text == "hello world 1.00" and v.language == "en" and v.duration == pytest.approx(1.0)
+    assert (
+        v.text == "hello world 1.00"
+        and v.language == "english"
+        and v.duration == pytest.approx(1.0)
+    )
     assert [w.word for w in v.words] == [" hello", " world"] and len(v.segments) == 2
     assert model.options[2].temperatures == (0.2,)  # [0] is the warm-up
     assert out["text"].strip() == "hello world 1.00"

@@ -28,8 +28,13 @@ def test_server_warns_about_a_broken_plugin_and_serves(
             assert response.json()["text"] == "[speech]"
 
     # an installed plugin whose hook module does not import (registered in memory)
-    with caplog.at_level(logging.WARNING), temporary_plugin("oasr_broken_for_server.plugin", name="oasr-broken"):
+    with (
+        caplog.at_level(logging.WARNING),
+        temporary_plugin("oasr_broken_for_server.plugin", name="oasr-broken"),
+    ):
         kit.run(scenario())
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len([w for w in warnings if "oasr-broken" in w]) == 1, warnings
-    assert any("ModuleNotFoundError" in w and "OASR_DISABLE_PLUGINS=oasr-broken" in w for w in warnings)
+    assert any(
+        "ModuleNotFoundError" in w and "OASR_DISABLE_PLUGINS=oasr-broken" in w for w in warnings
+    )

@@ -146,7 +146,7 @@ def test_real_server_process(kit, example_installed: Path, example_ckpt: Path) -
                 "/v1/audio/transcriptions", files=files, data={"model": "energy"}, headers=auth
             )
             assert r.status_code == 200, r.text
-            assert r.json() == {"text": "[speech]"}
+            assert r.json()["text"] == "[speech]"
             if sys.platform.startswith("linux"):  # the decode pool's forkserver is a child
                 tasks = Path(f"/proc/{proc.pid}/task").glob("*/children")
                 kids = [pid for t in tasks for pid in t.read_text().split()]

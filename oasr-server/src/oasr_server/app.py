@@ -316,6 +316,13 @@ class ServerState:
             raise NotReadyError("the model is still loading; retry when /readyz answers 200")
         return self.engine, worker
 
+    def retry_after(self) -> int:
+        """``Retry-After`` seconds for a busy answer: from the queue (:meth:`EngineWorker.
+        retry_after`), at least ``retry_after_s``."""
+        floor = self.config.retry_after_s
+        worker = self.worker
+        return worker.retry_after(floor) if worker is not None else floor
+
     def metrics_error(self, error: OASRError) -> None:
         self.metrics.errors.labels(error.code).inc()
 
@@ -610,8 +617,7 @@ def _authorized(scope: Scope, key: str) -> bool:
 def error_response(error: OASRError, state: ServerState | None = None) -> JSONResponse:
     headers = {}
     if isinstance(error, EngineOverloadedError):
-        retry = state.config.retry_after_s if state is not None else 1
-        headers["Retry-After"] = str(retry)
+        headers["Retry-After"] = str(state.retry_after() if state is not None else 1)
     if state is not None:
         state.metrics_error(error)
     return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)

@@ -174,6 +174,12 @@ async def _parse_form(request: Request, state: ServerState) -> Form:
     return await anyio.to_thread.run_sync(parse_multipart, body, ctype)
 
 
+def _is_path(alias: str) -> bool:
+    import os
+
+    return "/" in alias or os.sep in alias or alias.startswith(".")
+
+
 def _deltas(text: str) -> list[str]:
     """Split ``text`` into word deltas whose concatenation is exactly ``text``."""
     parts = re.findall(r"\s*\S+", text)
@@ -241,6 +247,45 @@ async def _stream_pieces(
         await rest.aclose()  # drops the engine work when the client went away
 
 
+def _usage(transcript: Transcript) -> dict[str, Any]:
+    """OpenAI's usage of a duration-billed model (``whisper-1``)."""
+    return {"type": "duration", "seconds": round(transcript.duration, 3)}
+
+
+def _openai_json(transcript: Transcript, response_format: str, grains: list[str]) -> dict:
+    """OpenAI's ``json`` / ``verbose_json`` body, with ``usage``; verbose_json names the
+    language (``"english"``) and keeps its segments when only word timestamps were asked."""
+    if response_format == "json":
+        return {"text": transcript.text, "usage": _usage(transcript)}
+    from oasr.formats import to_verbose_json
+    from oasr_server.languages import language_name
+
+    body = to_verbose_json(transcript, include_words="word" in grains, include_segments=True)
+    body["language"] = language_name(body.get("language"))
+    body["usage"] = _usage(transcript)
+    return body
+
+
+def _check_include(form: Form) -> None:
+    """``include[]``: OpenAI's only value is ``logprobs`` (token log-probabilities of the
+    ``gpt-4o`` transcribe models), which no OASR model returns: refused, not silently dropped."""
+    from oasr.errors import UnsupportedOptionError
+
+    for key in ("include[]", "include"):
+        for value in form.getlist(key):
+            v = value.strip() if isinstance(value, str) else value
+            if v == "logprobs":
+                raise UnsupportedOptionError(
+                    "include=logprobs is not supported: this server's models do not return "
+                    "token log-probabilities (use response_format=verbose_json for per-segment "
+                    "avg_logprob)",
+                    param="include",
+                )
+            raise InvalidRequestError(
+                f"include[] values must be 'logprobs', not {value!r}", param="include"
+            )
+
+
 def _chunking(form: Form) -> Any:
     """``chunking_strategy`` (one field: ``auto`` / JSON, or ``chunking_strategy[KEY]``)."""
     from oasr_server.chunking import PARAM, parse_chunking_strategy
@@ -292,6 +337,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 "timestamp_granularities[] needs response_format=verbose_json",
                 param="timestamp_granularities",
             )
+        _check_include(form)
         stream = _bool(_text(form, "stream"), "stream")
         if stream and response_format not in STREAM_FORMATS:
             raise InvalidRequestError(
@@ -349,7 +395,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        body = render(transcript, response_format, granularities=tuple(grains) or ("segment",))
+        if response_format in ("json", "verbose_json"):
+            return JSONResponse(_openai_json(transcript, response_format, grains))
+        body = render(transcript, response_format)
         return Response(body, media_type=CONTENT_TYPES[response_format])
 
     @app.post("/v1/audio/transcriptions", tags=["openai"])
@@ -365,9 +413,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         """OpenAI's create-translation (speech in any language to English text)."""
         return await openai_audio(request, "translate", "/v1/audio/translations")
 
-    @app.get("/v1/models", tags=["openai"])
-    async def models() -> JSONResponse:
-        """OpenAI's list-models shape; one entry: the served model."""
+    def model_entry() -> dict[str, Any]:
         entry: dict[str, Any] = {
             "id": state.config.served_model_name,
             "object": "model",
@@ -386,10 +432,23 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 "language_detection": caps.language_detection,
                 "multilingual": caps.multilingual,
                 "sample_rate": model.feature_spec.sample_rate,
-                "aliases": list(state.config.model_aliases),
+                # a checkpoint path is an accepted alias too, but never shown (a server path)
+                "aliases": [a for a in state.config.model_aliases if not _is_path(a)],
                 "model_options": _declared_options(model),
             }
-        return JSONResponse({"object": "list", "data": [entry]})
+        return entry
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models() -> JSONResponse:
+        """OpenAI's list-models shape; one entry: the served model."""
+        return JSONResponse({"object": "list", "data": [model_entry()]})
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        """OpenAI's retrieve-model: the served model by its id or an alias (answered under the
+        served id); anything else is 404 ``model_not_found``."""
+        state.check_model(model_id or "?")
+        return JSONResponse(model_entry())
 
     @app.get("/healthz", tags=["probes"])
     async def healthz() -> JSONResponse:

@@ -101,6 +101,8 @@ class EngineWorker:
         self._submit_lock = threading.Lock()
         #: requests taken off the queue and not answered yet
         self.in_flight = 0
+        #: recent seconds from a job's hand-off to the engine to its answer (moving average)
+        self.service_s = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -126,6 +128,16 @@ class EngineWorker:
     def depth(self) -> int:
         """Requests waiting: in this queue, and handed to the engine but not running yet."""
         return self._queue.qsize() + self.engine.scheduler.num_waiting
+
+    def retry_after(self, floor: int, cap: int = 60) -> int:
+        """Seconds a refused client should wait (``Retry-After``): the time the engine needs for
+        the requests already waiting, from their recent service time and how many run at once,
+        at least ``floor`` and at most ``cap``. A fixed 1 s under sustained overload makes every
+        client retry into the same full queue."""
+        import math
+
+        waves = math.ceil((self.depth + 1) / max(1, self.max_concurrency))
+        return int(min(cap, max(floor, math.ceil(waves * self.service_s))))
 
     @property
     def running(self) -> bool:
@@ -240,7 +252,11 @@ class EngineWorker:
         lock = threading.Lock()
         errors: list[BaseException] = []
 
+        handed = time.monotonic()
+
         def finish() -> None:
+            took = time.monotonic() - handed
+            self.service_s = took if not self.service_s else 0.8 * self.service_s + 0.2 * took
             self._release(n)
             if errors:
                 _deliver(job, error=as_oasr_error(errors[0]))

@@ -82,7 +82,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServicer):
         if exc.param:
             trailing.append(("oasr-error-param", _metadata_text(exc.param)))
         if isinstance(exc, EngineOverloadedError):
-            trailing.append(("retry-after", str(self.state.config.retry_after_s)))
+            trailing.append(("retry-after", str(self.state.retry_after())))
         return tuple(trailing)
 
     async def _fail(self, exc: BaseException, context: aio.ServicerContext, where: str) -> Any:

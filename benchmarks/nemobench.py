@@ -137,7 +137,8 @@ def _build(kind: str, shape: dict, path: Path, device: str, dtype):
 
     vocab = shape["vocab"]
     torch.manual_seed(0)
-    with warnings.catch_warnings():
+    # built on the device (random initialisation of 0.6B parameters is slow on the host)
+    with warnings.catch_warnings(), torch.device(device):
         warnings.simplefilter("ignore")
         if kind == "ctc":
             cfg = transformers.ParakeetCTCConfig(vocab_size=vocab + 1, pad_token_id=vocab,

@@ -93,10 +93,74 @@ def test_deep_json_is_a_400_and_an_error_event(tmp_path: Path) -> None:
             _ws_events(ws, "session.updated")
         text = httpx.get(f"{server.base}/metrics").text
         assert _metric(text, "oasr_requests_total", status="500") == 0
+        # default origins: same origin only (and clients that send none)
+        _expect_origin_refused(server.port, "https://evil.example")
+        with connect(
+            f"ws://127.0.0.1:{server.port}/v1/realtime",
+            additional_headers={"Origin": f"http://127.0.0.1:{server.port}"},
+        ) as ws:
+            _ws_events(ws, "session.created")
+        r = httpx.get(f"{server.base}/v1/models", headers={"Origin": "https://evil.example"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
     finally:
         code = server.stop()
     assert code == 0
     assert "Traceback" not in server.log_path.read_text()
+
+
+def _expect_origin_refused(port: int, origin: str) -> None:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{port}/v1/realtime", additional_headers={"Origin": origin}) as ws:
+        (err,) = _ws_events(ws, "error")
+        assert err["error"]["code"] == "origin_not_allowed", err
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=5)
+        assert closed.value.rcvd.code == 1008
+
+
+@pytest.mark.slow  # a real server process
+def test_allowed_origins_and_cors(tmp_path: Path) -> None:
+    from websockets.sync.client import connect
+
+    server = fault.Server(tmp_path, 0.0, "--allowed-origin", "https://app.example/")
+    try:
+        _expect_origin_refused(server.port, "https://evil.example")
+        _expect_origin_refused(server.port, "null")
+        with connect(
+            f"ws://127.0.0.1:{server.port}/v1/realtime",
+            additional_headers={"Origin": "https://app.example"},
+        ) as ws:
+            _ws_events(ws, "session.created")
+        ok = httpx.get(f"{server.base}/v1/models", headers={"Origin": "https://app.example"})
+        assert ok.status_code == 200
+        assert ok.headers["access-control-allow-origin"] == "https://app.example"
+        preflight = {
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        }
+        pre = httpx.options(f"{server.base}/v1/audio/transcriptions", headers=preflight)
+        assert pre.status_code == 200, pre.text
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        bad = httpx.options(
+            f"{server.base}/v1/audio/transcriptions",
+            headers={**preflight, "Origin": "https://evil.example"},
+        )
+        assert bad.status_code in (400, 403)
+        evil = httpx.post(
+            f"{server.base}/v1/audio/transcriptions",
+            files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
+            headers={"Origin": "https://evil.example"},
+        )
+        assert evil.status_code == 403
+        assert (
+            httpx.get(f"{server.base}/healthz", headers={"Origin": "https://x"}).status_code == 200
+        )
+    finally:
+        code = server.stop()
+    assert code == 0
 
 
 @pytest.mark.slow  # a real server process

@@ -39,6 +39,7 @@ from oasr_server.errors import (
     MethodNotAllowedError,
     NotFoundError,
     NotReadyError,
+    OriginNotAllowedError,
     RequestTimeoutError,
     UploadTooLargeError,
     error_body,
@@ -580,6 +581,16 @@ class ObservabilityMiddleware:
             await send(message)
 
         try:
+            if scope["path"] not in PUBLIC_PATHS and not origin_allowed(
+                scope, self.state.config.allowed_origins
+            ):
+                err: OASRError = OriginNotAllowedError(
+                    "requests from this Origin are not allowed; the server's --allowed-origin "
+                    "lists the browser origins it accepts"
+                )
+                self.state.metrics_error(err)
+                await JSONResponse(error_body(err), status_code=403)(scope, receive, send_wrapper)
+                return
             key = self.state.config.api_key
             if key is not None and scope["path"] not in PUBLIC_PATHS:
                 if not _authorized(scope, key):
@@ -597,6 +608,28 @@ class ObservabilityMiddleware:
             m = self.state.metrics
             m.requests.labels(route, scope.get("method", ""), str(status["code"])).inc()
             m.latency.labels(route).observe(time.perf_counter() - started)
+
+
+def origin_allowed(scope: Scope, allowed: tuple[str, ...]) -> bool:
+    """Whether a request may come from its ``Origin``: none (not a browser), the server's own
+    host (same origin), or one of ``allowed`` (``"*"``: any)."""
+    origin = host = None
+    for name, value in scope.get("headers", []):
+        if name == b"origin":
+            origin = value.decode("latin-1").strip()
+        elif name == b"host":
+            host = value.decode("latin-1").strip().lower()
+    if origin is None:
+        return True
+    if "*" in allowed or origin.rstrip("/") in allowed:
+        return True
+    from urllib.parse import urlsplit
+
+    try:
+        netloc = urlsplit(origin).netloc.lower()
+    except ValueError:
+        return False
+    return bool(netloc) and netloc == host
 
 
 def _authorized(scope: Scope, key: str) -> bool:
@@ -708,4 +741,16 @@ def create_app(
 
     routes.add_routes(app, state)
     app.add_middleware(ObservabilityMiddleware, state=state, routes=lambda: app.router.routes)
+    if config.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # outermost: a preflight is answered before the API-key check (browsers send none)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "OpenAI-Beta"],
+            expose_headers=["Retry-After"],
+            max_age=600,
+        )
     return app

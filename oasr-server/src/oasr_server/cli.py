@@ -134,6 +134,14 @@ def serve_command(
             "(0: never).",
         ),
     ] = 300.0,
+    allowed_origins: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-origin",
+            help="A browser origin (scheme://host[:port]) allowed to call the API and open "
+            "/v1/realtime, with CORS; repeatable; '*' for any. Default: same origin only.",
+        ),
+    ] = None,
     served_model_name: Annotated[
         str,
         typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field."),
@@ -191,6 +199,7 @@ def serve_command(
             partial_interval_ms=partial_interval_ms,
             max_concurrency=max_concurrency,
             realtime_idle_timeout=realtime_idle_timeout,
+            allowed_origins=tuple(o.rstrip("/") for o in allowed_origins or ()),
             decode_processes=decode_processes,
         )
     except OASRError as exc:

@@ -57,6 +57,11 @@ class ServerConfig:
     #: Seconds a ``/v1/realtime`` WebSocket may stay silent (no message from the client) before
     #: the server sends an ``idle_timeout`` error and closes it with code 1008 (0: no limit).
     realtime_idle_timeout: float = 300.0
+    #: Browser origins (``https://app.example``) allowed to call the API and open the realtime
+    #: WebSocket, with CORS for them; ``"*"``: any. Empty (the default): same origin only (a
+    #: request whose ``Origin`` names another host is 403 ``origin_not_allowed``; clients that
+    #: send no ``Origin``, i.e. everything but browsers, are unaffected).
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes < 1:

@@ -13,6 +13,7 @@ __all__ = [
     "EngineOverloadedError",
     "NotFoundError",
     "NotReadyError",
+    "OriginNotAllowedError",
     "RequestTimeoutError",
     "TooManyStreamsError",
     "VADUnavailableError",
@@ -33,6 +34,14 @@ class AuthenticationError(OASRError):
 
     http_status = 401
     code = "invalid_api_key"
+    error_type = "invalid_request_error"
+
+
+class OriginNotAllowedError(OASRError):
+    """A browser request (``Origin`` header) from an origin not in ``--allowed-origin``."""
+
+    http_status = 403
+    code = "origin_not_allowed"
     error_type = "invalid_request_error"
 
 

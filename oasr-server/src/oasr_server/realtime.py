@@ -364,6 +364,19 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         except (WebSocketDisconnect, RuntimeError):
             pass
 
+    from oasr_server.app import origin_allowed
+
+    if not origin_allowed(websocket.scope, state.config.allowed_origins):
+        from oasr_server.errors import OriginNotAllowedError
+
+        await refuse(
+            OriginNotAllowedError(
+                "This Origin may not open a realtime session; the server's --allowed-origin "
+                "lists the browser origins it accepts."
+            ),
+            CLOSE_POLICY,
+        )
+        return
     key = state.config.api_key
     if key is not None and not _authorized(websocket, key, protocols):
         from oasr_server.errors import AuthenticationError

@@ -230,12 +230,14 @@ def _encode(model: NemotronASR, states: list[NemotronStreamState],
     n_layers = len(enc.layers)
     heads, dk = enc.layers[0].self_attn.heads, enc.layers[0].self_attn.head_dim
     kpad = c.conv_kernel_size - 1
-    valid = torch.tensor([min(t_out, limits[i][-1]) for i in range(b)], device=dev)
-    valid_mask = torch.arange(t_out, device=dev)[None, :] < valid[:, None]
-    key_valid = torch.zeros(b, cmax + t_out, dtype=torch.bool, device=dev)
-    for i, n in enumerate(lens):
-        key_valid[i, cmax - n: cmax] = True
-    key_valid[:, cmax:] = valid_mask
+    valid = [min(t_out, limits[i][-1]) for i in range(b)]  # encoder frames of each row
+    # which keys are real: each stream's own cache, then the chunk's valid frames (built on the
+    # host, one copy)
+    position = torch.arange(cmax + t_out)
+    starts = torch.tensor([cmax - n for n in lens])
+    ends = torch.tensor([cmax + n for n in valid])
+    key_valid = ((position[None, :] >= starts[:, None]) & (position[None, :] < ends[:, None])).to(dev)
+    valid_mask = key_valid[:, cmax:]
 
     def stacked(get, shape) -> torch.Tensor:  # noqa: ANN001
         """(B, layers, ...) from each stream's tensor (zeros for a new stream), left-padded on
@@ -265,7 +267,7 @@ def _encode(model: NemotronASR, states: list[NemotronStreamState],
         new_v = torch.stack([lc.v for lc in new], dim=1)
         new_conv = torch.stack([lc.conv for lc in new], dim=1)  # (B, layers, D, k - 1 + T)
     for i, st in enumerate(states):
-        n = int(valid[i])
+        n = valid[i]
         keep = min(lens[i] + n, left) if left >= 0 else lens[i] + n
         end = cmax + n
         st.k = new_k[i, :, :, end - keep:end]
@@ -288,13 +290,13 @@ def _encode(model: NemotronASR, states: list[NemotronStreamState],
             tuple(torch.cat([st.decoder_state[j] for st in group], dim=1) for j in (0, 1)),
             torch.cat([st.decoder_out for st in group]), blank_id=c.blank_id,
             max_symbols_per_frame=max_symbols)
-        search.step(proj[rows] if len(rows) < len(states) else proj, [int(valid[i]) for i in rows])
+        search.step(proj[rows] if len(rows) < len(states) else proj, [valid[i] for i in rows])
         for k, (st, hyp) in enumerate(zip(group, search.results(), strict=True)):
             st.hyp = hyp
             st.decoder_state = tuple(x[:, k:k + 1] for x in search.state)
             st.decoder_out = search.decoder_out[k:k + 1]
     for i, st in enumerate(states):
-        st.emitted += int(valid[i])
+        st.emitted += valid[i]
 
 
 def _chunk_out(sub: Any, s: int, first: bool, right: int) -> int:

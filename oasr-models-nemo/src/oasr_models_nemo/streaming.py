@@ -122,21 +122,28 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
                 chunks: Sequence[np.ndarray | None], is_last: Sequence[bool]) -> list[StreamingUpdate]:
     if not (len(states) == len(chunks) == len(is_last)):
         raise InvalidRequestError("states, chunks and is_last must have the same length")
-    pending: list[list[tuple[torch.Tensor, bool]]] = []
+    # each stream frames its own audio; the log-mel of every stream's new frames is one call
+    windows: list[torch.Tensor] = []
     for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
         if st.finished:
             raise InvalidRequestError("this stream already finished; start a new one")
         a = as_mono_waveform(chunk, f"chunk #{k}") if chunk is not None and len(chunk) else None
+        parts = []
         if a is not None:
             st.samples_received += len(a)
-            new = st.mel.accept(torch.from_numpy(a))  # on the model's device
-            st.feats = torch.cat([st.feats, new.to(st.feats.dtype)])
-            st.mel_frames += new.shape[0]
+            parts.append(st.mel.accept_windows(torch.from_numpy(a)))  # on the model's device
         if last:
-            tail = st.mel.finish()
-            st.feats = torch.cat([st.feats, tail.to(st.feats.dtype)])
-            st.mel_frames += tail.shape[0]
-        pending.append(_take_chunks(st, bool(last)))
+            parts.append(st.mel.finish_windows())
+        windows.append(torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None)
+    counts = [0 if w is None else w.shape[0] for w in windows]
+    if sum(counts):
+        mel = model.mel.log_mel_frames(torch.cat([w for w in windows if w is not None and len(w)]))
+        pieces = iter(mel.split([c for c in counts if c]))
+        for st, n in zip(states, counts, strict=True):
+            if n:
+                st.feats = torch.cat([st.feats, next(pieces).to(st.feats.dtype)])
+                st.mel_frames += n
+    pending = [_take_chunks(st, bool(last)) for st, last in zip(states, is_last, strict=True)]
     rounds = max((len(p) for p in pending), default=0)
     for r in range(rounds):
         rows = [i for i, p in enumerate(pending) if len(p) > r]

@@ -194,6 +194,12 @@ class NemoMelStream:
             self._buf = like.new_zeros(self.fe.n_fft // 2)
 
     def accept(self, chunk: torch.Tensor | np.ndarray) -> torch.Tensor:
+        return self._log_mel(self.accept_windows(chunk))
+
+    def accept_windows(self, chunk: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """:meth:`accept` before the log-mel: the new frames' pre-emphasised sample windows
+        (n, n_fft), so a caller with many streams computes ``fe.log_mel_frames`` of all of
+        them in one call."""
         c = torch.as_tensor(chunk)
         if self.device is not None:
             c = c.to(self.device)
@@ -209,9 +215,14 @@ class NemoMelStream:
             self._prev = c[-1:]
             self._buf = torch.cat([self._buf, y])
             self._seen += c.numel()
-        return self._frames(final=False)
+        return self._windows(final=False)
 
-    def _frames(self, final: bool) -> torch.Tensor:
+    def _log_mel(self, windows: torch.Tensor) -> torch.Tensor:
+        if windows.shape[0] == 0:
+            return windows.new_zeros(0, self.fe.num_bins)
+        return self.fe.log_mel_frames(windows)
+
+    def _windows(self, final: bool) -> torch.Tensor:
         fe = self.fe
         assert self._buf is not None
         total_valid = fe.num_frames(self._seen) if final else None
@@ -229,15 +240,18 @@ class NemoMelStream:
             n = min(n_avail, fe.num_frames(self._seen) - self._emitted)
             n = max(n, 0)
         if n == 0:
-            return self._buf.new_zeros(0, fe.num_bins)
+            return self._buf.new_zeros(0, fe.n_fft)
         frames = self._buf.unfold(0, fe.n_fft, fe.hop_length)[:n]
-        out = fe.log_mel_frames(frames)
         self._buf = self._buf[n * fe.hop_length :]
         self._emitted += n
-        return out
+        return frames
 
     def finish(self) -> torch.Tensor:
+        return self._log_mel(self.finish_windows())
+
+    def finish_windows(self) -> torch.Tensor:
+        """:meth:`finish` before the log-mel (see :meth:`accept_windows`)."""
         if self._buf is None:
             dev = self.device or "cpu"
-            return torch.zeros(0, self.fe.num_bins, device=dev)
-        return self._frames(final=True)
+            return torch.zeros(0, self.fe.n_fft, device=dev)
+        return self._windows(final=True)

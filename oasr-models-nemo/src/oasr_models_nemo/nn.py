@@ -406,14 +406,17 @@ class FastConformerEncoder(nn.Module):
         limited = context != (-1, -1)
         local = (context, style) if limited and (local_window > 0 or t > self.dense_limit) else None
         mask = pe = None
+        full = False
         if local is None:
             pe = rel_pe(t - 1, -(t - 1), c.hidden_size, x.device, x.dtype)
             ctx = context_mask(t, t, 0, context, style, x.device)
-            mask = valid[:, None, None, :] & valid[:, None, :, None]
+            full = int(lengths.min()) == t  # no padding: no padding mask (one pass fewer)
+            if not full:
+                mask = valid[:, None, None, :] & valid[:, None, :, None]
             if ctx is not None:
-                mask = mask & ctx[None, None]
+                mask = ctx[None, None] if mask is None else mask & ctx[None, None]
         for layer in self.layers:
-            x = layer(x, pe, mask, valid, local=local)[0]
+            x = layer(x, pe, mask, None if full else valid, local=local)[0]
         return x, lengths
 
     def forward_stream(self, x: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,

@@ -16,7 +16,8 @@ import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = [
-    "oasr-core", "oasr-models-whisper", "oasr-models-wenet", "oasr-vad-silero", "oasr-kernels",
+    "oasr-core", "oasr-models-whisper", "oasr-models-wenet", "oasr-models-icefall",
+    "oasr-models-nemo", "oasr-models-funasr", "oasr-models-qwen", "oasr-vad-silero", "oasr-kernels",
     "oasr-server",
 ]  # fmt: skip
 

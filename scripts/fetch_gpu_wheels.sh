@@ -13,6 +13,12 @@ PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3
     uvicorn==0.54.0 websockets==17.4 python-multipart==0.0.34 pydantic pydantic-core annotated-types \
     typing-inspection grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
     kaldi-native-fbank==1.23.0 more-itertools==11.2.1 zipformer==0.1.3
+# FunASR (the Paraformer reference) and the modules its AutoModel imports for Paraformer; jinja2
+# renders Qwen2-Audio chat templates where the machine lacks it
+"${PIP[@]}" funasr==1.4.16 omegaconf==2.4.0 kaldiio==2.18.1 librosa==0.11.0 lazy_loader==0.6 \
+    six==1.17.0 rapidfuzz==3.14.6 jinja2==3.1.6 markupsafe==3.0.2
+# with librosa importable, transformers' audio_utils imports soxr (librosa's resampler) at once
+"${PIP[@]}" soxr==1.0.0
 # openai-whisper is published as a source archive only: build its wheel here
 python3 -m pip wheel -q --no-deps openai-whisper==20250625 -w .whl
 du -sh .whl

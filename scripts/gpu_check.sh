@@ -6,7 +6,8 @@
 # in $BASELINE (e.g. `git archive <commit> oasr-* benchmarks scripts | tar -x -C .gpu_baseline`),
 # the same benchmarks also run on it in the same call, for before/after ratios.
 #
-#   OUT=/tmp/out BASELINE=.gpu_baseline scripts/gpu_check.sh [tests|bench|all]
+#   OUT=/tmp/out BASELINE=.gpu_baseline scripts/gpu_check.sh [tests|bench|families|all]
+#   FAMILIES="icefall nemo" scripts/gpu_check.sh families   # some of the family benchmarks
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
@@ -43,4 +44,22 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE" ]; then
         bench before "$(cd "$BASELINE" && pwd)"
     fi
+fi
+
+family_bench() {  # one family's benchmark beside its reference, JSON into $OUT
+    local name=$1
+    shift
+    echo "== benchmarks.${name}bench $*"
+    PYTHONPATH="$HERE_PATH" timeout 420 "$PY" -m "benchmarks.${name}bench" "$@" 2>&1 | tail -40
+}
+if [ "$WHAT" = families ] || [ "$WHAT" = all ]; then
+    for f in ${FAMILIES:-icefall nemo funasr qwen}; do
+        case $f in
+            icefall) family_bench icefall --device cuda --json "$OUT/icefallbench.json" ;;
+            nemo) family_bench nemo --device cuda --json "$OUT/nemobench.json" ;;
+            funasr) family_bench funasr --device cuda --batch 64 --repeats 3 > "$OUT/funasrbench.log"
+                    tail -5 "$OUT/funasrbench.log" ;;
+            qwen) family_bench qwen --json "$OUT/qwenbench.json" ;;
+        esac
+    done
 fi

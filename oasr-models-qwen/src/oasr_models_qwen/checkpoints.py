@@ -1,10 +1,12 @@
 """Reading a Hugging Face Qwen2-Audio directory: config, weights (one safetensors file or shards
 with their index), tokenizer files, preprocessor and generation configs, the chat template.
 
-Weight names are normalised from both layouts ``transformers`` has written
-(``model.audio_tower.*`` / ``model.language_model.*`` / ``lm_head.*`` since v5,
-``audio_tower.*`` / ``language_model.model.*`` / ``language_model.lm_head.*`` before) to the
-network's (``audio_tower.*``, ``projector.*``, ``decoder.*``, ``lm_head.*``)."""
+Weight names are normalised from every layout ``transformers`` has written
+(``model.audio_tower.*`` / ``model.language_model.*`` / ``lm_head.*`` in recent v5 releases;
+``audio_tower.*`` / ``language_model.model.*`` / ``language_model.lm_head.*`` in v4 and the Hub
+releases; ``language_model.model.model.*`` from early v5 such as 5.17, whose save_pretrained
+renames the inner model twice) to the network's (``audio_tower.*``, ``projector.*``,
+``decoder.*``, ``lm_head.*``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ _PREFIXES = (
     ("model.multi_modal_projector.linear.", "projector."),
     ("multi_modal_projector.linear.", "projector."),
     ("model.language_model.", "decoder."),
+    ("language_model.model.model.", "decoder."),  # longest first: transformers 5.17's save
     ("language_model.model.", "decoder."),
     ("language_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),

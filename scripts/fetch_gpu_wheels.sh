@@ -18,7 +18,8 @@ PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3
 "${PIP[@]}" funasr==1.4.16 omegaconf==2.4.0 kaldiio==2.18.1 librosa==0.11.0 lazy_loader==0.6 \
     six==1.17.0 rapidfuzz==3.14.6 jinja2==3.1.6 markupsafe==3.0.2
 # with librosa importable, transformers' audio_utils imports soxr (librosa's resampler) at once
-"${PIP[@]}" soxr==1.0.0
+"${PIP[@]}" soxr==1.0.0 decorator==5.2.1 joblib==1.6.0 audioread==3.1.0 msgpack==1.2.4 pooch==1.9.0 \
+    platformdirs==4.14.9
 # openai-whisper is published as a source archive only: build its wheel here
 python3 -m pip wheel -q --no-deps openai-whisper==20250625 -w .whl
 du -sh .whl

@@ -134,6 +134,23 @@ def serve_command(
             "(0: never).",
         ),
     ] = 300.0,
+    stream_buffer_seconds: Annotated[
+        float,
+        typer.Option(
+            "--stream-buffer-seconds",
+            min=0.1,
+            help="Most uncommitted audio a live stream (realtime, gRPC) buffers, in seconds.",
+        ),
+    ] = 600.0,
+    stream_buffer_bytes: Annotated[
+        int,
+        typer.Option(
+            "--stream-buffer-bytes",
+            min=4096,
+            help="Most uncommitted audio a live stream buffers, in bytes (float32 at the "
+            "model's rate: 64 KB per second at 16 kHz).",
+        ),
+    ] = 64 * 1024 * 1024,
     allowed_origins: Annotated[
         list[str] | None,
         typer.Option(
@@ -199,6 +216,8 @@ def serve_command(
             partial_interval_ms=partial_interval_ms,
             max_concurrency=max_concurrency,
             realtime_idle_timeout=realtime_idle_timeout,
+            stream_buffer_seconds=stream_buffer_seconds,
+            stream_buffer_bytes=stream_buffer_bytes,
             allowed_origins=tuple(o.rstrip("/") for o in allowed_origins or ()),
             decode_processes=decode_processes,
         )

@@ -62,6 +62,14 @@ class ServerConfig:
     #: request whose ``Origin`` names another host is 403 ``origin_not_allowed``; clients that
     #: send no ``Origin``, i.e. everything but browsers, are unaffected).
     allowed_origins: tuple[str, ...] = ()
+    #: Most uncommitted audio a live stream (realtime, gRPC StreamingRecognize) may buffer, in
+    #: seconds (also bounded by ``max_audio_seconds``): a VAD turn that long is committed, a
+    #: manual buffer past it drops its oldest audio with an ``audio_too_long`` error, and one
+    #: append holding more is refused whole.
+    stream_buffer_seconds: float = 600.0
+    #: The same bound in bytes of buffered audio (float32 at the model's rate: 64 KB per second
+    #: at 16 kHz); the smaller of the two applies.
+    stream_buffer_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes < 1:
@@ -88,5 +96,13 @@ class ServerConfig:
             )
         if self.decode_processes is not None and self.decode_processes < 0:
             raise InvalidRequestError("decode_processes must be >= 0", param="decode_processes")
+        if not self.stream_buffer_seconds > 0:
+            raise InvalidRequestError(
+                "stream_buffer_seconds must be > 0", param="stream_buffer_seconds"
+            )
+        if self.stream_buffer_bytes < 4096:
+            raise InvalidRequestError(
+                "stream_buffer_bytes must be >= 4096", param="stream_buffer_bytes"
+            )
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

@@ -269,11 +269,39 @@ class TurnStream:
         return np.concatenate(parts)
 
     def _drop_before(self, pos: int) -> None:
+        """Forget the audio before ``pos``: whole chunks go, only a chunk cut in two is copied
+        (a full buffer that drops its head on every append must not copy all of it each time)."""
         if pos <= self.buf_start:
             return
-        audio = self._slice(pos, self.received)
-        self._chunks = [audio] if len(audio) else []
-        self.buf_start = min(pos, self.received)
+        pos = min(pos, self.received)
+        start, chunks, i = self.buf_start, self._chunks, 0
+        while i < len(chunks) and start + len(chunks[i]) <= pos:
+            start += len(chunks[i])
+            i += 1
+        rest = chunks[i:]
+        if rest and start < pos:
+            rest[0] = rest[0][pos - start :].copy()  # a copy: the cut-off head is freed
+        self._chunks = rest
+        self.buf_start = pos
+
+    @property
+    def max_buffer(self) -> int:
+        """Most samples the input buffer may hold (``--max-audio-seconds``,
+        ``--stream-buffer-seconds`` and ``--stream-buffer-bytes``, the smallest)."""
+        cfg = self.state.config
+        seconds = min(cfg.max_audio_seconds, cfg.stream_buffer_seconds)
+        return max(1, min(int(seconds * self.rate), cfg.stream_buffer_bytes // 4))
+
+    def _too_long(self, what: str) -> OASRError:
+        from oasr.errors import AudioTooLongError
+
+        cfg = self.state.config
+        return AudioTooLongError(
+            f"{what} more than {self.max_buffer / self.rate:g} s of uncommitted audio "
+            f"(--stream-buffer-seconds {cfg.stream_buffer_seconds:g}, --stream-buffer-bytes "
+            f"{cfg.stream_buffer_bytes}, --max-audio-seconds {cfg.max_audio_seconds:g}); "
+            "commit more often"
+        )
 
     @property
     def buffered_s(self) -> float:
@@ -308,6 +336,10 @@ class TurnStream:
         next call)."""
         if not data:
             return
+        fmt = self._raw_format
+        incoming = len(data) // max(1, fmt.bytes_per_frame) * self.rate / fmt.sample_rate
+        if incoming > self.max_buffer:  # refused whole, before any decoding
+            raise self._too_long("this append holds")
         y, events = await self.state.run_vad(self._ingest, data)
         await self._take(y, events)
 
@@ -318,7 +350,7 @@ class TurnStream:
             self.state.metrics.audio_seconds.labels(self.route).inc(len(y) / self.rate)
         for ev in events:
             self._on_vad(ev)
-        max_len = int(self.state.config.max_audio_seconds * self.rate)
+        max_len = self.max_buffer
         item = self.item
         if self.vad is not None and item is None:
             # keep what a turn starting in the next chunk may need as prefix padding
@@ -334,13 +366,10 @@ class TurnStream:
             self._commit(item, item.start, self.received)
             self.item = _Item(new_id("item"), self.received) if self.vad is not None else None
         elif self.vad is None and self.received - self.buf_start > max_len:
-            from oasr.errors import AudioTooLongError
-
             self._drop_before(self.received - max_len)
-            raise AudioTooLongError(
-                f"the input audio buffer holds more than {self.state.config.max_audio_seconds:g} s "
-                "(--max-audio-seconds); commit more often. The oldest audio was dropped."
-            )
+            if self.item is not None and self.item.start < self.buf_start:
+                self.item.start = self.buf_start
+            raise self._too_long("the input audio buffer holds (the oldest audio was dropped)")
         if self.vad is None and self.item is None and self.received > self.buf_start:
             self.item = _Item(new_id("item"), self.buf_start)
         self._advance()

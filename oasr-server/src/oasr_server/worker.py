@@ -58,6 +58,8 @@ class Job:
     #: ``on_partial(k, text)``: each new piece of input ``k``'s text as it is decoded (token
     #: streaming; called in the scheduler's thread; families without partials never call it)
     on_partial: Callable[[int, str], None] | None = None
+    #: the worker thread took it off the queue (its inputs are read from then on)
+    taken: bool = False
 
     @property
     def inputs(self) -> list[np.ndarray]:
@@ -173,6 +175,12 @@ class EngineWorker:
         """The caller stopped waiting: skip the job, or abort its inputs in the engine (the
         abort runs off the event loop: it may wait for the end of a scheduler step)."""
         job.abandoned = True
+        if not job.taken:
+            # a job still queued here never runs: its audio need not wait in the queue with it
+            # (a stream that ended, a client gone: their audio is freed now)
+            import numpy as np
+
+            job.audio = [] if job.multi else np.zeros(0, np.float32)
         futures = [f for f in job.engine_futures if not f.done()]
         if not futures:
             return
@@ -215,9 +223,11 @@ class EngineWorker:
             if item is _STOP:
                 break
             job: Job = item
+            job.taken = True
             if job.abandoned:
                 continue
-            n = len(job.inputs)
+            inputs = job.inputs
+            n = len(inputs)
             with self._slots:
                 # a job of n inputs waits for n free slots (or for an empty engine)
                 while self._engine_active and self._engine_active + n > self.max_concurrency:
@@ -227,7 +237,7 @@ class EngineWorker:
                 self._engine_active += n
                 self.in_flight = self._engine_active
             try:
-                self._submit_job(job, n)
+                self._submit_job(job, inputs)
             except BaseException:  # noqa: BLE001 - never let the worker die
                 log.exception("engine worker: unexpected failure")
                 from oasr_server.errors import EngineFailureError
@@ -245,8 +255,8 @@ class EngineWorker:
             self.in_flight = self._engine_active
             self._slots.notify_all()
 
-    def _submit_job(self, job: Job, n: int) -> None:
-        inputs = job.inputs
+    def _submit_job(self, job: Job, inputs: list[np.ndarray]) -> None:
+        n = len(inputs)
         results: list[Any] = [None] * n
         remaining = [n]
         lock = threading.Lock()

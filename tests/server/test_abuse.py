@@ -285,3 +285,69 @@ def test_realtime_buffer_is_bounded_and_freed(tmp_path: Path) -> None:
     finally:
         code = server.stop()
     assert code == 0
+
+
+async def _raw_upload(port: int, head_len: int, declared: int, drip: float | None = None):
+    """Declare ``declared`` bytes, send ``head_len`` of them, then nothing (or one byte every
+    ``drip`` seconds); returns (status line or None, seconds until the server answered)."""
+    head = (
+        "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+        "Content-Type: multipart/form-data; boundary=b\r\n"
+        f"Content-Length: {declared}\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = time.monotonic()
+    writer.write(head + b"x" * head_len)
+    await writer.drain()
+
+    async def dripper() -> None:
+        while drip is not None:
+            await asyncio.sleep(drip)
+            writer.write(b"x")
+            await writer.drain()
+
+    task = asyncio.create_task(dripper())
+    try:
+        line = await asyncio.wait_for(reader.readline(), 15)
+    except (asyncio.TimeoutError, ConnectionError):
+        line = b""
+    finally:
+        task.cancel()
+        writer.transport.abort()
+    return line.decode().strip() or None, time.monotonic() - started
+
+
+@pytest.mark.slow  # a real server process, RSS measured
+def test_stalled_and_slow_uploads_are_bounded(tmp_path: Path) -> None:
+    server = fault.Server(
+        tmp_path, 0.0,
+        "--upload-idle-timeout", "1", "--upload-min-rate", "2000",
+        "--max-receiving-bytes", "3000000", "--max-upload-bytes", "25000000",
+    )  # fmt: skip
+    try:
+        base = _rss_mb(server.proc.pid)
+
+        async def go():
+            stalled = _raw_upload(server.port, 10, 100_000)
+            drip = _raw_upload(server.port, 10, 100_000, drip=0.2)
+            # 40 uploads declaring 24 MB: past the 3 MB being received, refused before reading
+            big = [_raw_upload(server.port, 1_000_000, 24_000_000) for _ in range(40)]
+            return await asyncio.gather(stalled, drip, *big)
+
+        (stalled, stalled_s), (drip, drip_s), *big = asyncio.run(go())
+        assert stalled == "HTTP/1.1 408 Request Timeout" and stalled_s < 5, (stalled, stalled_s)
+        assert drip == "HTTP/1.1 408 Request Timeout" and drip_s < 6, (drip, drip_s)
+        assert {line for line, _ in big} == {"HTTP/1.1 503 Service Unavailable"}, big
+        peak = _rss_mb(server.proc.pid) - base
+        assert peak < 50, peak
+        text = httpx.get(f"{server.base}/metrics").text
+        assert _metric(text, "oasr_errors_total", code="upload_timeout") == 2
+        # nothing is left reserved: a normal upload still goes through
+        ok = httpx.post(
+            f"{server.base}/v1/audio/transcriptions",
+            files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
+        )
+        assert ok.status_code == 200, ok.text
+    finally:
+        code = server.stop()
+    assert code == 0

@@ -97,6 +97,8 @@ class ServerState:
         self._closed = False
         #: live streams (realtime WebSockets and gRPC StreamingRecognize), at most max_streams
         self.streams = 0
+        #: request-body bytes being received now (``read_body``), at most max_receiving_bytes
+        self.receiving_bytes = 0
         self._vad: Any = None
         self._vad_lock: asyncio.Lock | None = None
         self._vad_executor: Any = None
@@ -510,9 +512,13 @@ def release_free_memory() -> None:
         trim(0)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) as soon as more than ``limit`` bytes arrive."""
+async def read_body(request: Request, limit: int, state: ServerState | None = None) -> bytes:
+    """The request body, refusing (413) as soon as more than ``limit`` bytes arrive. With
+    ``state``: an upload that stalls (``upload_idle_timeout``) or crawls (``upload_min_rate``)
+    is 408, and the bytes being received across connections are bounded
+    (``max_receiving_bytes``: 503 ``overloaded`` past it, before reading a declared body)."""
     declared = request.headers.get("content-length")
+    size = 0
     if declared is not None:
         try:
             size = int(declared)
@@ -526,19 +532,63 @@ async def read_body(request: Request, limit: int) -> bytes:
             )
     from starlette.requests import ClientDisconnect
 
+    cfg = state.config if state is not None else None
+    idle = cfg.upload_idle_timeout if cfg is not None and cfg.upload_idle_timeout > 0 else None
+    min_rate = cfg.upload_min_rate if cfg is not None else 0
+    reserved = [0]
+
+    def reserve(n: int) -> None:
+        if state is None or n <= reserved[0]:
+            return
+        more = n - reserved[0]
+        if state.receiving_bytes + more > state.config.max_receiving_bytes:
+            from oasr_server.errors import UploadsBusyError
+
+            raise UploadsBusyError(
+                f"the server is receiving {state.receiving_bytes} bytes of uploads already "
+                f"(--max-receiving-bytes {state.config.max_receiving_bytes}); retry later"
+            )
+        state.receiving_bytes += more
+        reserved[0] = n
+
     buf = bytearray()
+    started = time.monotonic()
     try:
-        async for chunk in request.stream():
+        reserve(size)
+        stream = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), idle)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise _upload_timeout(f"no data for {idle:g} s (--upload-idle-timeout)") from None
             buf += chunk
             if len(buf) > limit:
                 raise UploadTooLargeError(
                     f"the request body is larger than {limit} bytes (--max-upload-bytes)",
                     param="file",
                 )
+            reserve(len(buf))
+            took = time.monotonic() - started
+            if min_rate and idle and took > idle and len(buf) < min_rate * took:
+                raise _upload_timeout(
+                    f"{len(buf) / took:.0f} bytes/s, below the {min_rate} bytes/s this server "
+                    "accepts (--upload-min-rate)"
+                )
     except ClientDisconnect:
         # a client that hangs up mid-upload is not a server error (no traceback, no 500)
         raise ClientDisconnectedError("the client closed the connection mid-upload") from None
+    finally:
+        if state is not None:
+            state.receiving_bytes -= reserved[0]
     return bytes(buf)
+
+
+def _upload_timeout(why: str) -> OASRError:
+    from oasr_server.errors import UploadTimeoutError
+
+    return UploadTimeoutError(f"the upload is too slow: {why}", param="file")
 
 
 def state_of(request: Request) -> ServerState:

@@ -134,6 +134,31 @@ def serve_command(
             "(0: never).",
         ),
     ] = 300.0,
+    upload_idle_timeout: Annotated[
+        float,
+        typer.Option(
+            "--upload-idle-timeout",
+            min=0,
+            help="Seconds an upload may send nothing before a 408 (0: no limit); also the grace "
+            "before --upload-min-rate applies.",
+        ),
+    ] = 15.0,
+    upload_min_rate: Annotated[
+        int,
+        typer.Option(
+            "--upload-min-rate",
+            min=0,
+            help="Slowest accepted upload, in average bytes per second (408 below; 0: none).",
+        ),
+    ] = 4096,
+    max_receiving_bytes: Annotated[
+        int,
+        typer.Option(
+            "--max-receiving-bytes",
+            min=1,
+            help="Most request-body bytes being received at once across connections (503 above).",
+        ),
+    ] = 512 * 1024 * 1024,
     stream_buffer_seconds: Annotated[
         float,
         typer.Option(
@@ -217,6 +242,9 @@ def serve_command(
             max_concurrency=max_concurrency,
             realtime_idle_timeout=realtime_idle_timeout,
             stream_buffer_seconds=stream_buffer_seconds,
+            upload_idle_timeout=upload_idle_timeout,
+            upload_min_rate=upload_min_rate,
+            max_receiving_bytes=max_receiving_bytes,
             stream_buffer_bytes=stream_buffer_bytes,
             allowed_origins=tuple(o.rstrip("/") for o in allowed_origins or ()),
             decode_processes=decode_processes,

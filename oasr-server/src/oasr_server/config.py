@@ -66,6 +66,15 @@ class ServerConfig:
     #: seconds (also bounded by ``max_audio_seconds``): a VAD turn that long is committed, a
     #: manual buffer past it drops its oldest audio with an ``audio_too_long`` error, and one
     #: append holding more is refused whole.
+    #: An upload that sends nothing for this many seconds is answered 408 ``upload_timeout``;
+    #: after this long, its average rate must also stay above ``upload_min_rate`` (0: no limit).
+    upload_idle_timeout: float = 15.0
+    #: Slowest accepted upload, in bytes per second on average (checked once the upload has
+    #: run ``upload_idle_timeout`` seconds; 0: no minimum).
+    upload_min_rate: int = 4096
+    #: Most request-body bytes being received at once, across connections (declared
+    #: ``Content-Length`` reserved up front): one more upload is 503 ``overloaded``.
+    max_receiving_bytes: int = 512 * 1024 * 1024
     stream_buffer_seconds: float = 600.0
     #: The same bound in bytes of buffered audio (float32 at the model's rate: 64 KB per second
     #: at 16 kHz); the smaller of the two applies.
@@ -103,6 +112,14 @@ class ServerConfig:
         if self.stream_buffer_bytes < 4096:
             raise InvalidRequestError(
                 "stream_buffer_bytes must be >= 4096", param="stream_buffer_bytes"
+            )
+        if self.upload_idle_timeout < 0 or self.upload_min_rate < 0:
+            raise InvalidRequestError(
+                "upload_idle_timeout and upload_min_rate must be >= 0", param="upload_min_rate"
+            )
+        if self.max_receiving_bytes < 1:
+            raise InvalidRequestError(
+                "max_receiving_bytes must be >= 1", param="max_receiving_bytes"
             )
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

@@ -17,7 +17,9 @@ __all__ = [
     "RequestTimeoutError",
     "TooManyStreamsError",
     "VADUnavailableError",
+    "UploadTimeoutError",
     "UploadTooLargeError",
+    "UploadsBusyError",
     "error_body",
 ]
 
@@ -43,6 +45,17 @@ class OriginNotAllowedError(OASRError):
     http_status = 403
     code = "origin_not_allowed"
     error_type = "invalid_request_error"
+
+
+class UploadTimeoutError(InvalidRequestError):
+    """An upload stalled (``--upload-idle-timeout``) or crawled (``--upload-min-rate``)."""
+
+    http_status = 408
+    code = "upload_timeout"
+
+
+class UploadsBusyError(EngineOverloadedError):
+    """``--max-receiving-bytes`` of uploads are being received already."""
 
 
 class NotFoundError(InvalidRequestError):

@@ -167,7 +167,7 @@ def _declared_options(model: Any) -> dict[str, Any]:
 async def _parse_form(request: Request, state: ServerState) -> Form:
     ctype = request.headers.get("content-type", "")
     boundary_of(ctype)  # refuse a non-multipart body before reading it
-    body = await read_body(request, state.config.max_upload_bytes)
+    body = await read_body(request, state.config.max_upload_bytes, state)
     if len(body) < 256 * 1024:
         return parse_multipart(body, ctype)
     # a large body is parsed in a thread: the event loop stays free
@@ -516,7 +516,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 encoding=encoding,  # type: ignore[arg-type]
                 channels=_int(q.get("channels"), "channels", 1, 64, 1) or 1,
             )
-        data = await read_body(request, state.config.max_upload_bytes)
+        data = await read_body(request, state.config.max_upload_bytes, state)
         route = "/v1/speech:recognize"
         audio = await state.decode(data, engine.sample_rate, route, raw_format)
         t = await state.transcribe(worker, audio, options, deadline, request.is_disconnected)

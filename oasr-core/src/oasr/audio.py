@@ -335,6 +335,18 @@ def _open_container(av: Any, source: Any) -> Any:
 _AV_METADATA_ERRORS = [True]
 
 
+def _declared_seconds(stream: Any) -> float | None:
+    """The audio stream's duration from its header, when the container states it (not an
+    estimate from the bit rate); None when unknown."""
+    try:
+        duration, base = stream.duration, stream.time_base
+        if duration is None or base is None or duration <= 0:
+            return None
+        return float(duration * base)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
 def _decode_container(
     source: Any, sample_rate: int, budget: _Budget, name: str
 ) -> np.ndarray:
@@ -361,6 +373,15 @@ def _decode_container(
             raise BadAudioError(f"{name}: the audio codec is not supported by this FFmpeg build")
         _check_params(getattr(ctx, "sample_rate", 0) or 0, getattr(ctx, "channels", 0) or 0, name,
                       strict=False)
+        declared = _declared_seconds(stream)
+        too_long = declared is not None and declared > budget.limit_s + LENGTH_SLACK_S
+        if budget.user_limit and too_long:
+            # the header says so (FLAC STREAMINFO, WAV, MP4): refused before any decoding work,
+            # with the message a decode that reached the limit gives
+            raise AudioTooLongError(
+                f"audio is longer than the limit of {budget.limit_s:g} s; send a shorter clip "
+                f"or raise max_seconds"
+            )
         chunks: list[np.ndarray] = []
         resampler = None
         rs_key: tuple | None = None

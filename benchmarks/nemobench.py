@@ -160,6 +160,10 @@ def _build(kind: str, shape: dict, path: Path, device: str, dtype):
                                                default_num_lookahead_tokens=13))
             model = transformers.NemotronAsrStreamingForRNNT(cfg)
             fe = transformers.NemotronAsrStreamingFeatureExtractor(feature_size=shape["num_mel_bins"])
+    # outside the device context: feature extractors (transformers 5.17's Parakeet one) build
+    # CPU tensors that must not land on the default device
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         model = model.to(device=device, dtype=dtype).eval()
         with torch.no_grad():
             _calibrate(model, fe, vocab, device, kind)

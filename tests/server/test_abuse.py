@@ -351,3 +351,69 @@ def test_stalled_and_slow_uploads_are_bounded(tmp_path: Path) -> None:
     finally:
         code = server.stop()
     assert code == 0
+
+
+def _silent_flac(seconds: float) -> bytes:
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(int(seconds * 16000), np.int16), 16000, format="FLAC")
+    return buf.getvalue()
+
+
+@pytest.mark.slow  # a real server process, RSS measured
+def test_decompression_bombs_are_bounded(tmp_path: Path) -> None:
+    import threading
+
+    server = fault.Server(
+        tmp_path, 1.0,
+        "--max-audio-seconds", "600", "--max-pending-audio-seconds", "700",
+        "--decode-processes", "2",  # decoding's own transients stay in the decode workers
+    )  # fmt: skip
+    url = f"{server.base}/v1/audio/transcriptions"
+    try:
+        # a 58 KB FLAC declaring 1200 s: refused from its header, before decoding
+        started = time.monotonic()
+        long = httpx.post(url, files={"file": ("a.flac", _silent_flac(1200))}, timeout=30)
+        assert long.status_code == 413 and long.json()["error"]["code"] == "audio_too_long"
+        assert time.monotonic() - started < 2
+        base = _rss_mb(server.proc.pid)
+        peak = [0.0]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_mb(server.proc.pid) - base)
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        bomb = _silent_flac(300)  # 29 KB -> 19 MB of float32 each
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base, timeout=60) as c:
+                return await asyncio.gather(*[
+                    c.post("/v1/audio/transcriptions", files={"file": ("a.flac", bomb)})
+                    for _ in range(12)
+                ])  # fmt: skip
+
+        try:
+            answers = asyncio.run(flood())
+        finally:
+            done.set()
+            watcher.join()
+        ok = [r for r in answers if r.status_code == 200]
+        busy = [r for r in answers if r.status_code == 503]
+        assert len(ok) + len(busy) == 12, [r.text for r in answers]
+        assert 2 <= len(ok) < 12 and all(r.json()["text"] == "300.00" for r in ok)
+        assert all("--max-pending-audio-seconds" in r.json()["error"]["message"] for r in busy)
+        # 12 x 19 MB unbounded; at most two held at once here
+        assert peak[0] < 100, peak
+        after = httpx.post(url, files={"file": ("a.flac", bomb)}, timeout=30)
+        assert after.status_code == 200, after.text  # every held second was released
+    finally:
+        code = server.stop()
+    assert code == 0

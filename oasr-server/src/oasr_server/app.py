@@ -99,6 +99,10 @@ class ServerState:
         self.streams = 0
         #: request-body bytes being received now (``read_body``), at most max_receiving_bytes
         self.receiving_bytes = 0
+        #: seconds of decoded upload audio alive now (``decode``), at most
+        #: max_pending_audio_seconds; released when the array is freed
+        self.pending_audio_s = 0.0
+        self._pending_lock = threading.Lock()
         self._vad: Any = None
         self._vad_lock: asyncio.Lock | None = None
         self._vad_executor: Any = None
@@ -360,9 +364,32 @@ class ServerState:
                 partial(load_audio, data, sample_rate, **limits), limiter=self.decode_limiter
             )
         seconds = audio.shape[-1] / sample_rate
+        self._hold(audio, seconds)
         self.metrics.audio_seconds.labels(route).inc(seconds)
         self.metrics.audio_duration.observe(seconds)
         return audio
+
+    def _hold(self, audio: np.ndarray, seconds: float) -> None:
+        """Count ``audio`` against ``max_pending_audio_seconds`` until it is freed (a weakref
+        finalizer: the route, the queue, the engine and chunked slices all keep the same
+        array alive); past the bound it is refused (503) and dropped at once."""
+        import weakref
+
+        from oasr_server.errors import AudioBacklogError
+
+        cap = self.config.max_pending_audio_seconds
+        with self._pending_lock:
+            if self.pending_audio_s > 0 and self.pending_audio_s + seconds > cap:
+                raise AudioBacklogError(
+                    f"the server holds {self.pending_audio_s:.0f} s of decoded audio already "
+                    f"(--max-pending-audio-seconds {cap:g}); retry later"
+                )
+            self.pending_audio_s += seconds
+        weakref.finalize(audio, self._release_audio, seconds)
+
+    def _release_audio(self, seconds: float) -> None:
+        with self._pending_lock:
+            self.pending_audio_s = max(0.0, self.pending_audio_s - seconds)
 
     async def transcribe(
         self,

@@ -159,6 +159,14 @@ def serve_command(
             help="Most request-body bytes being received at once across connections (503 above).",
         ),
     ] = 512 * 1024 * 1024,
+    max_pending_audio_seconds: Annotated[
+        float,
+        typer.Option(
+            "--max-pending-audio-seconds",
+            min=1,
+            help="Most decoded upload audio held at once, summed over requests (503 above).",
+        ),
+    ] = 14400.0,
     stream_buffer_seconds: Annotated[
         float,
         typer.Option(
@@ -242,6 +250,7 @@ def serve_command(
             max_concurrency=max_concurrency,
             realtime_idle_timeout=realtime_idle_timeout,
             stream_buffer_seconds=stream_buffer_seconds,
+            max_pending_audio_seconds=max_pending_audio_seconds,
             upload_idle_timeout=upload_idle_timeout,
             upload_min_rate=upload_min_rate,
             max_receiving_bytes=max_receiving_bytes,

@@ -75,6 +75,10 @@ class ServerConfig:
     #: Most request-body bytes being received at once, across connections (declared
     #: ``Content-Length`` reserved up front): one more upload is 503 ``overloaded``.
     max_receiving_bytes: int = 512 * 1024 * 1024
+    #: Most decoded upload audio held at once (seconds, summed over requests between decoding
+    #: and answer: 64 KB per second at 16 kHz); an upload that would pass it is 503
+    #: ``overloaded`` right after decoding, and its audio freed.
+    max_pending_audio_seconds: float = 14400.0
     stream_buffer_seconds: float = 600.0
     #: The same bound in bytes of buffered audio (float32 at the model's rate: 64 KB per second
     #: at 16 kHz); the smaller of the two applies.
@@ -120,6 +124,10 @@ class ServerConfig:
         if self.max_receiving_bytes < 1:
             raise InvalidRequestError(
                 "max_receiving_bytes must be >= 1", param="max_receiving_bytes"
+            )
+        if not self.max_pending_audio_seconds > 0:
+            raise InvalidRequestError(
+                "max_pending_audio_seconds must be > 0", param="max_pending_audio_seconds"
             )
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

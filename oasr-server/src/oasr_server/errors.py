@@ -58,6 +58,10 @@ class UploadsBusyError(EngineOverloadedError):
     """``--max-receiving-bytes`` of uploads are being received already."""
 
 
+class AudioBacklogError(EngineOverloadedError):
+    """``--max-pending-audio-seconds`` of decoded uploads are held already."""
+
+
 class NotFoundError(InvalidRequestError):
     http_status = 404
     code = "not_found"

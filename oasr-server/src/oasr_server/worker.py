@@ -219,10 +219,13 @@ class EngineWorker:
 
     def _run(self) -> None:
         while True:
+            # nothing of the previous job stays referenced here while the queue is empty (its
+            # audio is freed when its request ends: --max-pending-audio-seconds counts it)
+            item = job = inputs = None
             item = self._queue.get()
             if item is _STOP:
                 break
-            job: Job = item
+            job = item
             job.taken = True
             if job.abandoned:
                 continue
@@ -265,6 +268,9 @@ class EngineWorker:
         handed = time.monotonic()
 
         def finish() -> None:
+            # the engine futures' callbacks refer back to this job: break the cycle, so its
+            # audio is freed as soon as its request ends (not at the next GC)
+            job.engine_futures = []
             took = time.monotonic() - handed
             self.service_s = took if not self.service_s else 0.8 * self.service_s + 0.2 * took
             self._release(n)

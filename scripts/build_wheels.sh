@@ -31,9 +31,16 @@ for d in "${dists[@]}"; do
   n=$((n + 1))
   echo "[$n/${#dists[@]}] building $d" >&2
   had_build=0; [[ -e "$d/build" ]] && had_build=1
+  had_info=$(ls -d "$d"/src/*.egg-info 2>/dev/null || true)
   "$PY" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir "$OUT" "./$d"
   # setuptools builds in the source tree: leave no build/ behind (stale files would ship later)
+  # and no new *.egg-info (it makes the source folder an installed distribution for every
+  # process that puts src/ on sys.path: the example plugin would then register twice)
   [[ $had_build == 1 ]] || rm -rf "$d/build"
+  for info in "$d"/src/*.egg-info; do
+    [[ -e "$info" && " $had_info " != *" $info "* ]] && rm -rf "$info"
+  done
+  true
 done
 echo "wheels in $OUT:" >&2
 ls -1 "$OUT"/*.whl >&2

@@ -46,6 +46,9 @@ def test_wheels_install_and_transcribe_in_a_fresh_venv(tmp_path: Path) -> None:
     )
     assert set(expected) <= set(wheels), (expected, wheels)
     assert "pip install --find-links" in proc.stderr
+    # the build leaves the source tree as it was: no new *.egg-info (an egg-info beside the
+    # example plugin's sources made it register twice in every later test that imports it)
+    assert not list((REPO / "examples" / "oasr-plugin-example" / "src").glob("*.egg-info"))
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)

@@ -417,3 +417,51 @@ def test_decompression_bombs_are_bounded(tmp_path: Path) -> None:
     finally:
         code = server.stop()
     assert code == 0
+
+
+@pytest.mark.slow  # a real server process, SIGTERM
+def test_sigterm_drains_every_surface(tmp_path: Path) -> None:
+    import signal
+
+    import grpc
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    from oasr_server.grpc_api import speech_pb2, speech_pb2_grpc
+
+    grpc_port = fault._free_port()
+    server = fault.Server(tmp_path, 2.0, "--grpc-bind", f"127.0.0.1:{grpc_port}")
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime?intent=transcription"
+    manual = {"type": "transcription_session.update", "session": {"turn_detection": None}}
+    try:
+        with connect(url) as ws:
+            _ws_events(ws, "transcription_session.created")
+            ws.send(json.dumps(manual))
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _pcm24k(2)}))
+            ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            _ws_events(ws, "input_audio_buffer.committed")
+            # the turn is committed and being transcribed (2 s): now the signal
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            # gRPC takes no new call while the server drains
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                stub = speech_pb2_grpc.SpeechStub(channel)
+                request = speech_pb2.RecognizeRequest(audio=fault._wav(1.0))
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Recognize(request, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            # the committed turn is still answered, then the socket is closed (1012)
+            events = []
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    events.append(json.loads(ws.recv(timeout=20)))
+            completed = [
+                e
+                for e in events
+                if e["type"] == "conversation.item.input_audio_transcription.completed"
+            ]
+            assert [e["transcript"] for e in completed] == ["2.00"], events
+            assert closed.value.rcvd is not None and closed.value.rcvd.code in (1001, 1012)
+    finally:
+        code = server.stop()
+    assert code == 0, server.log_path.read_text()[-3000:]

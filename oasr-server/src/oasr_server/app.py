@@ -97,6 +97,13 @@ class ServerState:
         self._closed = False
         #: live streams (realtime WebSockets and gRPC StreamingRecognize), at most max_streams
         self.streams = 0
+        #: shutting down: /readyz is 503, new realtime sessions and gRPC calls are refused,
+        #: committed turns are still answered (``drain``)
+        self.draining = False
+        #: live realtime sessions (``drain`` waits for their committed turns)
+        self.sessions: set[Any] = set()
+        #: the gRPC server when --grpc-bind is set
+        self.grpc_server: Any = None
         #: request-body bytes being received now (``read_body``), at most max_receiving_bytes
         self.receiving_bytes = 0
         #: seconds of decoded upload audio alive now (``decode``), at most
@@ -168,6 +175,26 @@ class ServerState:
             )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._vad_executor, partial(fn, *args))
+
+    async def drain(self, timeout: float) -> None:
+        """The first step of a graceful shutdown (SIGTERM), before the HTTP server stops: every
+        surface stops taking new work the same way (``/readyz`` 503, gRPC health NOT_SERVING and
+        new calls refused while its calls in flight get ``timeout`` to finish, new realtime
+        sessions refused with 1013) and each live realtime session gets its committed turns
+        answered (the ``completed`` events sent), at most ``timeout`` seconds. HTTP requests in
+        flight are drained by uvicorn afterwards; open sockets are closed with 1012 then."""
+        self.draining = True
+        self.metrics.ready.set(0)
+        grpc_server = self.grpc_server
+        if grpc_server is not None:
+            await grpc_server.oasr_health.enter_graceful_shutdown()
+            self._grpc_stopping = asyncio.ensure_future(grpc_server.stop(grace=timeout))
+        deadline = time.monotonic() + timeout
+        sessions = list(self.sessions)
+        if sessions:
+            log.info("shutting down: answering the committed turns of %d realtime session(s)",
+                     len(sessions))  # fmt: skip
+            await asyncio.gather(*(s.drain(deadline) for s in sessions), return_exceptions=True)
 
     # -- model loading -----------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -763,6 +790,7 @@ def create_app(
 
             grpc_server = await start_grpc_server(state, config.grpc_bind)
         app.state.grpc_server = grpc_server
+        state.grpc_server = grpc_server
         state.start_loading()
         try:
             yield

@@ -271,7 +271,7 @@ def serve_command(
             server.should_exit = True
 
     app = create_app(config, engine_config=engine_config, on_load_failure=on_load_failure)
-    server = uvicorn.Server(
+    server = _draining_server(
         uvicorn.Config(
             app,
             host=host,
@@ -294,6 +294,26 @@ def serve_command(
         message = exc.message if isinstance(exc, OASRError) else f"{type(exc).__name__}: {exc}"
         typer.echo(f"error: the model failed to load: {message}", err=True)
         raise typer.Exit(1)
+
+
+def _draining_server(config: Any) -> Any:
+    """uvicorn's server with OASR's drain first (:meth:`ServerState.drain`: gRPC stops taking
+    calls, realtime sessions get their committed turns answered), then uvicorn's own (HTTP
+    requests in flight finish, sockets close)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            state = getattr(getattr(self.config.app, "state", None), "oasr", None)
+            if state is not None:
+                timeout = min(30.0, float(self.config.timeout_graceful_shutdown or 30))
+                try:
+                    await state.drain(timeout)
+                except Exception:  # noqa: BLE001 - the rest of the shutdown must still run
+                    logging.getLogger("oasr_server").exception("drain failed")
+            await super().shutdown(sockets=sockets)
+
+    return DrainingServer(config)
 
 
 def _run_until_stopped(server: Any) -> None:

@@ -390,6 +390,10 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         )
         return
     try:
+        if state.draining:
+            from oasr_server.errors import NotReadyError
+
+            raise NotReadyError("The server is shutting down; reconnect to another instance.")
         state.require_ready()
         state.open_stream("realtime")
     except OASRError as exc:
@@ -397,12 +401,14 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         return
     outcome = "closed"
     session = RealtimeSession(state, websocket)
+    state.sessions.add(session)
     try:
         await session.run()
     except Exception:  # noqa: BLE001
         outcome = "error"
         log.exception("realtime session failed")
     finally:
+        state.sessions.discard(session)
         state.close_stream("realtime", outcome)
 
 
@@ -419,6 +425,18 @@ class RealtimeSession:
         #: ordered work for the processor: (kind, payload, client event id)
         self.work: asyncio.Queue[tuple[str, Any, str | None]] = asyncio.Queue(maxsize=256)
         self.stream: TurnStream | None = None
+        #: the processor is handling a client event
+        self._busy = False
+
+    async def drain(self, deadline: float) -> None:
+        """Shutdown: wait (until ``deadline``) for the client events already received to be
+        processed, the committed turns to be answered and every event to be sent."""
+        while time.monotonic() < deadline:
+            stream = self.stream
+            pending = stream is not None and stream.answering
+            if not (self._busy or not self.work.empty() or pending or not self.out.empty()):
+                return
+            await asyncio.sleep(0.05)
 
     def send(self, event: dict[str, Any]) -> None:
         event.setdefault("event_id", new_id("event"))
@@ -533,6 +551,7 @@ class RealtimeSession:
     async def _processor(self) -> None:
         while True:
             kind, payload, event_id = await self.work.get()
+            self._busy = True
             try:
                 await self._process(kind, payload, event_id)
             except OASRError as exc:
@@ -545,6 +564,8 @@ class RealtimeSession:
                     EngineFailureError("internal error; the details are in the server log"),
                     event_id,
                 )
+            finally:
+                self._busy = False
 
     async def _apply(self, cfg: SessionConfig) -> None:
         stream = self.stream

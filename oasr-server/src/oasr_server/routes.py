@@ -459,6 +459,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def readyz() -> JSONResponse:
         """Readiness: 200 once the model is loaded and a warm-up ran, 503 before (or if it
         failed to load)."""
+        if state.draining:
+            err = NotReadyError("the server is shutting down")
+            return JSONResponse(error_body(err), status_code=503)
         if state.ready:
             return JSONResponse({"status": "ready", "model": state.config.served_model_name})
         if state.load_error:

@@ -285,6 +285,12 @@ class TurnStream:
         self.buf_start = pos
 
     @property
+    def answering(self) -> bool:
+        """Committed turns are still waiting for (or sending) their final transcript."""
+        current = self._current
+        return not self._finals.empty() or (current is not None and not current.done())
+
+    @property
     def max_buffer(self) -> int:
         """Most samples the input buffer may hold (``--max-audio-seconds``,
         ``--stream-buffer-seconds`` and ``--stream-buffer-bytes``, the smallest)."""

@@ -432,6 +432,7 @@ class ServerState:
         list of them with ``multi``), at most until ``deadline``. With ``is_disconnected``, a
         client that went away is noticed (every ``DISCONNECT_POLL_S``) and its work is dropped
         if the engine has not started it. Cancelling the awaiting task drops the work too."""
+        options = self.bounded_options(options, audio)
         job: Job = worker.submit(audio, options, multi=multi)
         try:
             await self._wait(job, deadline, is_disconnected, job.future)
@@ -471,6 +472,7 @@ class ServerState:
             except RuntimeError:  # the loop is closed: nobody is listening
                 pass
 
+        options = self.bounded_options(options, audio)
         job: Job = worker.submit(audio, options, on_partial=on_partial)
         waiter: asyncio.Future[Any] | None = None
         try:
@@ -492,6 +494,38 @@ class ServerState:
                 worker.abandon(job)
         self._observe(job)
         yield result
+
+    def bounded_options(
+        self, options: DecodingOptions, audio: np.ndarray | list[np.ndarray]
+    ) -> DecodingOptions:
+        """``options`` with the decoding-work bound of ``max_tokens_per_second`` (see
+        :class:`ServerConfig`): only when the client set no ``max_new_tokens``, the audio is
+        short enough for the bound to bite, and the model accepts the option."""
+        rate = self.config.max_tokens_per_second
+        engine = self.engine
+        if not rate or options.max_new_tokens is not None or engine is None:
+            return options
+        family = getattr(engine.model.capabilities.decode_family, "value", None)
+        if family not in ("aed", "llm"):  # no token budget to bound (CTC, transducer, CIF)
+            return options
+        from oasr.scheduler import BatchExecutor
+
+        if isinstance(engine.scheduler.executor, BatchExecutor):
+            # one options set per model call there: per-request budgets would split batches
+            return options
+        arrays = audio if isinstance(audio, list) else [audio]
+        seconds = max((a.shape[-1] for a in arrays), default=0) / engine.sample_rate
+        budget = -(-int(32 + rate * seconds) // 32) * 32  # a multiple of 32: requests still share
+        if budget > 224:
+            return options
+        from dataclasses import replace
+
+        bounded = replace(options, max_new_tokens=budget)
+        try:
+            bounded.validate_for(engine.model)
+        except OASRError:  # a family without a token budget (CTC, transducer)
+            return options
+        return bounded
 
     async def _wait(
         self,

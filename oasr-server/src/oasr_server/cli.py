@@ -167,6 +167,15 @@ def serve_command(
             help="Most decoded upload audio held at once, summed over requests (503 above).",
         ),
     ] = 14400.0,
+    max_tokens_per_second: Annotated[
+        float,
+        typer.Option(
+            "--max-tokens-per-second",
+            min=0,
+            help="Autoregressive models: max_new_tokens per window defaults to 32 + this x the "
+            "audio's seconds for clips under ~10 s (0: the model's own budget).",
+        ),
+    ] = 20.0,
     stream_buffer_seconds: Annotated[
         float,
         typer.Option(
@@ -250,6 +259,7 @@ def serve_command(
             max_concurrency=max_concurrency,
             realtime_idle_timeout=realtime_idle_timeout,
             stream_buffer_seconds=stream_buffer_seconds,
+            max_tokens_per_second=max_tokens_per_second,
             max_pending_audio_seconds=max_pending_audio_seconds,
             upload_idle_timeout=upload_idle_timeout,
             upload_min_rate=upload_min_rate,

@@ -79,6 +79,11 @@ class ServerConfig:
     #: and answer: 64 KB per second at 16 kHz); an upload that would pass it is 503
     #: ``overloaded`` right after decoding, and its audio freed.
     max_pending_audio_seconds: float = 14400.0
+    #: Decoding work bound for autoregressive models: a request that does not set
+    #: ``max_new_tokens`` gets ``32 + this x its seconds`` (rounded up to a multiple of 32)
+    #: when that is at most 224 (Whisper's window budget), so a short or broken clip cannot
+    #: generate a full window of tokens in every temperature-fallback round (0: no bound).
+    max_tokens_per_second: float = 20.0
     stream_buffer_seconds: float = 600.0
     #: The same bound in bytes of buffered audio (float32 at the model's rate: 64 KB per second
     #: at 16 kHz); the smaller of the two applies.

@@ -30,7 +30,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -205,6 +205,16 @@ class BatchExecutor:
                                      progress if watchers else None)  # fmt: skip
 
 
+def _settle(future: Future, error: BaseException) -> None:
+    """Fail ``future`` unless it is done (another thread may finish it at the same time)."""
+    if future.done():
+        return
+    try:
+        future.set_exception(error)
+    except InvalidStateError:
+        pass
+
+
 def executor_for(model: ASRModel, config: SchedulerConfig) -> Any:
     """The model's continuous-batching executor when it offers one, else :class:`BatchExecutor`.
 
@@ -239,6 +249,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._step_lock = threading.Lock()
+        #: running requests aborted while a step ran: answered at once, freed in the executor
+        #: before the next step
+        self._aborting: list[Request] = []
         #: most requests waiting for admission seen (introspection / tests)
         self.stats: dict[str, int] = {"max_running": 0, "max_wait_steps_seen": 0}
         self.on_step: Callable[[Scheduler], None] | None = None
@@ -284,15 +297,37 @@ class Scheduler:
                     self._waiting.remove(r)
                     r.future.set_exception(RequestAbortedError(f"request {rid!r} aborted"))
                     return True
-        with self._step_lock:  # running requests: between steps only
+        if not self._step_lock.acquire(blocking=False):
+            # a step is running (it may be long: a gate or encoder pass over many inputs): the
+            # caller is answered now, the executor frees the request before the next step
+            with self._lock:
+                r = self._running.get(rid)
+                if r is None:
+                    return False
+                self._aborting.append(r)
+            _settle(r.future, RequestAbortedError(f"request {rid!r} aborted"))
+            return True
+        try:  # running requests: between steps only
             with self._lock:
                 r = self._running.pop(rid, None)
             if r is None:
                 return False
             self.executor.abort(r)
-            if not r.future.done():
-                r.future.set_exception(RequestAbortedError(f"request {rid!r} aborted"))
+            _settle(r.future, RequestAbortedError(f"request {rid!r} aborted"))
             return True
+        finally:
+            self._step_lock.release()
+
+    def _free_aborted(self) -> None:
+        """Free in the executor the requests aborted during the last step (step lock held)."""
+        with self._lock:
+            aborting, self._aborting = self._aborting, []
+            gone = [r for r in aborting if self._running.pop(r.rid, None) is not None]
+        for r in gone:
+            try:
+                self.executor.abort(r)
+            except Exception:  # noqa: BLE001 - an abort never fails the scheduler
+                pass
 
     @property
     def num_waiting(self) -> int:
@@ -355,16 +390,20 @@ class Scheduler:
         r.future.finish_time = r.finish_time  # type: ignore[attr-defined]
         if r.future.done():
             return
-        if isinstance(result, BaseException):
-            r.future.set_exception(result)
-        else:
-            r.future.set_result(result)
+        try:
+            if isinstance(result, BaseException):
+                r.future.set_exception(result)
+            else:
+                r.future.set_result(result)
+        except InvalidStateError:  # aborted by another thread meanwhile
+            pass
 
     # -- stepping (one thread) -----------------------------------------------------------------
     def step(self) -> int:
         """Admit, advance the executor once, resolve finished requests. Returns how many
         requests finished."""
         with self._step_lock:
+            self._free_aborted()
             self._admit()
             try:
                 done = self.executor.step()

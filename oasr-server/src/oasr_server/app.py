@@ -61,7 +61,7 @@ log = logging.getLogger("oasr_server")
 DISCONNECT_POLL_S = 0.5
 
 #: Routes that answer without the API key (probes).
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/demo"})  # /demo: a static page, no key
 
 
 class ServerState:
@@ -879,6 +879,10 @@ def create_app(
     from oasr_server import routes
 
     routes.add_routes(app, state)
+    if config.demo:
+        from oasr_server.demo import add_demo_routes
+
+        add_demo_routes(app)
     app.add_middleware(ObservabilityMiddleware, state=state, routes=lambda: app.router.routes)
     if config.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware

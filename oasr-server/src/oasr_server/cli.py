@@ -201,6 +201,14 @@ def serve_command(
             "/v1/realtime, with CORS; repeatable; '*' for any. Default: same origin only.",
         ),
     ] = None,
+    demo: Annotated[
+        bool,
+        typer.Option(
+            "--demo/--no-demo",
+            help="Serve the browser demo page (examples/web) at /demo: microphone or file into "
+            "/v1/realtime, uploads to /v1/audio/transcriptions.",
+        ),
+    ] = True,
     served_model_name: Annotated[
         str,
         typer.Option("--served-model-name", help="Model id in /v1/models and the 'model' field."),
@@ -266,6 +274,7 @@ def serve_command(
             max_receiving_bytes=max_receiving_bytes,
             stream_buffer_bytes=stream_buffer_bytes,
             allowed_origins=tuple(o.rstrip("/") for o in allowed_origins or ()),
+            demo=demo,
             decode_processes=decode_processes,
         )
     except OASRError as exc:

@@ -62,6 +62,8 @@ class ServerConfig:
     #: request whose ``Origin`` names another host is 403 ``origin_not_allowed``; clients that
     #: send no ``Origin``, i.e. everything but browsers, are unaffected).
     allowed_origins: tuple[str, ...] = ()
+    #: Serve the browser demo page at ``/demo`` (:mod:`oasr_server.demo`; public, holds no key).
+    demo: bool = True
     #: Most uncommitted audio a live stream (realtime, gRPC StreamingRecognize) may buffer, in
     #: seconds (also bounded by ``max_audio_seconds``): a VAD turn that long is committed, a
     #: manual buffer past it drops its oldest audio with an ``audio_too_long`` error, and one

@@ -49,7 +49,7 @@ ROUTES = ["/v1/audio/transcriptions", "/v1/audio/translations"]
 FIELD_NAMES = [
     "model", "language", "prompt", "response_format", "temperature", "stream",
     "timestamp_granularities[]", "chunking_strategy", "beam_size", "max_new_tokens", "hotwords",
-    "no_speech_threshold", "x" * 40, "",
+    "no_speech_threshold", "x" * 40, "", "include[]",
 ]  # fmt: skip
 
 
@@ -163,8 +163,17 @@ def _http_request(rng: random.Random, clips: dict[str, bytes]) -> dict[str, Any]
         return {"method": "POST", "url": "/v1/speech:recognize", "params": params, "content": body}
     method = rng.choice(["GET", "PUT", "DELETE", "PATCH", "POST"])
     url = rng.choice(["/v1/models", "/v1/audio", "/v1/audio/transcriptions/x", "/nope", "/metrics",
-                      "/v1/realtime", "/%ff%fe", "/v1/speech:recognize"])  # fmt: skip
+                      "/v1/realtime", "/%ff%fe", "/v1/speech:recognize", "/v1/models/whisper-1",
+                      "/v1/models/" + _random_value(rng)[:200], "/v1/models//etc/passwd"])  # fmt: skip
     return {"method": method, "url": url}
+
+
+def _with_origin(rng: random.Random, spec: dict[str, Any]) -> dict[str, Any]:
+    """Now and then a browser's ``Origin`` (another host: 403 by default; none: unchanged)."""
+    if rng.random() < 0.05:
+        origin = rng.choice(["https://evil.example", "null", "http://[::1", "x" * 300])
+        spec["headers"] = {**spec.get("headers", {}), "origin": origin}
+    return spec
 
 
 def _describe(spec: dict[str, Any]) -> str:
@@ -382,7 +391,7 @@ def test_fuzzed_requests_never_break_the_server(kit, example_installed, example_
             _warm_up_streams(port, grpc_port, clips)
             rss_start = _rss_mb(proc.pid)
             for i in range(REQUESTS):
-                spec = _http_request(rng, clips)
+                spec = _with_origin(rng, _http_request(rng, clips))
                 t0 = time.monotonic()
                 try:
                     r = c.request(**spec)

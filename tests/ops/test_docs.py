@@ -7,7 +7,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted((REPO / "docs").glob("*.md")) + [
-    REPO / name for name in ("README.md", "SECURITY.md", "CONTRIBUTING.md")
+    REPO / name
+    for name in (
+        "README.md",
+        "SECURITY.md",
+        "CONTRIBUTING.md",
+        "deploy/README.md",
+        "examples/web/README.md",
+    )
 ]
 #: The seed's documentation set: each page exists and the docs index links it.
 SEED_PAGES = (

@@ -172,7 +172,8 @@ def _turn_detection(value: Any, param: str) -> VADSettings | None:
 
 def _format(cfg: SessionConfig, value: Any, param: str) -> None:
     if isinstance(value, dict):  # GA shape: {"type": "audio/pcm", "rate": 24000}
-        name = GA_FORMATS.get(value.get("type"))  # type: ignore[arg-type]
+        kind = value.get("type")
+        name = GA_FORMATS.get(kind) if isinstance(kind, str) else None
         if name is None:
             raise RealtimeError(
                 f"Invalid value for '{param}.type': {value.get('type')!r}. Supported values "
@@ -182,7 +183,7 @@ def _format(cfg: SessionConfig, value: Any, param: str) -> None:
         cfg.format_name = name
         if name == "pcm16":
             rate = value.get("rate", 24000)
-            if rate not in PCM_RATES:
+            if not isinstance(rate, int) or isinstance(rate, bool) or rate not in PCM_RATES:
                 raise RealtimeError(
                     f"Invalid value for '{param}.rate': {rate!r}. Supported rates: "
                     f"{', '.join(map(str, PCM_RATES))}.",
@@ -190,7 +191,7 @@ def _format(cfg: SessionConfig, value: Any, param: str) -> None:
                 )
             cfg.pcm_rate = int(rate)
         return
-    if value not in FORMATS:
+    if not isinstance(value, str) or value not in FORMATS:  # a list or number is no format name
         raise RealtimeError(
             f"Invalid value for '{param}': {value!r}. Supported values are: "
             f"{', '.join(repr(k) for k in FORMATS)}.",

@@ -148,7 +148,25 @@ def ops():
         start_server=start_server,
         stop_server=stop_server,
         write_example_site=write_example_site,
+        require_program=require_program,
         REPO=REPO,
         EXAMPLE=EXAMPLE,
         SPEECH=SPEECH,
+    )
+
+
+def require_program(names: tuple[str, ...], package: str) -> str:
+    """The first of ``names`` on PATH. Missing where scripts/setup.sh could have installed it
+    (apt-get present and running as root): a failure; elsewhere a skip that says why."""
+    import shutil
+
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    if shutil.which("apt-get") is not None and os.geteuid() == 0:
+        pytest.fail(f"Debian's {package} is not installed: apt-get install {package}")
+    pytest.skip(
+        f"{package} is not installed and cannot be installed here (needs apt-get as root: "
+        f"apt-get install {package})"
     )

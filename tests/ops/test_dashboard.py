@@ -7,7 +7,6 @@ import base64
 import json
 import math
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -116,20 +115,11 @@ def test_dashboard_queries_name_only_exported_metrics() -> None:
     ]
 
 
-def _prometheus_or_skip() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        if shutil.which("apt-get") is not None:
-            pytest.fail("Debian's prometheus is not installed: apt-get install prometheus")
-        pytest.skip("prometheus is not installed and apt-get is not available to install it")
-    return binary
-
-
 @pytest.fixture(scope="module")
 def prometheus(energy_server, ops, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Prometheus on a free port with deploy/prometheus.yml's scrape job pointed at the test
     server (1 s scrapes, the server's API key in a credentials file, as the file's comment says)."""
-    binary = _prometheus_or_skip()
+    binary = ops.require_program(("prometheus",), "prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     (job,) = config["scrape_configs"]
@@ -261,11 +251,8 @@ def test_every_panel_returns_data_from_a_real_prometheus(energy_server, promethe
         assert by_status == {"200": 6.0, "400": 2.0, "401": 2.0}, by_status
 
 
-def test_prometheus_yml_is_valid() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        _prometheus_or_skip()
-        pytest.fail("prometheus is installed without promtool")
+def test_prometheus_yml_is_valid(ops) -> None:
+    promtool = ops.require_program(("promtool",), "prometheus")
     out = subprocess.run(
         [promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True
     )

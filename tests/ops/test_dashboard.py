@@ -257,3 +257,30 @@ def test_prometheus_yml_is_valid(ops) -> None:
         [promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_memory_panel_series_exist_on_cuda() -> None:
+    """On a CUDA device the server's collector exports every ``kind`` the GPU panel selects
+    (the CPU runs above see none). Run: ``pytest -m gpu tests/ops``."""
+    import torch
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from oasr_server.metrics import ServerMetrics
+
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB allocated
+    metrics = ServerMetrics()
+    metrics.bind_gpu("cuda")
+    samples = {
+        s.labels["kind"]: s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        if family.name == "oasr_gpu_memory_bytes"
+        for s in family.samples
+    }
+    gpu_exprs = [e for _, e in panel_queries(json.loads(DASHBOARD.read_text())) if "gpu" in e]
+    kinds = set(re.findall(r"allocated|reserved|used|total", " ".join(gpu_exprs)))
+    assert kinds == {"allocated", "reserved", "used", "total"}
+    assert set(samples) == kinds, samples
+    assert samples["allocated"] >= held.numel()
+    assert samples["reserved"] >= samples["allocated"]
+    assert 0 < samples["used"] <= samples["total"]

@@ -88,6 +88,11 @@ def test_deep_json_is_a_400_and_an_error_event(tmp_path: Path) -> None:
                 ws.send('{"type": "session.update", "session": ' + "[" * depth + "]" * depth + "}")
                 (err,) = _ws_events(ws, "error")
                 assert err["error"]["code"] == "invalid_json", err
+            # include=logprobs is refused here too, not silently dropped
+            include = {"include": ["item.input_audio_transcription.logprobs"]}
+            ws.send(json.dumps({"type": "session.update", "session": include}))
+            (err,) = _ws_events(ws, "error")
+            assert err["error"]["param"] == "session.include", err
             # the session is still open and answers
             ws.send(json.dumps({"type": "session.update", "session": {}}))
             _ws_events(ws, "session.updated")

@@ -300,7 +300,24 @@ def apply_update(state: ServerState, current: SessionConfig, session: Any) -> Se
     if "input_audio_noise_reduction" in session:
         cfg.noise_reduction = session["input_audio_noise_reduction"]
     if "include" in session:
-        cfg.include = session["include"]
+        include = session["include"]
+        if include is not None and (
+            not isinstance(include, list) or not all(isinstance(x, str) for x in include)
+        ):
+            raise RealtimeError(
+                "Invalid type for 'session.include': expected an array of strings.",
+                code="invalid_type",
+                param="session.include",
+            )
+        if include and any("logprobs" in x for x in include):
+            # refused, not silently dropped (as include=logprobs on the HTTP routes)
+            raise RealtimeError(
+                "'item.input_audio_transcription.logprobs' is not supported: this server's "
+                "models do not return token log-probabilities.",
+                code="unsupported_value",
+                param="session.include",
+            )
+        cfg.include = include
     return cfg
 
 

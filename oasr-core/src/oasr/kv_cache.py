@@ -69,7 +69,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
                  head_dim: int, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+                 dtype: torch.dtype | None = None, zero_on_allocate: bool = False) -> None:  # fmt: skip
         import torch
 
         self.num_layers = num_layers
@@ -79,9 +79,29 @@ class PagedKVCache:
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_heads, head_dim)
         kw = {"device": device, "dtype": dtype or torch.float32}
-        self.k = [torch.zeros(shape, **kw) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, **kw) for _ in range(num_layers)]
+        #: blocks are zeroed when handed out (:meth:`allocate`), not all at once here: on CPU
+        #: the pages of blocks never used are then never touched (tiny.en, 16 rows: 88 MB)
+        self.zero_on_allocate = zero_on_allocate
+        alloc = torch.empty if zero_on_allocate else torch.zeros
+        self.k = [alloc(shape, **kw) for _ in range(num_layers)]
+        self.v = [alloc(shape, **kw) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks)
+        if zero_on_allocate:
+            self.clear([0])  # the scratch block: padding reads it
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free blocks (:meth:`BlockAllocator.allocate`), zeroed with ``zero_on_allocate``."""
+        blocks = self.allocator.allocate(n)
+        if self.zero_on_allocate:
+            self.clear(blocks)
+        return blocks
+
+    def clear(self, blocks: Sequence[int]) -> None:
+        """Zero ``blocks`` in every layer's K and V (positions past a row's length are read and
+        masked: they must hold finite values)."""
+        for t in (*self.k, *self.v):
+            for b in blocks:
+                t[b].zero_()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_heads: int, head_dim: int,

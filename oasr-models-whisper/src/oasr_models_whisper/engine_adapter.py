@@ -21,6 +21,7 @@ path (``WhisperASR.transcribe``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,11 @@ def make_executor(model: Any, config: SchedulerConfig) -> AutoregressiveExecutor
 
     if not isinstance(getattr(model, "network", None), WhisperNet):
         return None
+    if model.network.device.type == "cpu" and config.max_encoder_batch is None:
+        # one window per encoder call on CPU: its matrices (1500 frames) keep both cores busy
+        # already, so a batch saves no time there, only holds every window's activations at
+        # once (tiny.en, 9 inputs: 1.37 GB peak instead of 1.03 GB)
+        config = dataclasses.replace(config, max_encoder_batch=1)
     return AutoregressiveExecutor(model, WhisperStepModel(model.network), WhisperDriver(model), config)
 
 

@@ -61,7 +61,9 @@ class WhisperASR:
         self.name = name
         self.non_speech_tokens = tuple(non_speech_tokens) if non_speech_tokens is not None else None
         self.max_batch_size = max_batch_size
-        self.loaded = loaded
+        self._loaded = loaded
+        #: name -> stored dtype, once the network holds the only copy of the weights
+        self._stored_dtypes: dict[str, torch.dtype] | None = None
         # English-only checkpoints neither translate nor detect languages
         self.capabilities = replace(
             CAPABILITIES,
@@ -97,7 +99,7 @@ class WhisperASR:
                 f"tokenizer does not fit the model: timestamps end at id {tokenizer.timestamp_end} "
                 f"but the model has {loaded.dims.n_vocab} output tokens"
             )
-        return cls(
+        model = cls(
             network,
             tokenizer,
             multilingual=loaded.is_multilingual,
@@ -106,6 +108,33 @@ class WhisperASR:
             max_batch_size=config.max_batch_size,
             loaded=loaded,
         )
+        model._drop_stored_copy()
+        return model
+
+    def _drop_stored_copy(self) -> None:
+        """Keep no second copy of the weights when the network's converts back exactly: a
+        float16/bfloat16 checkpoint on a float32 network (tiny.en on CPU: 77 MB), or the same
+        dtype. :attr:`loaded` then rebuilds the stored tensors from the network."""
+        loaded, state = self._loaded, getattr(self.network, "state_dict", None)
+        params = state() if callable(state) else {}
+        if loaded is None or not loaded.state_dict or not set(loaded.state_dict) <= set(params):
+            return
+        exact = (torch.float16, torch.bfloat16)
+        for k, v in loaded.state_dict.items():
+            net = params[k].dtype
+            if v.dtype != net and not (net == torch.float32 and v.dtype in exact):
+                return
+        self._stored_dtypes = {k: v.dtype for k, v in loaded.state_dict.items()}
+        self._loaded = replace(loaded, state_dict={})
+
+    @property
+    def loaded(self) -> LoadedWhisper | None:
+        """The checkpoint this model was built from (weights in their stored dtypes)."""
+        if self._loaded is None or self._stored_dtypes is None:
+            return self._loaded
+        params = self.network.state_dict()
+        state = {k: params[k].detach().to("cpu", dt) for k, dt in self._stored_dtypes.items()}
+        return replace(self._loaded, state_dict=state)
 
     @classmethod
     def from_native(

@@ -337,7 +337,8 @@ class AutoregressiveExecutor:
         self.min_admit_group = max(1, int(group))
         self._group_open = False
         self.cache = PagedKVCache(sm.num_layers, int(num_blocks), self.block_size, sm.num_kv_heads,
-                                  sm.head_dim, device=self.device, dtype=self.dtype)  # fmt: skip
+                                  sm.head_dim, device=self.device, dtype=self.dtype,
+                                  zero_on_allocate=self.device.type == "cpu")  # fmt: skip
         self.cross_k: list[torch.Tensor] = []
         self.cross_v: list[torch.Tensor] = []
         if sm.cross_shape is not None:
@@ -345,8 +346,13 @@ class AutoregressiveExecutor:
             # one contiguous copy
             shape = (self.max_rows, *sm.cross_shape)
             kw = {"device": self.device, "dtype": self.dtype}
-            self.cross_k = [torch.zeros(shape, **kw) for _ in range(sm.num_layers)]
-            self.cross_v = [torch.zeros(shape, **kw) for _ in range(sm.num_layers)]
+            # CPU: left unwritten. A row's slot is written whole before the row reads it, and
+            # the pages of slots never used stay untouched, so a run of a few inputs does not
+            # hold max_batch_size windows of K/V (tiny.en: 18 MB each) in memory. CUDA graphs
+            # read the padding rows too: zeros there.
+            alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+            self.cross_k = [alloc(shape, **kw) for _ in range(sm.num_layers)]
+            self.cross_v = [alloc(shape, **kw) for _ in range(sm.num_layers)]
         self.memory_bytes = self.cache.nbytes + sum(t.numel() * esize for t in (*self.cross_k, *self.cross_v))
         self.memory_bytes += int(sm.extra_bytes)
         # kernel providers (oasr-kernels: paged decode attention) for models built without
@@ -533,7 +539,7 @@ class AutoregressiveExecutor:
             if not self.cache.allocator.can_allocate(need):
                 keep.append(w)
                 continue
-            row = Row(w, self.cache.allocator.allocate(need), len(w.prompt))
+            row = Row(w, self.cache.allocate(need), len(w.prompt))
             self._row_masks(row)
             starting.append(row)
         self.ready = keep

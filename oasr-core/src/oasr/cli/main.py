@@ -231,6 +231,9 @@ def _add_missing_commands() -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:  # noqa: UP045 - typer reads annotations
     """Console-script entry point."""
+    from oasr.openmp import choose_openmp_wait_policy
+
+    choose_openmp_wait_policy()  # before anything imports torch (issue #27)
     manager = get_plugin_manager()
     try:
         manager.add_commands(app)

@@ -213,15 +213,31 @@ def _traffic(server) -> None:
     _realtime_stream(server.port, server.key)
 
 
+def _wait_for_scrapes(c: httpx.Client, n: int) -> None:
+    """Until Prometheus has stored ``n`` more scrapes of the server (by sample timestamp)."""
+
+    def last() -> float:
+        r = c.get("/api/v1/query", params={"query": "max(timestamp(oasr_model_ready))"})
+        result = r.json()["data"]["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
+    deadline = time.monotonic() + 30
+    for _ in range(n):
+        seen = last()
+        while last() <= seen:
+            assert time.monotonic() < deadline, "Prometheus stopped scraping the server"
+            time.sleep(0.2)
+
+
 @pytest.mark.slow  # a real oasr-server and a real Prometheus
 def test_every_panel_returns_data_from_a_real_prometheus(energy_server, prometheus) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    # two rounds of traffic with scrapes between, so rates and quantiles see increases
-    _traffic(energy_server)
-    time.sleep(2.5)
-    _traffic(energy_server)
-    time.sleep(2.5)
     with httpx.Client(base_url=prometheus, timeout=10) as c:
+        # two rounds of traffic with scrapes between, so rates and quantiles see increases
+        _traffic(energy_server)
+        _wait_for_scrapes(c, 2)
+        _traffic(energy_server)
+        _wait_for_scrapes(c, 2)
         # the GPU series exist only on a CUDA server; the family is still declared on the CPU
         meta = c.get("/api/v1/targets/metadata", params={"metric": "oasr_gpu_memory_bytes"})
         assert meta.json()["data"], "Prometheus saw no oasr_gpu_memory_bytes metadata"

@@ -14,6 +14,8 @@
     python -m benchmarks.asrbench --workload streaming --find-max --json out.json
 
     python -m benchmarks.asrbench --backend oasr_server --profile smoke      # server, < 20 s
+    python -m benchmarks.asrbench --workload cpu [--busy]   # whole `oasr transcribe` process vs
+                                                            # faster-whisper (benchmarks/cpubench.py)
     python -m benchmarks.asrbench --backend oasr_server    # 64 uploads at c=16 + 2 realtime streams
 
 The synthetic workload (``benchmarks/synthetic.py``) compares OASR's engine with
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--workload", choices=["speech", "synthetic", "streaming"], default="speech")
+    parser.add_argument("--workload", choices=["speech", "synthetic", "streaming", "cpu"],
+                        default="speech")  # fmt: skip
     parser.add_argument("--shape", default=None,
                         help="synthetic: smoke | tiny | large-v3 | large-v3-turbo; streaming: small | medium")
     parser.add_argument("--dtype", default=None,
@@ -200,6 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
     stream.add_argument("--beam", type=int, default=1, help="1: CTC greedy; > 1: prefix beam + rescoring")
     stream.add_argument("--left-chunks", type=int, default=-1, help="attention history in chunks (-1: all)")
     stream.add_argument("--aligned", action="store_true", help="all streams release chunks at once")
+    from benchmarks.cpubench import add_arguments as add_cpu_arguments
+
+    add_cpu_arguments(parser)
     server = parser.add_argument_group("server load test (benchmarks/serverbench.py)")
     parser.add_argument("--backend", choices=[*BACKENDS, "oasr_server"], default=None,
                         help="one backend (instead of --backends); oasr_server: load-test the real "
@@ -218,6 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
         return main_streaming(args)
     if args.workload == "synthetic":
         return _synthetic(args)
+    if args.workload == "cpu":
+        from benchmarks.cpubench import bench, resolve
+
+        return bench(resolve(args))
 
     import torch
 

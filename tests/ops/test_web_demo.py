@@ -130,6 +130,8 @@ def browser(whisper_server, speech, ops, tmp_path: Path) -> Iterator[DevTools]:
     args = [
         binary,
         "--headless=new",
+        # our own page only; Chromium refuses its sandbox as root and in many containers
+        "--no-sandbox",
         "--disable-gpu",
         "--no-first-run",
         "--no-default-browser-check",
@@ -142,8 +144,6 @@ def browser(whisper_server, speech, ops, tmp_path: Path) -> Iterator[DevTools]:
         "--window-size=1100,1000",
         f"{whisper_server.base}/demo",
     ]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        args.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
     log = tmp_path / "chromium.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -159,7 +159,11 @@ def browser(whisper_server, speech, ops, tmp_path: Path) -> Iterator[DevTools]:
         page = next(t for t in targets if t["type"] == "page")
         tools = DevTools(page["webSocketDebuggerUrl"])
         try:
-            tools.wait("document.readyState === 'complete'", 30, "the page to load")
+            tools.wait(  # the target may still show about:blank when we attach
+                "location.pathname === '/demo' && document.readyState === 'complete'",
+                30,
+                "the page to load",
+            )
             tools.wait(  # without the key the page says what to do
                 "document.getElementById('model').textContent.includes('API key')",
                 10,

@@ -41,12 +41,9 @@ def test_demo_route(demo: bool) -> None:
 
 
 def test_the_cli_has_the_flag() -> None:
-    import typer
     from typer.testing import CliRunner
 
-    from oasr_server.cli import serve_command
+    from oasr_server.cli import app
 
-    app = typer.Typer()
-    app.command()(serve_command)
-    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
-    assert "--demo" in out.output and "--no-demo" in out.output
+    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert "--demo" in out and "--no-demo" in out

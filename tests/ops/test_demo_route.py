@@ -33,6 +33,7 @@ def test_demo_route(demo: bool) -> None:
         assert r.status_code == 200, r.text
         assert r.headers["content-type"].startswith("text/html")
         assert r.text == PAGE.read_text(encoding="utf-8")
+        assert "connect-src 'self'" in r.headers["content-security-policy"]
         # the page is public; the API it calls is not
         assert anyio.run(get, "/v1/models").status_code == 401
     else:

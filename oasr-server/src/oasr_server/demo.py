@@ -16,6 +16,13 @@ from fastapi.responses import HTMLResponse
 #: ``examples/web/index.html`` (an editable or source install).
 DEMO_ENV = "OASR_DEMO_PAGE"
 DEMO_PATH = "/demo"
+#: The page runs only its own inline script (and the AudioWorklet it makes from a blob) and talks
+#: only to its own origin.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline' blob:; style-src 'unsafe-inline'; "
+    "connect-src 'self' blob:; media-src 'self' blob:; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def demo_page() -> Path | None:
@@ -44,5 +51,10 @@ def add_demo_routes(app: FastAPI) -> None:
         # no-store: the page is small and a stale copy after an upgrade confuses more than it saves
         return HTMLResponse(
             page.read_text(encoding="utf-8"),
-            headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
+            headers={
+                "Cache-Control": "no-store",
+                "X-Content-Type-Options": "nosniff",
+                "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                "Referrer-Policy": "no-referrer",
+            },
         )

@@ -12,7 +12,8 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
-#: Where the page is looked for: ``OASR_DEMO_PAGE`` (a file), else the source tree's
+#: Where the page is looked for: ``OASR_DEMO_PAGE`` (a file), a copy packaged beside this module
+#: (``oasr_server/web/index.html``, where a wheel build puts one), else the source tree's
 #: ``examples/web/index.html`` (an editable or source install).
 DEMO_ENV = "OASR_DEMO_PAGE"
 DEMO_PATH = "/demo"
@@ -30,6 +31,9 @@ def demo_page() -> Path | None:
     if override:
         return Path(override)
     here = Path(__file__).resolve()
+    packaged = here.parent / "web" / "index.html"
+    if packaged.is_file():
+        return packaged
     for parent in here.parents:
         candidate = parent / "examples" / "web" / "index.html"
         if candidate.is_file():

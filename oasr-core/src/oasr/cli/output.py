@@ -242,9 +242,11 @@ def transcript_from_verbose_json(body: dict[str, Any]) -> Transcript:
     if not segments and words:
         segments = [Segment(id=0, start=words[0].start, end=words[-1].end,
                             text=body.get("text", ""), words=words)]  # fmt: skip
+    from oasr.languages import language_code
+
     return Transcript(
         text=body.get("text", ""),
-        language=body.get("language"),
+        language=language_code(body.get("language")),  # OpenAI's "english": back to "en"
         duration=float(body.get("duration", 0.0) or 0.0),
         segments=segments,
         task=body.get("task", "transcribe"),

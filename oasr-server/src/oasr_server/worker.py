@@ -323,6 +323,9 @@ def _deliver(job: Job, *, result: Any = None, error: BaseException | None = None
     def settle() -> None:
         if job.future.done():
             return
+        if job.abandoned:  # nobody waits: no "exception was never retrieved" in the log
+            job.future.cancel()
+            return
         if error is not None:
             job.future.set_exception(error)
         else:

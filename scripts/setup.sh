@@ -34,3 +34,16 @@ fi
 # (its full dependency list pulls torchaudio, modelscope and hydra, none of which it needs here)
 "${PIP[@]}" install --no-deps funasr==1.4.16 omegaconf==2.4.0 kaldiio==2.18.1 librosa==0.11.0 \
     lazy_loader==0.6 six==1.17.0 rapidfuzz==3.14.6
+# tests/ops: Debian's prometheus (the Grafana dashboard's queries) and headless chromium (the
+# /demo page), only where apt-get runs as root, and only what is missing
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    ops_pkgs=()
+    command -v prometheus >/dev/null 2>&1 || ops_pkgs+=(prometheus)
+    command -v chromium >/dev/null 2>&1 || ops_pkgs+=(chromium)
+    if [ ${#ops_pkgs[@]} -gt 0 ]; then
+        echo "setup: apt-get install ${ops_pkgs[*]} (for tests/ops)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${ops_pkgs[@]}" >/dev/null
+    fi
+fi

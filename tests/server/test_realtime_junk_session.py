@@ -29,5 +29,7 @@ def test_junk_session_values_are_refused_and_the_session_stays(app_factory, fiel
                 if event["type"] == "error":
                     assert event["error"]["message"] and event["error"]["code"], event
             # still a working session
-            ws.send_text(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
+            ws.send_text(
+                json.dumps({"type": "session.update", "session": {"turn_detection": None}})
+            )
             assert ws.receive_json()["type"] == "session.updated"

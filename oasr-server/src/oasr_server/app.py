@@ -384,12 +384,25 @@ class ServerState:
             "timeout_s": self.config.request_timeout,
         }
         pool = self.decode_pool
-        if pool is not None:
-            audio = await pool.decode(data, sample_rate, **limits)
-        else:
-            audio = await anyio.to_thread.run_sync(
-                partial(load_audio, data, sample_rate, **limits), limiter=self.decode_limiter
-            )
+        started = time.monotonic()
+        outcome = "ok"
+        self.metrics.decode_in_flight.inc()
+        try:
+            if pool is not None:
+                audio = await pool.decode(data, sample_rate, **limits)
+            else:
+                audio = await anyio.to_thread.run_sync(
+                    partial(load_audio, data, sample_rate, **limits), limiter=self.decode_limiter
+                )
+        except OASRError as exc:
+            outcome = exc.code
+            raise
+        except BaseException:
+            outcome = "failed"
+            raise
+        finally:
+            self.metrics.decode_in_flight.dec()
+            self.metrics.decode_duration.labels(outcome).observe(time.monotonic() - started)
         seconds = audio.shape[-1] / sample_rate
         self._hold(audio, seconds)
         self.metrics.audio_seconds.labels(route).inc(seconds)

@@ -122,6 +122,18 @@ class ServerMetrics:
             buckets=AUDIO_BUCKETS,
             registry=r,
         )
+        self.decode_in_flight = Gauge(
+            "oasr_decode_in_flight",
+            "Uploads being decoded now (in the decode worker processes, or threads without them).",
+            registry=r,
+        )
+        self.decode_duration = Histogram(
+            "oasr_decode_duration_seconds",
+            "Time to decode and resample one upload, by outcome (ok, or the error code).",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("oasr_queue_depth", "Requests waiting for the engine.", registry=r)
         self.in_flight = Gauge(
             "oasr_engine_in_flight", "Requests the engine is working on now.", registry=r

@@ -37,7 +37,7 @@ REQUEST_TIMEOUT_S = 20.0
 #: an answer slower than this is a hang (the server's own --request-timeout plus slack)
 ANSWER_BOUND_S = REQUEST_TIMEOUT_S + 10.0
 #: server memory may grow this much from after the warm-up to the end of the run
-RSS_GROWTH_BOUND_MB = 256.0
+RSS_GROWTH_BOUND_MB = 150.0
 CLIPS = [
     "en_jfk_inaugural.flac",
     "en_jfk_inaugural.mp3",
@@ -433,9 +433,12 @@ def test_fuzzed_requests_never_break_the_server(kit, example_installed, example_
                     break
                 assert time.monotonic() < settle, (gauges, streams)
                 time.sleep(0.2)
-            time.sleep(3)  # the server trims freed memory ~2 s after its last stream ends
-            rss_end = _rss_mb(proc.pid)
-            assert rss_end - rss_start < RSS_GROWTH_BOUND_MB, (rss_start, rss_end)
+            # memory comes back: the server's housekeeping (a full collection and malloc_trim
+            # every 10 s while requests come in) returns what the run freed
+            deadline = time.monotonic() + 25
+            while (rss_end := _rss_mb(proc.pid)) - rss_start >= RSS_GROWTH_BOUND_MB:
+                assert time.monotonic() < deadline, (rss_start, rss_end)
+                time.sleep(1)
             stats["rss_mb"] = [round(rss_start), round(rss_end)]
         proc.send_signal(__import__("signal").SIGTERM)
         assert proc.wait(timeout=30) == 0

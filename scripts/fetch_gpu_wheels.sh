@@ -20,6 +20,8 @@ PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3
 # with librosa importable, transformers' audio_utils imports soxr (librosa's resampler) at once
 "${PIP[@]}" soxr==1.0.0 decorator==5.2.1 joblib==1.6.0 audioread==3.1.0 msgpack==1.2.4 pooch==1.9.0 \
     platformdirs==4.14.9
+# fastapi imports its telemetry hooks (opentelemetry-api) and annotated-doc at import
+"${PIP[@]}" opentelemetry-api==1.45.2 annotated-doc importlib-metadata zipp
 # openai-whisper is published as a source archive only: build its wheel here
 python3 -m pip wheel -q --no-deps openai-whisper==20250625 -w .whl
 du -sh .whl

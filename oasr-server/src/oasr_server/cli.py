@@ -355,6 +355,9 @@ app.command(name="oasr-server")(serve_command)
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point ``oasr-server``."""
+    from oasr.openmp import choose_openmp_wait_policy
+
+    choose_openmp_wait_policy()  # before anything imports torch: no spin-waiting on a busy core
     app(args=argv if argv is not None else sys.argv[1:], prog_name="oasr-server")
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from oasr.audio import as_mono_waveform
-from oasr.decoders.ctc import CTCGreedySearch, CTCPrefixBeamSearch, group_words, token_timestamps
+from oasr.decoders.ctc import CTCPrefixBeamSearch, ctc_greedy_search, group_words, token_timestamps
 from oasr.decoders.hypothesis import Hypothesis
 from oasr.decoders.tdt_beam import tdt_beam_search
 from oasr.decoders.transducer import (
@@ -215,16 +215,13 @@ class NemoASR:
                 # stays on the model's device: the searches read only each frame's best
                 # (greedy) or top-k (prefix beam) back
                 logp = torch.log_softmax(self.net.ctc_head(enc).float(), dim=-1)
+                if options.beam_size <= 1:  # the batch's best frames read back in one copy
+                    return ctc_greedy_search(logp, lengths, c.blank_id)
                 out = []
                 for b, n in enumerate(lengths):
-                    if options.beam_size > 1:
-                        s = CTCPrefixBeamSearch(options.beam_size, c.blank_id)
-                        s.step(logp[b, :n])
-                        out.append(s.nbest()[0])
-                    else:
-                        g = CTCGreedySearch(c.blank_id)
-                        g.step(logp[b, :n])
-                        out.append(g.result())
+                    s = CTCPrefixBeamSearch(options.beam_size, c.blank_id)
+                    s.step(logp[b, :n])
+                    out.append(s.nbest()[0])
                 return out
             proj = self.net.encoder_projector(enc)
             b = proj.shape[0]

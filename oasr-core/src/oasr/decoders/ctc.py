@@ -79,7 +79,10 @@ class CTCGreedySearch:
         if lp.shape[0] == 0:
             return
         best, idx = lp.float().max(dim=-1)
-        best_l, idx_l = best.tolist(), idx.tolist()
+        self._advance(best.tolist(), idx.tolist())
+
+    def _advance(self, best_l: list[float], idx_l: list[int]) -> None:
+        """Consume frames given as each frame's best log-probability and token."""
         h = self.hyp
         for t, (v, u) in enumerate(zip(best_l, idx_l, strict=True)):
             h.score += v
@@ -107,10 +110,14 @@ def ctc_greedy_search(log_probs: Any, lengths: Sequence[int] | Any | None = None
     if lp.dim() == 2:
         lp = lp.unsqueeze(0)
     lens = [lp.shape[1]] * lp.shape[0] if lengths is None else [int(n) for n in lengths]
+    # one max over the whole batch and one device-to-host copy: a row at a time would wait on
+    # the device once per row (128 waits for a batch of 128 on a GPU)
+    best, idx = lp.float().max(dim=-1)
+    best_l, idx_l = best.tolist(), idx.tolist()
     out = []
     for b in range(lp.shape[0]):
         g = CTCGreedySearch(blank)
-        g.step(lp[b, : lens[b]])
+        g._advance(best_l[b][: lens[b]], idx_l[b][: lens[b]])
         out.append(g.result())
     return out
 

@@ -97,9 +97,36 @@ def load_model(config: EngineConfig) -> ASRModel:
 # -- native format -------------------------------------------------------------------------------
 
 
-def write_native_config(dst: Path, architecture: str, config: dict[str, Any]) -> None:
+def hf_model_type(path: Path) -> str | None:
+    """The ``model_type`` of a Hugging Face directory's ``config.json`` (None: no readable one).
+    Cheap and torch-free: what format detectors of ``save_pretrained`` layouts key on."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
+
+
+def write_native_config(
+    dst: Path,
+    architecture: str,
+    config: dict[str, Any],
+    *,
+    feature_spec: Any = None,
+    decoding: Any = None,
+) -> None:
+    """Write ``oasr_model.json``: the family's ``config`` plus, in one shape for every family,
+    its ``feature_spec`` (a :class:`~oasr.types.FeatureSpec`) and ``decoding`` (the model's
+    :class:`~oasr.options.ModelOptions` defaults, which travel with the checkpoint and come
+    back through ``ModelOptions.with_saved``)."""
+    import dataclasses
+
     dst.mkdir(parents=True, exist_ok=True)
     body = {"format_version": NATIVE_FORMAT_VERSION, "architecture": architecture, **config}
+    if feature_spec is not None:
+        body["feature_spec"] = dataclasses.asdict(feature_spec)
+    if decoding is not None:
+        body["decoding"] = decoding.as_dict()
     (dst / NATIVE_CONFIG).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
 
 

@@ -3,7 +3,8 @@ models give the ISO 639 code: the server writes names, the client reads them bac
 
 from __future__ import annotations
 
-#: ISO 639-1 (and Whisper's few longer) codes to OpenAI's lower-case English names
+#: ISO 639-1 (and Whisper's few longer) codes to OpenAI's lower-case English names, in
+#: Whisper's language-token order (the Whisper plugin's token ids depend on this order)
 NAMES: dict[str, str] = {
     "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ru": "russian",
     "ko": "korean", "fr": "french", "ja": "japanese", "pt": "portuguese", "tr": "turkish",

@@ -285,6 +285,12 @@ class ModelOptions:
                 raise UnsupportedOptionError(unknown_option_message(name, self.family, specs), param=name)
         return dataclasses.replace(self, **dict(values))
 
+    def with_saved(self: M, saved: Mapping[str, Any] | None) -> M:
+        """These defaults with those a native checkpoint saved (its ``decoding``); names this
+        version does not know (a newer writer added them) are skipped, not refused."""
+        specs = self.specs()
+        return self.override({k: v for k, v in (saved or {}).items() if k in specs})
+
     def resolve(self, options: Any) -> ResolvedOptions:
         """``options`` (:class:`~oasr.types.DecodingOptions`, or already resolved) with this
         family's options: these defaults overridden by ``options.model_options``."""

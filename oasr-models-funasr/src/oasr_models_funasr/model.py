@@ -190,10 +190,7 @@ class ParaformerASR:
                     source_path=path, seg_dict=seg_dict)  # fmt: skip
         model.source_format = "oasr"
         model.max_batch_size = config.max_batch_size
-        saved = body.get("decoding") or {}
-        model.default_options = model.default_options.override(
-            {k: v for k, v in saved.items() if k in model.default_options.specs()}
-        )
+        model.default_options = model.default_options.with_saved(body.get("decoding"))
         return model
 
     def save_native(self, dst: str | Path) -> str:
@@ -212,19 +209,14 @@ class ParaformerASR:
             for k, v in self.net.state_dict().items()
         }
         save_file(state, str(dst / "model.safetensors"))
-        fs = self.feature_spec
         write_native_config(dst, ARCHITECTURE, {
             "funasr_config": self.config.raw,
             "tokens": self.tokens,
             "cmvn": None if self.frontend.cmvn_np is None else self.frontend.cmvn_np.tolist(),
             "seg_dict": self.seg_dict,
             "source_format": self.source_format,
-            "feature_spec": {"kind": fs.kind, "sample_rate": fs.sample_rate, "num_bins": fs.num_bins,
-                             "hop_length": fs.hop_length, "win_length": fs.win_length,
-                             "options": fs.options},
             "tokenizer": {"kind": "funasr_tokens"},
-            "decoding": self.default_options.as_dict(),
-        })  # fmt: skip
+        }, feature_spec=self.feature_spec, decoding=self.default_options)  # fmt: skip
         return ARCHITECTURE
 
     def hotword_ids(self, hotwords: Sequence[str]) -> list[list[int]]:

@@ -206,17 +206,12 @@ class _IcefallASR:
         dst.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()},
                   str(dst / "model.safetensors"))  # fmt: skip
-        spec = self.feature_spec
         key = "transducer" if isinstance(self, ZipformerTransducer) else "zipformer"
         write_native_config(dst, key, {
             "icefall_config": config_dict(self.cfg), "tokens": list(self.tokens.pieces),
             "source_format": self.source_format,
-            "feature_spec": {"kind": spec.kind, "sample_rate": spec.sample_rate, "num_bins": spec.num_bins,
-                             "hop_length": spec.hop_length, "win_length": spec.win_length,
-                             "options": spec.options},
             "tokenizer": {"kind": "icefall_tokens"},
-            "decoding": self.default_options.as_dict(),
-        })  # fmt: skip
+        }, feature_spec=self.feature_spec, decoding=self.default_options)  # fmt: skip
         return key
 
     @classmethod
@@ -245,9 +240,7 @@ class _IcefallASR:
         net = build_network(cfg, state, config.device, resolve_dtype(config.dtype))
         model = cls(net, tokens, source_path=path)
         model.source_format = "oasr"
-        saved = body.get("decoding") or {}
-        model.default_options = model.default_options.override(
-            {k: v for k, v in saved.items() if k in model.default_options.specs()})
+        model.default_options = model.default_options.with_saved(body.get("decoding"))
         return model
 
     @property

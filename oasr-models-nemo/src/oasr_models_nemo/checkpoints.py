@@ -164,8 +164,7 @@ def save_native(dst: Path, model: NemoASR) -> str:
         "tokenizer": {"kind": "sentencepiece", "pieces": model.tokenizer.pieces,
                       "types": model.tokenizer.types},
         "source_format": model.source_format,
-        "decoding": model.default_options.as_dict(),
-    })
+    }, decoding=model.default_options)
     return arch
 
 

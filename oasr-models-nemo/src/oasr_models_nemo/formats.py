@@ -10,7 +10,6 @@ Hugging Face layout, ``config.json``'s ``model_type`` only (no torch).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,21 +19,13 @@ if TYPE_CHECKING:
 HF_MODEL_TYPES = ("parakeet_ctc", "parakeet_rnnt", "parakeet_tdt", "nemotron_asr_streaming")
 
 
-def _hf_model_type(path: Path) -> str | None:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg.get("model_type") if isinstance(cfg, dict) else None
-
-
 class HFParakeetFormat:
     @staticmethod
     def detect(path: Path) -> bool:
+        from oasr.checkpoint import hf_model_type
+
         path = Path(path)
-        if not path.is_dir() or not (path / "config.json").is_file():
-            return False
-        if _hf_model_type(path) not in HF_MODEL_TYPES:
+        if not path.is_dir() or hf_model_type(path) not in HF_MODEL_TYPES:
             return False
         return any((path / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json"))
 

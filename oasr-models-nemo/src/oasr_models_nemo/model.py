@@ -127,9 +127,7 @@ class NemoASR:
         body = body or read_native_config(Path(path))
         cfg, state, tok = load_native(Path(path), body)
         model = cls._build(cfg, state, tok, config, "oasr", Path(path))
-        saved = body.get("decoding") or {}
-        model.default_options = model.default_options.override(
-            {k: v for k, v in saved.items() if k in model.default_options.specs()})
+        model.default_options = model.default_options.with_saved(body.get("decoding"))
         return model
 
     def save_native(self, dst: str | Path) -> str:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,14 +20,10 @@ class HFQwen2AudioFormat:
 
     @staticmethod
     def detect(path: Path) -> bool:
+        from oasr.checkpoint import hf_model_type
+
         path = Path(path)
-        if not path.is_dir() or not (path / "config.json").is_file():
-            return False
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError):
-            return False
-        if not isinstance(cfg, dict) or cfg.get("model_type") != "qwen2_audio":
+        if not path.is_dir() or hf_model_type(path) != "qwen2_audio":
             return False
         return any((path / name).is_file() for name in WEIGHT_FILES)
 

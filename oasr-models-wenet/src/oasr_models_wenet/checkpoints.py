@@ -80,18 +80,8 @@ def save_native(dst: Path, model: WenetASR) -> str:
         "wenet_config": cfg,
         "units": list(model.units.pieces),
         "source_format": model.source_format,
-        "feature_spec": {
-            "kind": model.feature_spec.kind,
-            "sample_rate": model.feature_spec.sample_rate,
-            "num_bins": model.feature_spec.num_bins,
-            "hop_length": model.feature_spec.hop_length,
-            "win_length": model.feature_spec.win_length,
-            "options": model.feature_spec.options,
-        },
         "tokenizer": {"kind": "wenet_units"},
-        # the model's defaults of its per-request options travel with the checkpoint
-        "decoding": model.default_options.as_dict(),
-    })
+    }, feature_spec=model.feature_spec, decoding=model.default_options)
     return ARCHITECTURE
 
 

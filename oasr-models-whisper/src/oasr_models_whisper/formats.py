@@ -45,14 +45,10 @@ class HFWhisperFormat:
 
     @staticmethod
     def detect(path: Path) -> bool:
+        from oasr.checkpoint import hf_model_type
+
         path = Path(path)
-        if not path.is_dir() or not (path / "config.json").is_file():
-            return False
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError):
-            return False
-        if not isinstance(cfg, dict) or cfg.get("model_type") != "whisper":
+        if not path.is_dir() or hf_model_type(path) != "whisper":
             return False
         return any(
             (path / name).is_file()

@@ -18,7 +18,10 @@ from typing import Any
 from oasr.errors import CheckpointError
 from oasr_models_qwen.config import QwenAudioConfig, parse_config
 
-__all__ = ["LoadedQwenAudio", "load_hf", "normalize_name"]
+__all__ = ["LoadedQwenAudio", "load_hf", "load_native", "normalize_name", "save_native"]
+
+#: the native format's weights file (the network's own names: fused q/k/v and gate/up)
+WEIGHTS = "model.safetensors"
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.json",
@@ -119,3 +122,57 @@ def load_hf(path: Path) -> LoadedQwenAudio:
     pre = path / "preprocessor_config.json"
     preprocessor = _read_json(pre) if pre.is_file() else {}
     return LoadedQwenAudio(path, config, weights, files, _chat_template(path), generation, preprocessor)
+
+
+# -- OASR's native format (``oasr convert``) ---------------------------------------------------------
+
+
+def save_native(dst: Path, model: Any) -> str:
+    """Write ``model`` (a :class:`~oasr_models_qwen.model.Qwen2AudioASR`) as OASR's native format:
+    the network's weights under its own names, ``tokenizer.json``, and ``oasr_model.json`` with
+    the dimensions, the chat template, the stop tokens and the decoding defaults."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from oasr.checkpoint import write_native_config
+    from oasr_models_qwen.plugin import ARCHITECTURE
+
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.network.state_dict().items()
+             if not k.endswith("inv_freq")}  # fmt: skip
+    save_file(state, str(dst / WEIGHTS))
+    model.tokenizer.tok.save(str(dst / "tokenizer.json"))
+    write_native_config(dst, ARCHITECTURE, {
+        "qwen_config": dataclasses.asdict(model.network.config),
+        "name": model.name,
+        "chat_template": model.chat_template,
+        "stop_tokens": list(model.stop_tokens),
+        "context": model.context,
+    }, feature_spec=model.feature_spec, decoding=model.default_options)  # fmt: skip
+    return ARCHITECTURE
+
+
+def load_native(path: Path, body: dict[str, Any]) -> LoadedQwenAudio:
+    """The :class:`LoadedQwenAudio` of a native checkpoint written by :func:`save_native`."""
+    from safetensors.torch import load_file
+
+    from oasr_models_qwen.config import AudioDims, TextDims
+
+    path = Path(path)
+    try:
+        cfg = body["qwen_config"]
+        config = QwenAudioConfig(AudioDims(**cfg["audio"]), TextDims(**cfg["text"]),
+                                 int(cfg["audio_token_id"]), tuple(cfg.get("eos_token_ids", ())))  # fmt: skip
+        stops = [int(t) for t in body["stop_tokens"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: incomplete oasr_model.json ({exc})") from exc
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path} has no tokenizer.json")
+    try:
+        weights = load_file(str(path / WEIGHTS))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+        raise CheckpointError(f"cannot read {path / WEIGHTS}: {exc}") from exc
+    return LoadedQwenAudio(path, config, weights, {"tokenizer.json": path / "tokenizer.json"},
+                           body.get("chat_template"), {"eos_token_id": stops})  # fmt: skip

@@ -8,6 +8,7 @@ driver: there is no second decoding loop."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,6 +76,28 @@ class Qwen2AudioASR:
         return cls(network, QwenTokenizer.from_files(loaded.tokenizer_files), name=loaded.name,
                    chat_template=loaded.chat_template, stop_tokens=[int(e) for e in eos if e is not None],
                    max_batch_size=config.max_batch_size)  # fmt: skip
+
+    @classmethod
+    def from_native(cls, path: str | Path, body: dict[str, Any] | None = None,
+                    config: EngineConfig | None = None) -> Qwen2AudioASR:  # fmt: skip
+        """A checkpoint ``oasr convert`` wrote (:func:`oasr_models_qwen.checkpoints.save_native`)."""
+        from oasr.checkpoint import read_native_config
+        from oasr_models_qwen.checkpoints import load_native
+
+        body = body or read_native_config(Path(path))
+        model = cls.from_loaded(load_native(Path(path), body), config)
+        model.name = str(body.get("name", model.name))
+        if body.get("context"):
+            model.context = min(int(body["context"]), model.network.config.text.max_positions)
+        model.default_options = model.default_options.with_saved(body.get("decoding"))
+        return model
+
+    def save_native(self, dst: str | Path) -> str:
+        """OASR's native format: weights in the network's names, ``tokenizer.json``, and
+        ``oasr_model.json`` (dimensions, chat template, stop tokens, decoding defaults)."""
+        from oasr_models_qwen.checkpoints import save_native
+
+        return save_native(Path(dst), self)
 
     def make_executor(self, config: Any) -> Any:
         from oasr_models_qwen.engine_adapter import make_executor

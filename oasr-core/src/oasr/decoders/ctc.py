@@ -126,7 +126,8 @@ def ctc_greedy_search(log_probs: Any, lengths: Sequence[int] | Any | None = None
 
 
 class _Prefix:
-    __slots__ = ("s", "ns", "v_s", "v_ns", "cur_token_prob", "times_s", "times_ns", "lp_s", "lp_ns")
+    __slots__ = ("s", "ns", "v_s", "v_ns", "cur_token_prob", "times_s", "times_ns", "lp_s", "lp_ns",
+                 "ctx", "cstate", "has_ctx")
 
     def __init__(self, s: float = NEG_INF, ns: float = NEG_INF, v_s: float = NEG_INF,
                  v_ns: float = NEG_INF) -> None:
@@ -139,6 +140,9 @@ class _Prefix:
         self.times_ns: list[int] = []
         self.lp_s: list[float] = []  # log-prob of each token at its peak frame (Viterbi path)
         self.lp_ns: list[float] = []
+        self.ctx = 0.0  # hotword bonus of this prefix (context graph), and the graph state
+        self.cstate = 0
+        self.has_ctx = False
 
     def score(self) -> float:
         return log_add(self.s, self.ns)
@@ -154,19 +158,27 @@ class _Prefix:
 
 
 class CTCPrefixBeamSearch:
-    """Incremental CTC prefix beam search (WeNet's algorithm; no context biasing).
+    """Incremental CTC prefix beam search (WeNet's algorithm, with WeNet's context biasing).
 
     ``step(log_probs (T, V))`` consumes frames (any number per call: streaming chunks);
     ``nbest()`` returns the current beam, best first, as :class:`CTCHypothesis` with
-    ``times`` = Viterbi peak frames (absolute, counted from the first frame ever fed)."""
+    ``times`` = Viterbi peak frames (absolute, counted from the first frame ever fed).
 
-    def __init__(self, beam_size: int, blank: int = 0) -> None:
+    With a ``context_graph`` (:class:`oasr.decoders.context_graph.ContextGraph`, hotwords) a
+    prefix carries the graph's bonus for its tokens (``ContextGraph.step`` per appended token);
+    the beam is ranked by acoustic score + bonus, and ``nbest()`` takes back the bonus of an
+    unfinished match (``finalize``): its ``score`` is acoustic + final bonus."""
+
+    def __init__(self, beam_size: int, blank: int = 0, context_graph: Any = None) -> None:
         if beam_size < 1:
             raise ValueError("beam_size must be >= 1")
         self.beam_size = beam_size
         self.blank = blank
         self.frame = 0
-        self.hyps: list[tuple[tuple[int, ...], _Prefix]] = [((), _Prefix(s=0.0, ns=NEG_INF, v_s=0.0, v_ns=0.0))]
+        self.context_graph = context_graph
+        first = _Prefix(s=0.0, ns=NEG_INF, v_s=0.0, v_ns=0.0)
+        first.has_ctx = True
+        self.hyps: list[tuple[tuple[int, ...], _Prefix]] = [((), first)]
 
     def step(self, log_probs: Any) -> None:
         import torch
@@ -182,6 +194,7 @@ class CTCPrefixBeamSearch:
 
     def _frame(self, vals: list[float], idxs: list[int], t: int) -> None:
         blank = self.blank
+        graph = self.context_graph
         nxt: dict[tuple[int, ...], _Prefix] = {}
 
         def get(p: tuple[int, ...]) -> _Prefix:
@@ -199,8 +212,12 @@ class CTCPrefixBeamSearch:
                     ns.v_s = ps.viterbi_score() + prob
                     ns.times_s = ps.times().copy()
                     ns.lp_s = ps.lps().copy()
+                    if graph is not None:
+                        _same_context(ns, ps)
                 elif u == last:
                     n1 = get(prefix)  # *uu -> *u
+                    if graph is not None:
+                        _same_context(n1, ps)
                     n1.ns = log_add(n1.ns, ps.ns + prob)
                     if n1.v_ns < ps.v_ns + prob:
                         n1.v_ns = ps.v_ns + prob
@@ -212,6 +229,8 @@ class CTCPrefixBeamSearch:
                             n1.lp_ns[-1] = prob
                     n_prefix = prefix + (u,)  # *u-u -> *uu
                     n2 = get(n_prefix)
+                    if graph is not None:
+                        _next_context(graph, n2, ps, u)
                     n2.ns = log_add(n2.ns, ps.s + prob)
                     if n2.v_ns < ps.v_s + prob:
                         n2.v_ns = ps.v_s + prob
@@ -223,6 +242,8 @@ class CTCPrefixBeamSearch:
                 else:
                     n_prefix = prefix + (u,)
                     n = get(n_prefix)
+                    if graph is not None:
+                        _next_context(graph, n, ps, u)
                     n.ns = log_add(n.ns, ps.score() + prob)
                     if n.v_ns < ps.viterbi_score() + prob:
                         n.v_ns = ps.viterbi_score() + prob
@@ -231,21 +252,42 @@ class CTCPrefixBeamSearch:
                         n.times_ns.append(t)
                         n.lp_ns = ps.lps().copy()
                         n.lp_ns.append(prob)
-        ranked = sorted(nxt.items(), key=lambda x: x[1].score(), reverse=True)
+        if graph is None:
+            ranked = sorted(nxt.items(), key=lambda x: x[1].score(), reverse=True)
+        else:  # WeNet's total_score: acoustic + hotword bonus
+            ranked = sorted(nxt.items(), key=lambda x: x[1].score() + x[1].ctx, reverse=True)
         self.hyps = ranked[: self.beam_size]
 
     def nbest(self) -> list[CTCHypothesis]:
-        return [
-            CTCHypothesis(list(p), s.score(), list(s.times()), list(s.lps())) for p, s in self.hyps
-        ]
+        graph = self.context_graph
+        if graph is None:
+            return [
+                CTCHypothesis(list(p), s.score(), list(s.times()), list(s.lps())) for p, s in self.hyps
+            ]
+        out = [CTCHypothesis(list(p), s.score() + s.ctx + graph.finalize(s.cstate), list(s.times()),
+                             list(s.lps())) for p, s in self.hyps]  # fmt: skip
+        return sorted(out, key=lambda h: h.score, reverse=True)
 
     def best(self) -> CTCHypothesis:
         return self.nbest()[0]
 
 
+def _same_context(n: _Prefix, ps: _Prefix) -> None:
+    if not n.has_ctx:
+        n.ctx, n.cstate, n.has_ctx = ps.ctx, ps.cstate, True
+
+
+def _next_context(graph: Any, n: _Prefix, ps: _Prefix, token: int) -> None:
+    if not n.has_ctx:
+        bonus, n.cstate = graph.step(ps.cstate, token)
+        n.ctx, n.has_ctx = ps.ctx + bonus, True
+
+
 def ctc_prefix_beam_search(log_probs: Any, lengths: Sequence[int] | Any | None = None,
-                           beam_size: int = 10, blank: int = 0) -> list[list[CTCHypothesis]]:
-    """n-best lists (best first) for each item of a (B, T, V) batch (or one (T, V) input)."""
+                           beam_size: int = 10, blank: int = 0,
+                           context_graphs: Sequence[Any] | None = None) -> list[list[CTCHypothesis]]:
+    """n-best lists (best first) for each item of a (B, T, V) batch (or one (T, V) input);
+    ``context_graphs``: a hotword graph (or ``None``) per item."""
     import torch
 
     lp = torch.as_tensor(log_probs)
@@ -254,7 +296,8 @@ def ctc_prefix_beam_search(log_probs: Any, lengths: Sequence[int] | Any | None =
     lens = [lp.shape[1]] * lp.shape[0] if lengths is None else [int(n) for n in lengths]
     out = []
     for b in range(lp.shape[0]):
-        search = CTCPrefixBeamSearch(beam_size, blank)
+        search = CTCPrefixBeamSearch(beam_size, blank,
+                                     None if context_graphs is None else context_graphs[b])
         search.step(lp[b, : lens[b]])
         out.append(search.nbest())
     return out

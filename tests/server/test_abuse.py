@@ -246,7 +246,7 @@ def test_realtime_buffer_is_bounded_and_freed(tmp_path: Path) -> None:
     try:
         # warm-up: one real turn (every code path allocated once)
         with connect(url, max_size=None) as ws:
-            _ws_events(ws, "transcription_session.created")
+            _ws_events(ws, "session.created")
             ws.send(json.dumps(manual))
             ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _pcm24k(2, 16000)}))
             ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
@@ -258,9 +258,9 @@ def test_realtime_buffer_is_bounded_and_freed(tmp_path: Path) -> None:
         peaks = []
         for _ in range(1):  # (more sessions: the same numbers, each ~8 s on a loaded CI box)
             with connect(url, max_size=None) as ws:
-                _ws_events(ws, "transcription_session.created")
+                _ws_events(ws, "session.created")
                 ws.send(json.dumps(manual))
-                _ws_events(ws, "transcription_session.updated")
+                _ws_events(ws, "session.updated")
                 for _ in range(300):  # 1200 s, never committed
                     ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
                 ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": huge}))
@@ -442,7 +442,7 @@ def test_sigterm_drains_every_surface(tmp_path: Path) -> None:
     manual = {"type": "transcription_session.update", "session": {"turn_detection": None}}
     try:
         with connect(url) as ws:
-            _ws_events(ws, "transcription_session.created")
+            _ws_events(ws, "session.created")
             ws.send(json.dumps(manual))
             ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _pcm24k(2)}))
             ws.send(json.dumps({"type": "input_audio_buffer.commit"}))

@@ -320,7 +320,7 @@ def test_realtime_garbage_and_idle_timeout(kit, live) -> None:
     base, _, _ = live(realtime_idle_timeout=0.5, max_streams=1)
     ws_url = base.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
     with connect(ws_url, open_timeout=10) as ws:
-        assert json.loads(ws.recv(timeout=5))["type"] == "transcription_session.created"
+        assert json.loads(ws.recv(timeout=5))["type"] == "session.created"
         for garbage in ["{not json", json.dumps([1, 2]), json.dumps({"type": 7})]:
             ws.send(garbage)
             event = json.loads(ws.recv(timeout=5))
@@ -339,7 +339,7 @@ def test_realtime_garbage_and_idle_timeout(kit, live) -> None:
     assert metric(text, "oasr_errors_total", code="idle_timeout") == 1
     # the slot is free again (max_streams=1): a new session opens
     with connect(ws_url, open_timeout=10) as ws:
-        assert json.loads(ws.recv(timeout=5))["type"] == "transcription_session.created"
+        assert json.loads(ws.recv(timeout=5))["type"] == "session.created"
     # a client that disappears without a close frame frees its slot too
     with contextlib.suppress(Exception), connect(ws_url, open_timeout=10) as ws:
         ws.recv(timeout=5)

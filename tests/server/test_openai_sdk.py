@@ -209,6 +209,10 @@ def test_openai_sdk_realtime_transcription(kit, app_factory) -> None:
         server.should_exit = True
         thread.join(10)
     types = [e.type for e in events]
-    assert types[0] == "transcription_session.created"
+    # the SDK parses each event into its own model (transcription_session.created, the beta
+    # name, fell back to ConversationCreatedEvent)
+    assert types[0] == "session.created" and type(events[0]).__name__ == "SessionCreatedEvent"
+    assert events[0].session.type == "transcription"
     assert "session.updated" in types and "input_audio_buffer.committed" in types
+    assert type(events[-1]).__name__ == "ConversationItemInputAudioTranscriptionCompletedEvent"
     assert events[-1].transcript == "hello world 1.50"

@@ -70,7 +70,7 @@ def _realtime(port: int) -> None:
         open_timeout=10,
     ) as ws:
         assert ws.subprotocol == "realtime"
-        assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+        assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
         for i in range(0, len(pcm), 9600):
             chunk = base64.b64encode(pcm[i : i + 9600]).decode()
             ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))

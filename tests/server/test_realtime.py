@@ -90,7 +90,7 @@ def test_server_vad_two_turns_pcm16_24k(client_for) -> None:
     audio = two_utterances(24000)
     with client.websocket_connect("/v1/realtime?intent=transcription") as ws:
         created = ws.receive_json()
-        assert created["type"] == "transcription_session.created"
+        assert created["type"] == "session.created"
         session = created["session"]
         assert session["input_audio_format"] == "pcm16"
         assert session["input_audio_sample_rate"] == 24000
@@ -233,9 +233,9 @@ def test_g711_input(client_for, law: str, name: str) -> None:
             {"type": "transcription_session.update", "session": {"input_audio_format": name}}
         )
         ws.send_json({"type": "transcription_session.update", "session": {"turn_detection": None}})
-        assert ws.receive_json()["type"] == "transcription_session.updated"
+        assert ws.receive_json()["type"] == "session.updated"
         updated = ws.receive_json()
-        assert updated["type"] == "transcription_session.updated"
+        assert updated["type"] == "session.updated"
         assert updated["session"]["input_audio_format"] == name
         assert updated["session"]["turn_detection"] is None
         append(ws, g711(tone, law), 800)

@@ -163,14 +163,14 @@ def realtime() -> Any:
 
 def open_session(client: Any, turn_detection: Any = None) -> Any:
     ws = client.websocket_connect("/v1/realtime?intent=transcription").__enter__()
-    assert ws.receive_json()["type"] == "transcription_session.created"
+    assert ws.receive_json()["type"] == "session.created"
     ws.send_json(
         {
             "type": "transcription_session.update",
             "session": {"input_audio_sample_rate": RATE, "turn_detection": turn_detection},
         }
     )
-    assert ws.receive_json()["type"] == "transcription_session.updated"
+    assert ws.receive_json()["type"] == "session.updated"
     return ws
 
 

@@ -87,7 +87,7 @@ def test_whisper_tiny_en_over_realtime(kit) -> None:
     with TestClient(app) as client:
         assert app.state.oasr.wait_loaded(60), app.state.oasr.load_error
         with client.websocket_connect("/v1/realtime?intent=transcription") as ws:
-            assert ws.receive_json()["type"] == "transcription_session.created"
+            assert ws.receive_json()["type"] == "session.created"
             ws.send_json(
                 {
                     "type": "transcription_session.update",
@@ -97,7 +97,7 @@ def test_whisper_tiny_en_over_realtime(kit) -> None:
                     },
                 }
             )
-            assert ws.receive_json()["type"] == "transcription_session.updated"
+            assert ws.receive_json()["type"] == "session.updated"
             for i in range(0, len(pcm), 9600):  # 200 ms chunks
                 chunk = base64.b64encode(pcm[i : i + 9600]).decode()
                 ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})

@@ -1,12 +1,14 @@
 """``GET /v1/realtime``: the transcription subset of OpenAI's Realtime API over a WebSocket.
 
-Client events: ``transcription_session.update`` / ``session.update``,
-``input_audio_buffer.append`` / ``.commit`` / ``.clear``. Server events:
-``transcription_session.created`` (``session.created`` unless the URL says
-``intent=transcription``), ``...updated``, ``input_audio_buffer.speech_started`` /
+Client events: ``session.update`` (the beta name ``transcription_session.update`` is accepted
+too), ``input_audio_buffer.append`` / ``.commit`` / ``.clear``. Server events, named as the
+current (GA) Realtime API names them for a transcription session, so the ``openai`` SDK parses
+each into its own model: ``session.created`` (with or without ``?intent=transcription``),
+``session.updated`` (the answer to either update event), ``input_audio_buffer.speech_started`` /
 ``.speech_stopped`` / ``.committed`` / ``.cleared``, ``conversation.item.created``,
 ``conversation.item.input_audio_transcription.delta`` / ``.completed`` / ``.failed`` and
-``error`` (OpenAI's shape; the socket stays open after recoverable errors).
+``error`` (OpenAI's shape; the socket stays open after recoverable errors). The session object
+carries the GA shape and the beta fields side by side (:meth:`SessionConfig.to_json`).
 
 The turn logic (buffer, server VAD, interim deltas, ordered finals) is
 :class:`oasr_server.streaming.TurnStream`; this module is the protocol.
@@ -50,6 +52,7 @@ FORMATS = {
 }
 #: GA-style format objects ({"type": "audio/pcm", "rate": 24000})
 GA_FORMATS = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
+GA_FORMAT_NAMES = {name: ga for ga, name in GA_FORMATS.items()}
 PCM_RATES = (8000, 16000, 24000, 44100, 48000)
 CLIENT_EVENTS = (
     "transcription_session.update",
@@ -95,34 +98,55 @@ class SessionConfig:
             rate = self.pcm_rate
         return InputFormat(encoding=encoding, sample_rate=rate)
 
-    def to_json(self, session_id: str, transcription: bool) -> dict[str, Any]:
+    def to_json(self, session_id: str) -> dict[str, Any]:
+        """The session as ``session.created`` / ``session.updated`` carry it: the GA shape of a
+        transcription session (``type: "transcription"``, ``audio.input.{format, transcription,
+        turn_detection, noise_reduction}``, what the current ``openai`` SDK parses as
+        ``RealtimeTranscriptionSessionCreateRequest``) with the beta fields beside it
+        (``input_audio_format``, ``input_audio_transcription``, ``turn_detection``, ...) for
+        clients written against the beta API."""
         vad = self.vad
-        out: dict[str, Any] = {
-            "id": session_id,
-            "object": "realtime.transcription_session" if transcription else "realtime.session",
-            "expires_at": 0,
-            "input_audio_format": self.format_name,
-            "input_audio_sample_rate": self.input_format().sample_rate,
-            "input_audio_transcription": {
-                "model": self.model,
-                "language": self.language,
-                "prompt": self.prompt or "",
-                **({"model_options": self.model_options} if self.model_options else {}),
-            },
-            "turn_detection": None
+        turn = (
+            None
             if vad is None
             else {
                 "type": "server_vad",
                 "threshold": vad.threshold,
                 "prefix_padding_ms": int(vad.prefix_padding_ms),
                 "silence_duration_ms": int(vad.silence_duration_ms),
-            },
-            "input_audio_noise_reduction": self.noise_reduction,
-            "include": self.include,
+            }
+        )
+        transcription = {
+            "model": self.model,
+            "language": self.language,
+            "prompt": self.prompt or "",
+            **({"model_options": self.model_options} if self.model_options else {}),
         }
-        if not transcription:
-            out["modalities"] = ["text"]
-        return out
+        rate = self.input_format().sample_rate
+        ga_format: dict[str, Any] = {"type": GA_FORMAT_NAMES[self.format_name]}
+        if self.format_name == "pcm16":
+            ga_format["rate"] = rate
+        return {
+            "type": "transcription",
+            "id": session_id,
+            "object": "realtime.transcription_session",
+            "expires_at": 0,
+            "audio": {
+                "input": {
+                    "format": ga_format,
+                    "transcription": transcription,
+                    "turn_detection": turn,
+                    "noise_reduction": self.noise_reduction,
+                }
+            },
+            "include": self.include,
+            # the beta shape of the same settings
+            "input_audio_format": self.format_name,
+            "input_audio_sample_rate": rate,
+            "input_audio_transcription": transcription,
+            "turn_detection": turn,
+            "input_audio_noise_reduction": self.noise_reduction,
+        }
 
 
 def _num(obj: dict[str, Any], key: str, lo: float, hi: float, default: float, param: str) -> float:
@@ -435,7 +459,6 @@ class RealtimeSession:
         self.state = state
         self.ws = websocket
         self.id = new_id("sess")
-        self.transcription = websocket.query_params.get("intent") == "transcription"
         #: the applied session, and the latest accepted one (updates queue behind audio)
         self.config = SessionConfig(state.config.served_model_name)
         self.requested = self.config
@@ -614,13 +637,10 @@ class RealtimeSession:
             stream.clear()
             self.send({"type": "input_audio_buffer.cleared"})
         elif kind == "update":
-            cfg, reply = payload
             try:
-                await self._apply(cfg)
+                await self._apply(payload)
             finally:
-                self.send(
-                    {"type": reply, "session": self.config.to_json(self.id, self.transcription)}
-                )
+                self.send({"type": "session.updated", "session": self.config.to_json(self.id)})
         elif kind == "start":
             try:
                 await self._apply(self.config)
@@ -649,8 +669,7 @@ class RealtimeSession:
             if kind in ("transcription_session.update", "session.update"):
                 cfg = apply_update(self.state, self.requested, event.get("session"))
                 self.requested = cfg
-                reply = kind.replace(".update", ".updated")
-                await self.work.put(("update", (cfg, reply), event_id))
+                await self.work.put(("update", cfg, event_id))
             elif kind == "input_audio_buffer.append":
                 audio = event.get("audio")
                 if not isinstance(audio, str):
@@ -708,8 +727,7 @@ class RealtimeSession:
         )
         writer = loop.create_task(self._writer())
         processor = loop.create_task(self._processor())
-        created = "transcription_session.created" if self.transcription else "session.created"
-        self.send({"type": created, "session": self.config.to_json(self.id, self.transcription)})
+        self.send({"type": "session.created", "session": self.config.to_json(self.id)})
         await self.work.put(("start", None, None))
         started = time.monotonic()
         try:

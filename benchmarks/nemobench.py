@@ -305,12 +305,24 @@ def offline(args, kind: str, shape: dict) -> dict:
     opts = DecodingOptions(model_options={"max_symbols_per_frame": 10_000} if kind == "tdt" else {})
     ours_s, ours = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
     ours_tokens = [t.segments[0].tokens if t.segments else [] for t in ours]
+    split = {}
+    if kind != "ctc":  # where the time goes: mel + encoder alone, and the search without graphs
+        resolved = model._check(opts)
+        encode_s, _ = _best(lambda: model.encode(waves, resolved), args.repeats, args.device)
+        model.cuda_graphs = False
+        eager_s, eager = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
+        model.cuda_graphs = True
+        split = {"oasr_encode_s": round(encode_s, 4), "oasr_search_s": round(ours_s - encode_s, 4),
+                 "oasr_no_graphs_s": round(eager_s, 4),
+                 "same_tokens_without_graphs": ours_tokens == [
+                     t.segments[0].tokens if t.segments else [] for t in eager]}  # fmt: skip
     if not have_ref:
         return {"kind": kind, "parameters": params, "batch": args.batch, "seconds": args.seconds,
                 "dtype": str(dtype).replace("torch.", ""), "oasr_s": round(ours_s, 4),
                 "oasr_rtfx": round(audio / ours_s, 1),
                 "transformers": f"missing {REFERENCE[kind]}: OASR measured alone",
-                "tokens_per_input": round(sum(map(len, ours_tokens)) / len(ours_tokens), 1)}
+                "tokens_per_input": round(sum(map(len, ours_tokens)) / len(ours_tokens), 1),
+                **split}
     t0 = time.perf_counter()
     inp = fe(waves, sampling_rate=SR, return_tensors="pt")
     fe_s = time.perf_counter() - t0
@@ -342,6 +354,7 @@ def offline(args, kind: str, shape: dict) -> dict:
         "transformers_features_s": round(fe_s, 4),
         "tokens_per_input": round(sum(len(t) for t in ours_tokens) / len(ours_tokens), 1),
         "same_tokens": ours_tokens[:check] == ref_tokens[:check],
+        **split,
     }  # fmt: skip
 
 

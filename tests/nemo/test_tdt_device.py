@@ -1,7 +1,9 @@
 """Core's TDT greedy on the device (``TDTGreedySearch(sync_free=True)``, the default on CUDA:
 every row stepped at once, the host reading a flag every few steps) gives exactly the
 hypotheses of its row loop, whole and chunked, with many zero durations (the per-frame symbol
-limit) too. Run here on the CPU with the Parakeet TDT test model's prediction network."""
+limit) too; RNN-T greedy with several symbols per frame runs the same device loop (one duration,
+0) and equals its frame loop. Run here on the CPU with the Parakeet test models' prediction
+networks; ``test_gpu.py`` replays the same loops as CUDA graphs."""
 
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ class _ZeroHeavy:
         return logits
 
 
-def _run(network, enc, lens, durations, blank, sync_free, chunk=None, max_symbols=10):  # noqa: ANN001
+def _run(network, enc, lens, durations, blank, sync_free, chunk=None, max_symbols=10,  # noqa: ANN001
+         cuda_graph=False):
     search = TDTGreedySearch(network, durations, enc.shape[0], blank_id=blank,
-                             max_symbols_per_frame=max_symbols, sync_free=sync_free)
+                             max_symbols_per_frame=max_symbols, sync_free=sync_free,
+                             cuda_graph=cuda_graph)
     if chunk is None:
         search.step(enc, lens)
     else:
@@ -39,6 +43,29 @@ def _run(network, enc, lens, durations, blank, sync_free, chunk=None, max_symbol
             part = enc[:, s:s + chunk]
             search.step(part, [max(0, min(chunk, n - s)) for n in lens])
     return search.results()
+
+
+def _projected(model, waves):  # noqa: ANN001, ANN202
+    enc, lens = model.encode(waves, model._check(DecodingOptions()))
+    with torch.no_grad():
+        return model.net.encoder_projector(enc), lens.tolist()
+
+
+@pytest.fixture
+def few_steps_per_check(monkeypatch):  # noqa: ANN001, ANN201
+    """Two steps per status read: many reads, and the emission buffers grow (re-captured)."""
+    import oasr.decoders.transducer as tr
+
+    grown = []
+    grow = tr._DeviceTDT._grow
+
+    def counting_grow(self):  # noqa: ANN001, ANN202
+        grown.append(self.cap)
+        grow(self)
+
+    monkeypatch.setattr(tr, "TDT_STEPS_PER_CHECK", 2)
+    monkeypatch.setattr(tr._DeviceTDT, "_grow", counting_grow)
+    return grown
 
 
 @pytest.mark.parametrize("boost,max_symbols", [(0.0, 10), (60.0, 3)])
@@ -63,3 +90,54 @@ def test_device_path_equals_row_loop(hf_checkpoints, waves, boost, max_symbols) 
             assert (a.tokens, a.times, a.durations) == (b.tokens, b.times, b.durations)
             assert a.score == pytest.approx(b.score, abs=1e-3)
             assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+
+
+def test_status_reads_and_buffer_growth(hf_checkpoints, waves, few_steps_per_check) -> None:
+    """Two steps per status read and a zero-heavy joiner: the emission buffers grow during the
+    loop (a graph would be captured again) and the hypotheses stay the row loop's."""
+    from oasr_models_nemo.model import NemoASR
+
+    model = NemoASR.from_hf(hf_checkpoints["tdt"].path)
+    c = model.config
+    proj, lens = _projected(model, waves)
+    network = _ZeroHeavy(model.transducer, 60.0)
+    loop = _run(network, proj, lens, c.durations, c.blank_id, False, max_symbols=4)
+    device = _run(network, proj, lens, c.durations, c.blank_id, True, max_symbols=4,
+                  cuda_graph=True)  # (no CUDA here: eager steps)
+    assert few_steps_per_check, "the emission buffers never grew"
+    for a, b in zip(loop, device, strict=True):
+        assert (a.tokens, a.times, a.durations) == (b.tokens, b.times, b.durations)
+        assert a.score == pytest.approx(b.score, abs=1e-3)
+
+
+@pytest.mark.parametrize("kind,max_symbols,penalty", [("rnnt", 10, 0.0), ("rnnt", 2, 1.5),
+                                                      ("nemotron", 2, 0.0)])
+def test_rnnt_label_looping_equals_frame_loop(hf_checkpoints, waves, kind, max_symbols,
+                                              penalty) -> None:
+    """RNN-T greedy with ``max_symbols_per_frame > 1`` and ``sync_free``: the device loop gives
+    the frame loop's tokens, frames, log-probabilities and scores, whole and in chunks (a
+    stream's search resumed chunk by chunk, as Nemotron's streaming does)."""
+    from oasr.decoders.transducer import TransducerGreedySearch
+    from oasr_models_nemo.model import NemoASR
+
+    model = NemoASR.from_hf(hf_checkpoints[kind].path)
+    proj, lens = _projected(model, waves)
+    blank = model.config.blank_id
+
+    def search(sync_free, chunk=None):  # noqa: ANN001, ANN202
+        s = TransducerGreedySearch(model.transducer, proj.shape[0], blank_id=blank,
+                                   max_symbols_per_frame=max_symbols, blank_penalty=penalty,
+                                   sync_free=sync_free)
+        for a in range(0, proj.shape[1], chunk or proj.shape[1]):
+            n = chunk or proj.shape[1]
+            s.step(proj[:, a : a + n], [max(0, min(n, int(L) - a)) for L in lens])
+        return s.results()
+
+    loop = search(False)
+    assert sum(len(h.tokens) for h in loop) > 10
+    for got in (search(True), search(True, chunk=5)):
+        for a, b in zip(loop, got, strict=True):
+            assert (a.tokens, a.times) == (b.tokens, b.times)
+            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
+            # (the loop sums in float64 on the host, the device in float32)
+            assert a.score == pytest.approx(b.score, rel=1e-6, abs=1e-4)

@@ -89,6 +89,9 @@ class NemoASR:
         self.default_options = NemoOptions(max_symbols_per_frame=config.max_symbols_per_step)
         if config.is_transducer:
             self.transducer = NemoTransducerNetwork(net)
+        #: greedy TDT / RNN-T searches on CUDA replay their device loop as CUDA graphs (the LSTM
+        #: prediction network and the joiner are capturable); False steps them eagerly
+        self.cuda_graphs = True
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -230,7 +233,8 @@ class NemoASR:
                     max_symbols_per_frame=options.max_symbols_per_frame)]
             if c.head == "tdt":
                 tdt = TDTGreedySearch(self.transducer, c.durations, b, blank_id=c.blank_id,
-                                      max_symbols_per_frame=options.max_symbols_per_frame)
+                                      max_symbols_per_frame=options.max_symbols_per_frame,
+                                      cuda_graph=self.cuda_graphs)
                 tdt.step(proj, lengths)
                 return tdt.results()
             if options.beam_size > 1:
@@ -239,7 +243,8 @@ class NemoASR:
                 beam.step(proj, lengths)
                 return beam.best()
             greedy = TransducerGreedySearch(self.transducer, b, blank_id=c.blank_id,
-                                            max_symbols_per_frame=options.max_symbols_per_frame)
+                                            max_symbols_per_frame=options.max_symbols_per_frame,
+                                            cuda_graph=self.cuda_graphs)
             greedy.step(proj, lengths)
             return greedy.results()
 

@@ -268,13 +268,15 @@ class TransducerGreedySearch:
                  cuda_graph: bool = False) -> None:
         _check_positive(batch_size, "batch_size")
         _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
-        #: one symbol per frame without a host read per frame (every row's prediction network
-        #: runs each frame; rows that did not emit keep their state): None = on CUDA
+        #: no host read per frame (every row's prediction network runs each step; rows that did
+        #: not emit keep their state): None = on CUDA. One symbol per frame: a frame loop on the
+        #: device; more (without ``unk_id``): the TDT device loop with the one duration 0
         self.sync_free = sync_free
-        #: with ``sync_free`` on CUDA, replay one frame as a CUDA graph (captured per call of at
-        #: least ``GRAPH_MIN_FRAMES`` frames; a network whose ``join`` / ``predict`` cannot be
-        #: captured falls back to eager frames). For prediction networks known to be capturable
-        #: (icefall's stateless decoder)
+        #: with ``sync_free`` on CUDA, replay one frame (one symbol per frame; captured per call
+        #: of at least ``GRAPH_MIN_FRAMES`` frames) or ``TDT_STEPS_PER_CHECK`` steps as a CUDA
+        #: graph; a network whose ``join`` / ``predict`` cannot be captured falls back to eager
+        #: steps. For prediction networks known to be capturable (icefall's stateless decoder,
+        #: NeMo's LSTM)
         self.cuda_graph = cuda_graph
         self.network = network
         self.batch_size = batch_size
@@ -325,6 +327,8 @@ class TransducerGreedySearch:
             sync_free = self.sync_free if self.sync_free is not None else enc.device.type == "cuda"
             if sync_free and self.max_symbols_per_frame == 1:
                 self._step_on_device(enc, lens)
+            elif sync_free and self.skip_ids == {self.blank_id}:
+                self._step_label_looping(enc, lens)
             else:
                 for t in range(max(lens)):
                     pending = [b for b in range(self.batch_size) if t < lens[b]]
@@ -365,6 +369,25 @@ class TransducerGreedySearch:
                     hyp.tokens.append(tokens_l[r][t])
                     hyp.times.append(self.frames[r] + t)
                     hyp.token_logprobs.append(lp)
+
+    def _step_label_looping(self, enc: Any, lens: list[int]) -> None:
+        """``max_symbols_per_frame > 1`` on the device: the TDT loop (:class:`_DeviceTDT`) with
+        the one duration 0. A token keeps its row on the frame, a blank moves it one frame on,
+        ``max_symbols_per_frame`` tokens on one frame move it on too: the frame loop's
+        hypotheses, with every row stepped at once (CUDA graphs with ``cuda_graph``)."""
+        tdt = TDTGreedySearch(_WithDurationLogit(self.network, self.blank_id, self.blank_penalty),
+                              [0], self.batch_size, blank_id=self.blank_id,
+                              max_symbols_per_frame=self.max_symbols_per_frame, sync_free=True,
+                              cuda_graph=self.cuda_graph)
+        tdt._state, tdt._decoder_out = self._state, self._decoder_out
+        tdt.frames, tdt.time = list(self.frames), list(self.frames)
+        tdt.step(enc, lens)
+        self._state, self._decoder_out = tdt._state, tdt._decoder_out
+        for hyp, new in zip(self._hyps, tdt._hyps, strict=True):
+            hyp.score += new.score
+            hyp.tokens += new.tokens
+            hyp.times += new.times
+            hyp.token_logprobs += new.token_logprobs
 
     def _emit(self, enc: Any, t: int, rows: list[int]) -> list[int]:
         """One joiner step at column ``t`` for ``rows``; returns the rows that emitted a token."""
@@ -605,6 +628,216 @@ def transducer_modified_beam_search(network: TransducerNetwork, encoder_out: Any
 # -- TDT greedy ---------------------------------------------------------------------------------------
 
 
+class _WithDurationLogit:
+    """A transducer network whose joiner gives one more logit, for the single duration 0
+    (log-probability 0): RNN-T greedy as a TDT search. ``blank_penalty`` is applied here."""
+
+    def __init__(self, network: TransducerNetwork, blank_id: int, blank_penalty: float) -> None:
+        self.network, self.blank_id, self.blank_penalty = network, blank_id, blank_penalty
+
+    def initial_state(self, batch_size: int, device: Any) -> Any:
+        return self.network.initial_state(batch_size, device)
+
+    def predict(self, tokens: Any, state: Any) -> tuple[Any, Any]:
+        return self.network.predict(tokens, state)
+
+    def select_state(self, state: Any, index: Any) -> Any:
+        return self.network.select_state(state, index)
+
+    def merge_state(self, state: Any, new_state: Any, update: Any) -> Any:
+        return self.network.merge_state(state, new_state, update)
+
+    def join(self, encoder_frames: Any, decoder_out: Any) -> Any:
+        import torch
+
+        logits = self.network.join(encoder_frames, decoder_out).float()
+        if self.blank_penalty:
+            logits[:, self.blank_id] -= self.blank_penalty
+        return torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], 1)
+
+
+#: TDT steps between two reads of the "still running?" flag (one CUDA graph replay)
+TDT_STEPS_PER_CHECK = 16
+
+
+class _DeviceTDT:
+    """The TDT greedy loop over every row at once, on the device (NeMo's label looping).
+
+    Each step joins every row at its time pointer (finished rows are masked), writes the emitted
+    tokens into fixed buffers, advances the pointers by the predicted durations and the
+    prediction network of the emitting rows (``merge_state``). Every tensor a step reads or
+    writes is a fixed buffer updated in place, so ``TDT_STEPS_PER_CHECK`` steps are a fixed
+    sequence of kernels: captured once as a CUDA graph and replayed. The host reads a two-number
+    status (still running, most emissions of a row) after each group of steps, one group behind
+    the device so that it never waits for the group in flight, and every result in one transfer
+    at the end."""
+
+    def __init__(self, search: TDTGreedySearch, enc: Any, first: list[int]) -> None:
+        import torch
+
+        dev = enc.device
+        n = search.batch_size
+        self.search, self.network = search, search.network
+        self.enc = enc.contiguous()
+        self.width = int(enc.shape[1])
+        self.rows = torch.arange(n, device=dev)
+        self.durations = torch.as_tensor(search.durations, dtype=torch.long, device=dev)
+        self.start = torch.as_tensor(first, dtype=torch.long, device=dev)
+        self.end = torch.as_tensor(search.frames, dtype=torch.long, device=dev)
+        self.time = torch.as_tensor(search.time, dtype=torch.long, device=dev)
+        self.last = torch.as_tensor(search._last_time, dtype=torch.long, device=dev)
+        self.run_length = torch.as_tensor(search._run, dtype=torch.long, device=dev)
+        self.count = torch.zeros(n, dtype=torch.long, device=dev)
+        self.score = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.blank = torch.full((n,), search.blank_id, dtype=torch.long, device=dev)
+        self.status = torch.zeros(2, dtype=torch.long, device=dev)  # running, most emissions
+        # emissions per row (token, frame, duration; log-probability); column ``cap`` takes the
+        # writes of rows that did not emit. Grown (and the graph captured again) when needed
+        self.cap = self.width + 2 * TDT_STEPS_PER_CHECK
+        self.emitted = torch.zeros(3, n, self.cap + 1, dtype=torch.long, device=dev)
+        self.logps = torch.zeros(n, self.cap + 1, dtype=torch.float32, device=dev)
+        self.state = _tree_clone(search._state)
+        self.decoder_out = search._decoder_out.clone()
+        self.graph: Any = None
+        self.most = 0
+
+    def step(self) -> None:
+        import torch
+
+        s = self.search
+        active = self.time < self.end
+        column = (self.time - self.start).clamp(0, self.width - 1)
+        logits = self.network.join(self.enc[self.rows, column], self.decoder_out).float()
+        n_tok = logits.shape[-1] - len(s.durations)
+        if n_tok <= s.blank_id:
+            raise CheckpointError(
+                f"the joiner gives {logits.shape[-1]} logits, too few for blank id {s.blank_id} "
+                f"and {len(s.durations)} durations; check the TDT durations and the vocabulary "
+                f"size of the model")
+        tok_logits, dur_logits = logits[:, :n_tok], logits[:, n_tok:]
+        token = tok_logits.argmax(-1)
+        d_index = dur_logits.argmax(-1)
+        lp = tok_logits.log_softmax(-1).gather(1, token[:, None])[:, 0]
+        dlp = dur_logits.log_softmax(-1).gather(1, d_index[:, None])[:, 0]
+        skip = self.durations[d_index]
+        self.score.add_(torch.where(active, lp + dlp, torch.zeros_like(lp)))
+        emit = active & (token != s.blank_id)
+        slot = torch.where(emit, self.count, torch.full_like(self.count, self.cap))[:, None]
+        values = torch.stack([token, self.time, skip])[:, :, None]
+        self.emitted.scatter_(2, slot.unsqueeze(0).expand(3, -1, -1), values)
+        self.logps.scatter_(1, slot, lp[:, None])
+        self.count.add_(emit.long())
+        same_frame = self.last == self.time
+        self.run_length.copy_(torch.where(
+            emit, torch.where(same_frame, self.run_length + 1, torch.ones_like(self.run_length)),
+            self.run_length))
+        self.last.copy_(torch.where(emit, self.time, self.last))
+        advance = torch.where(emit, skip, skip.clamp_min(1))
+        stuck = emit & (skip == 0) & (self.run_length >= s.max_symbols_per_frame)
+        self.time.copy_(torch.where(active, self.time + advance + stuck.long(), self.time))
+        out, new_state = self.network.predict(torch.where(emit, token, self.blank), self.state)
+        _tree_copy_(self.state, self.network.merge_state(self.state, new_state, emit))
+        self.decoder_out.copy_(torch.where(emit[:, None], out.to(self.decoder_out.dtype),
+                                           self.decoder_out))
+
+    def steps(self) -> None:
+        """``TDT_STEPS_PER_CHECK`` steps, then the status (what a graph replay does)."""
+        import torch
+
+        for _ in range(TDT_STEPS_PER_CHECK):
+            self.step()
+        self.status.copy_(torch.stack([(self.time < self.end).any().long(), self.count.max()]))
+
+    def _launch(self, graph: bool) -> None:
+        import torch
+
+        if not graph:
+            self.steps()
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            # warm-up on a side stream (libraries set up outside the capture); its steps are real
+            # progress: the capture below records the same kernels without running them
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.steps()
+            torch.cuda.current_stream().wait_stream(side)
+            graph_ = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph_):
+                self.steps()
+            self.graph = graph_
+
+    def _grow(self) -> None:
+        import torch
+
+        extra = max(self.cap, 2 * TDT_STEPS_PER_CHECK)
+        cap = self.cap
+        self.emitted = torch.cat([self.emitted[:, :, :cap], self.emitted.new_zeros(
+            3, self.emitted.shape[1], extra), self.emitted[:, :, cap:]], 2)
+        self.logps = torch.cat([self.logps[:, :cap], self.logps.new_zeros(self.logps.shape[0], extra),
+                                self.logps[:, cap:]], 1)
+        self.cap += extra
+        self.graph = None  # its buffers are gone: capture again
+
+    def run(self, graph: bool) -> None:
+        """Step until every row has reached its end."""
+        import torch
+
+        cuda = self.enc.device.type == "cuda"
+        host = torch.zeros(2, 2, dtype=torch.long, pin_memory=cuda)
+        done = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        group = 0
+        while True:
+            try:
+                self._launch(graph)
+            except RuntimeError as exc:
+                if not graph:
+                    raise
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "TDT greedy: CUDA graph capture failed (%s); running eagerly", exc)
+                graph = False  # the warm-up's steps stand; go on from there
+                self.graph = None
+                continue
+            host[group % 2].copy_(self.status, non_blocking=cuda)
+            if not cuda:  # nothing in flight: read this group's status now
+                running, self.most = host[0].tolist()
+            else:
+                done[group % 2].record()
+                group += 1
+                if group == 1:
+                    continue
+                done[group % 2].synchronize()  # the group before the one in flight
+                running, self.most = host[group % 2].tolist()
+            if not running:
+                break
+            # the groups in flight and the next may each add one emission per row and step
+            if self.most + 2 * TDT_STEPS_PER_CHECK > self.cap:
+                self._grow()
+
+    def read_back(self) -> tuple[list[Any], ...]:
+        """(time, last, run, counts, scores, tokens, times, durations, logprobs) per row, in
+        one device-to-host transfer."""
+        import torch
+
+        n, k = self.count.shape[0], self.most
+        ints = torch.cat([torch.stack([self.time, self.last, self.run_length, self.count]).reshape(-1),
+                          self.emitted[:, :, :k].reshape(-1)])
+        floats = torch.cat([self.score, self.logps[:, :k].reshape(-1)])
+        if self.enc.device.type == "cuda":
+            ints_h = torch.empty(ints.shape, dtype=ints.dtype, pin_memory=True)
+            floats_h = torch.empty(floats.shape, dtype=floats.dtype, pin_memory=True)
+            ints_h.copy_(ints, non_blocking=True)
+            floats_h.copy_(floats, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            ints, floats = ints_h, floats_h
+        rows = ints[: 4 * n].reshape(4, n).tolist()
+        emitted = ints[4 * n :].reshape(3, n, k).tolist()
+        return (*rows, floats[:n].tolist(), *emitted, floats[n:].reshape(n, k).tolist())
+
+
 class TDTGreedySearch:
     """Greedy token-and-duration transducer search (NeMo's batched greedy TDT) over
     ``batch_size`` streams, fed any number of frames at a time.
@@ -624,12 +857,15 @@ class TDTGreedySearch:
 
     def __init__(self, network: TransducerNetwork, durations: Sequence[int], batch_size: int = 1,
                  *, blank_id: int, max_symbols_per_frame: int = 10,
-                 sync_free: bool | None = None) -> None:
+                 sync_free: bool | None = None, cuda_graph: bool = False) -> None:
         _check_positive(batch_size, "batch_size")
         _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
         #: every row stepped on the device, the host reading only a "still running?" flag every
         #: few steps and the results at the end (default on CUDA); same hypotheses as the loop
         self.sync_free = sync_free
+        #: with ``sync_free`` on CUDA, replay ``TDT_STEPS_PER_CHECK`` steps as one CUDA graph
+        #: (captured per call; a network that cannot be captured runs the steps eagerly)
+        self.cuda_graph = cuda_graph
         self.durations = [int(d) for d in durations]
         if not self.durations or min(self.durations) < 0:
             raise CheckpointError(
@@ -714,74 +950,16 @@ class TDTGreedySearch:
             self._state, self._decoder_out = _advance_rows(
                 self.network, self._state, self._decoder_out, emitted_rows, emitted_tokens)
 
-    def _step_on_device(self, enc: Any, first: list[int], check_every: int = 8) -> None:
-        """The loop of :meth:`_step_rows` over all rows at once on the device: every row is
-        joined at its pointer (finished rows are masked), emitted tokens are written to device
-        buffers, the prediction network advances for the emitting rows (``merge_state``); the
-        host reads one flag every ``check_every`` steps and the buffers at the end."""
-        import torch
-
-        dev = enc.device
-        n, width = self.batch_size, enc.shape[1]
-        rows = torch.arange(n, device=dev)
-        durations = torch.as_tensor(self.durations, dtype=torch.long, device=dev)
-        start = torch.as_tensor(first, dtype=torch.long, device=dev)
-        end = torch.as_tensor(self.frames, dtype=torch.long, device=dev)
-        time = torch.as_tensor(self.time, dtype=torch.long, device=dev)
-        last = torch.as_tensor(self._last_time, dtype=torch.long, device=dev)
-        run = torch.as_tensor(self._run, dtype=torch.long, device=dev)
-        score = torch.zeros(n, dtype=torch.float32, device=dev)
-        count = torch.zeros(n, dtype=torch.long, device=dev)
-        cap = width + 16  # emissions per row; grown when a row nears it
-        buffers = [torch.zeros(n, cap + 1, dtype=dt, device=dev) for dt in
-                   (torch.long, torch.long, torch.long, torch.float32)]  # token, time, dur, lp
-        blank = torch.full((n,), self.blank_id, dtype=torch.long, device=dev)
-        state, decoder_out = self._state, self._decoder_out
-        n_dur = len(self.durations)
-        while True:
-            for _ in range(check_every):
-                active = time < end
-                column = (time - start).clamp(0, width - 1)
-                logits = self.network.join(enc[rows, column], decoder_out).float()
-                n_tok = logits.shape[-1] - n_dur
-                if n_tok <= self.blank_id:
-                    raise CheckpointError(
-                        f"the joiner gives {logits.shape[-1]} logits, too few for blank id "
-                        f"{self.blank_id} and {n_dur} durations; check the TDT durations and "
-                        f"the vocabulary size of the model")
-                tok_logits, dur_logits = logits[:, :n_tok], logits[:, n_tok:]
-                token = tok_logits.argmax(-1)
-                d_index = dur_logits.argmax(-1)
-                lp = tok_logits.log_softmax(-1).gather(1, token[:, None])[:, 0]
-                dlp = dur_logits.log_softmax(-1).gather(1, d_index[:, None])[:, 0]
-                skip = durations[d_index]
-                score = score + torch.where(active, lp + dlp, torch.zeros_like(lp))
-                emit = active & (token != self.blank_id)
-                slot = torch.where(emit, count, torch.full_like(count, cap))[:, None]
-                for buf, value in zip(buffers, (token, time, skip, lp), strict=True):
-                    buf.scatter_(1, slot, value[:, None].to(buf.dtype))
-                count = count + emit.long()
-                run = torch.where(emit, torch.where(last == time, run + 1, torch.ones_like(run)), run)
-                last = torch.where(emit, time, last)
-                advance = torch.where(emit, skip, skip.clamp_min(1))
-                stuck = emit & (skip == 0) & (run >= self.max_symbols_per_frame)
-                time = torch.where(active, time + advance + stuck.long(), time)
-                out, new_state = self.network.predict(torch.where(emit, token, blank), state)
-                state = self.network.merge_state(state, new_state, emit)
-                decoder_out = torch.where(emit[:, None], out.to(decoder_out.dtype), decoder_out)
-            running, most = torch.stack([(time < end).any().long(), count.max()]).tolist()
-            if not running:
-                break
-            if most + check_every > cap:  # at most one emission per row and step
-                extra = max(cap, check_every)
-                buffers = [torch.cat([b[:, :cap], b.new_zeros(n, extra), b[:, cap:]], 1)
-                           for b in buffers]
-                cap += extra
-        self._state, self._decoder_out = state, decoder_out
-        self.time, self._last_time, self._run = time.tolist(), last.tolist(), run.tolist()
-        counts = count.tolist()
-        tokens, times, durs, lps = (b[:, :max(counts, default=0)].tolist() for b in buffers)
-        for b, (hyp, k, sc) in enumerate(zip(self._hyps, counts, score.tolist(), strict=True)):
+    def _step_on_device(self, enc: Any, first: list[int]) -> None:
+        """The loop of :meth:`_step_rows` over all rows at once on the device
+        (:class:`_DeviceTDT`): the host reads one flag per ``TDT_STEPS_PER_CHECK`` steps and the
+        results once at the end; with ``cuda_graph`` on CUDA those steps replay as one graph."""
+        run = _DeviceTDT(self, enc, first)
+        run.run(graph=self.cuda_graph and enc.device.type == "cuda")
+        self._state, self._decoder_out = run.state, run.decoder_out
+        time, last, runs, counts, scores, tokens, times, durs, lps = run.read_back()
+        self.time, self._last_time, self._run = time, last, runs
+        for b, (hyp, k, sc) in enumerate(zip(self._hyps, counts, scores, strict=True)):
             hyp.score += sc
             hyp.tokens += tokens[b][:k]
             hyp.times += times[b][:k]
@@ -795,12 +973,13 @@ class TDTGreedySearch:
 def tdt_greedy_search(network: TransducerNetwork, encoder_out: Any,
                       lengths: Sequence[int] | Any | None = None, *, durations: Sequence[int],
                       blank_id: int, max_symbols_per_frame: int = 10,
-                      sync_free: bool | None = None) -> list[Hypothesis]:
+                      sync_free: bool | None = None, cuda_graph: bool = False) -> list[Hypothesis]:
     """Greedy TDT search of each utterance of a (B, T, D) batch (or one (T, D) input). See
     :class:`TDTGreedySearch`."""
     enc, lens = _batch(encoder_out, lengths)
     search = TDTGreedySearch(network, durations, enc.shape[0], blank_id=blank_id,
-                             max_symbols_per_frame=max_symbols_per_frame, sync_free=sync_free)
+                             max_symbols_per_frame=max_symbols_per_frame, sync_free=sync_free,
+                             cuda_graph=cuda_graph)
     search.step(enc, lens)
     return search.results()
 

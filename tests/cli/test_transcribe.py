@@ -66,7 +66,9 @@ def test_checks_come_before_the_model_loads(
         (["--task", "translate"], "English-only"),  # the default tiny.en
         (["--language", "de"], "English-only"),
         (["--device", "foo"], "--device foo"),
-        (["--compute-type", "int8"], "quantization"),
+        (["--compute-type", "int16"], "int16"),
+        (["--quantization", "int4"], "--quantization int4"),
+        (["--compute-type", "int8", "--quantization", "fp8_w8a8"], "contradicts"),
         (["-o", "/nonexistent/dir/out.txt"], "/nonexistent/dir"),
         (["-f", "all"], "--output-dir"),
     ]

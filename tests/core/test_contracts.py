@@ -62,7 +62,7 @@ def test_engine_config_validates() -> None:
     with pytest.raises(InvalidRequestError, match="service_mode"):
         EngineConfig(service_mode="batch")  # type: ignore[arg-type]
     with pytest.raises(UnsupportedOptionError, match="quantization"):
-        EngineConfig(quantization="int8")
+        EngineConfig(quantization="int4")
 
 
 def test_every_error_is_typed_with_a_status() -> None:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 NATIVE_CONFIG = "oasr_model.json"
 NATIVE_FORMAT_VERSION = 1
+#: a quantized native checkpoint: version 1 plus quantized weights (oasr.quantization.checkpoint)
+QUANTIZED_FORMAT_VERSION = 2
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -91,7 +93,13 @@ def load_model(config: EngineConfig) -> ASRModel:
     from oasr.kernel_providers import install_kernel_providers
 
     install_kernel_providers(config.device)
-    return get_registry("checkpoint_format").resolve(fmt).load(path, config)
+    model = get_registry("checkpoint_format").resolve(fmt).load(path, config)
+    if config.quantization is not None and getattr(model, "quantization", None) is None:
+        # online quantization (a quantized native checkpoint arrives quantized already)
+        from oasr.quantization.apply import quantize_model
+
+        quantize_model(model, config.quantization)
+    return model
 
 
 # -- native format -------------------------------------------------------------------------------
@@ -137,11 +145,15 @@ def read_native_config(path: Path) -> dict[str, Any]:
         body = json.loads((path / NATIVE_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / NATIVE_CONFIG} is unreadable: {exc}") from exc
-    if body.get("format_version") != NATIVE_FORMAT_VERSION:
+    if body.get("format_version") not in (NATIVE_FORMAT_VERSION, QUANTIZED_FORMAT_VERSION):
         raise CheckpointError(
             f"{path} uses native format version {body.get('format_version')!r}; this OASR reads "
-            f"version {NATIVE_FORMAT_VERSION}: re-run `oasr convert` from the original checkpoint"
+            f"versions {NATIVE_FORMAT_VERSION} and {QUANTIZED_FORMAT_VERSION}: re-run `oasr convert` "
+            f"from the original checkpoint"
         )
+    if body["format_version"] == QUANTIZED_FORMAT_VERSION and not isinstance(body.get("quantization"), dict):
+        raise CheckpointError(f"{path / NATIVE_CONFIG} is version {QUANTIZED_FORMAT_VERSION} without "
+                              f"a quantization block")  # fmt: skip
     arch = body.get("architecture")
     if not isinstance(arch, str) or not arch:
         raise CheckpointError(f"{path / NATIVE_CONFIG} names no architecture")
@@ -166,7 +178,12 @@ class NativeFormat:
                 f"{path} names architecture {body['architecture']!r}, whose plugin cannot read the "
                 f"native format (no from_native/save_native, see oasr.model.SupportsNativeFormat)"
             )
-        return arch.from_native(path, body, config)
+        model = arch.from_native(path, body, config)
+        if body["format_version"] == QUANTIZED_FORMAT_VERSION:
+            from oasr.quantization.checkpoint import apply_saved
+
+            apply_saved(model, path, body["quantization"], config.quantization)
+        return model
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, config: EngineConfig | None = None) -> str:

@@ -367,7 +367,11 @@ class EngineConfig:
     max_batch_size: int = 16
     max_audio_seconds: float = 4 * 3600.0
     num_threads: int | None = None
+    #: W8A8 quantization of the model's linears: "int8_w8a8" (CPU, CUDA) or "fp8_w8a8" (CUDA
+    #: compute capability >= 8.9); None keeps them in ``dtype`` (docs/quantization.md)
     quantization: str | None = None
+    #: the autoregressive decoders' KV cache: None/"auto" (the model's dtype) or "fp8"
+    kv_cache_dtype: str | None = None
     architecture: str | None = None  # force an architecture key instead of detecting one
     #: worker processes that decode many inputs at once (``load_audios``, ``transcribe_offline``,
     #: ``transcribe_outputs``; :mod:`oasr.decode_pool`); 0 decodes in the calling thread
@@ -383,7 +387,7 @@ class EngineConfig:
             raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
         if self.decode_processes < 0:
             raise InvalidRequestError("decode_processes must be >= 0", param="decode_processes")
-        if self.quantization is not None:
-            raise UnsupportedOptionError(
-                "quantization is not implemented yet; leave it unset", param="quantization"
-            )
+        from oasr.quantization import check_kv_cache_dtype, check_method
+
+        self.quantization = check_method(self.quantization)
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)

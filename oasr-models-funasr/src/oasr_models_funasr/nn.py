@@ -406,6 +406,11 @@ class ParaformerDecoder(nn.Module):
 class ParaformerNet(nn.Module):
     """Encoder + CIF predictor + decoder, with FunASR's state-dict names."""
 
+    #: kept in the model dtype under quantization: the CIF weight heads, the output layers
+    #: and the hotword bias path
+    quantization_keep = ("predictor.*", "decoder.output_layer", "seaco_decoder.output_layer",
+                         "hotword_output_layer", "lstm_proj")
+
     def __init__(
         self,
         enc: EncoderConfig,

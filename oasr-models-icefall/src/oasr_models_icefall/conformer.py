@@ -244,6 +244,9 @@ class ConformerTransducerNet(nn.Module):
     """Same surface as :class:`oasr_models_icefall.nn.IcefallNet` (``encode``, ``decoder``,
     ``joiner``), offline only."""
 
+    #: kept in the model dtype under quantization: the subsampling output and the joiner
+    quantization_keep = ("encoder.encoder_embed.out", "joiner.*")
+
     def __init__(self, cfg: ConformerConfig) -> None:
         super().__init__()
         self.cfg = cfg

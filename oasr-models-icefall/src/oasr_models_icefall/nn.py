@@ -656,6 +656,10 @@ class IcefallNet(nn.Module):
     """The whole model, icefall's ``AsrModel`` parameter names (training-only projections
     ``simple_am_proj`` / ``simple_lm_proj`` and the attention decoder are not kept)."""
 
+    #: linears W8A8 quantization leaves in the model dtype (docs/quantization.md): the
+    #: subsampling's output projection, the joiner and the CTC head
+    quantization_keep = ("encoder_embed.out", "joiner.*", "ctc_output.*")
+
     def __init__(self, cfg: ZipformerConfig) -> None:
         super().__init__()
         self.cfg = cfg

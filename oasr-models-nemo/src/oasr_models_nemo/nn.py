@@ -486,6 +486,11 @@ class FastConformerNet(nn.Module):
     """Encoder + head. CTC: ``ctc_head``; transducer: ``encoder_projector``, ``decoder``,
     ``joint``."""
 
+    #: kept in the model dtype under quantization: the subsampling output, the CTC head and
+    #: the joint network with the projections into it
+    quantization_keep = ("encoder.subsampling.linear", "ctc_head", "encoder_projector",
+                         "decoder.decoder_projector", "joint.*")
+
     def __init__(self, c: NemoConfig) -> None:
         super().__init__()
         self.config = c

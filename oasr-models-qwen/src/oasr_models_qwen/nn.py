@@ -127,6 +127,9 @@ class Qwen2Decoder(nn.Module):
 class Qwen2AudioNet(nn.Module):
     """Audio encoder + projector + Qwen2 decoder + output head."""
 
+    #: kept in the model dtype under quantization: the audio-to-text projector and the LM head
+    quantization_keep = ("projector", "lm_head")
+
     def __init__(self, config: QwenAudioConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:  # fmt: skip
         super().__init__()

@@ -134,27 +134,54 @@ def check_device(device: str) -> None:
 
 
 def check_dtype(dtype: str) -> str:
-    """``--compute-type`` / ``--dtype`` -> the EngineConfig spelling. faster-whisper's names:
-    ``default`` is auto; the int8 types need quantization, which is not implemented yet."""
+    """``--compute-type`` / ``--dtype`` -> the EngineConfig spelling of its float part.
+    faster-whisper's names: ``default`` is auto; ``int8`` / ``int8_float32`` /
+    ``int8_float16`` / ``int8_bfloat16`` are the float type around int8 linears (see
+    :func:`check_compute`)."""
+    from oasr.quantization import compute_type_method
+
     name = dtype.strip().lower()
     if name == "default":
         return "auto"
-    if name.startswith("int8") or name.startswith("int16"):
+    if name.startswith("int16"):
         raise UsageError(
-            f"--compute-type {dtype}: integer quantization is not implemented yet; use auto, "
-            f"float32, float16 or bfloat16",
+            f"--compute-type {dtype}: int16 is not supported; use auto, float32, float16, "
+            f"bfloat16, int8, int8_float16 or int8_float32",
             param="--compute-type",
         )
-    if name == "auto":
-        return name
+    name, _method = compute_type_method(name)
+    if name in ("auto", "default"):
+        return "auto"
     from oasr.layers.dtypes import DTYPE_NAMES
 
     if name not in DTYPE_NAMES:
         raise UsageError(
-            f"--compute-type {dtype}: use auto, float32, float16 or bfloat16",
+            f"--compute-type {dtype}: use auto, float32, float16, bfloat16, int8, int8_float16, "
+            f"int8_bfloat16 or int8_float32",
             param="--compute-type",
         )
     return name
+
+
+def check_compute(compute_type: str, quantization: str | None) -> tuple[str, str | None]:
+    """``(dtype, quantization method)`` from ``--compute-type`` and ``--quantization``: an int8
+    compute type means ``int8_w8a8``; naming both a method and a compute type of another method
+    is a usage error."""
+    from oasr.errors import UnsupportedOptionError
+    from oasr.quantization import check_method, compute_type_method
+
+    dtype = check_dtype(compute_type)
+    implied = compute_type_method(compute_type)[1]
+    try:
+        method = check_method(quantization)
+    except UnsupportedOptionError as exc:
+        raise UsageError(f"--quantization {quantization}: {exc.message}", param="--quantization") from None
+    if method and implied and method != implied:
+        raise UsageError(
+            f"--compute-type {compute_type} means {implied}; it contradicts --quantization {quantization}",
+            param="--quantization",
+        )
+    return dtype, method or implied
 
 
 def check_input(f: Path) -> str | None:
@@ -239,6 +266,8 @@ class Run:
     prompt: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
     threads: int | None = None
     server: str | None = None
     api_key: str | None = None
@@ -298,7 +327,10 @@ def run_command(run: Run) -> None:
         targets = plan_targets(run.files, run.output, run.output_dir, run.formats)
         if not run.server:
             check_device(run.device)
-            run.dtype = check_dtype(run.dtype)
+            run.dtype, run.quantization = check_compute(run.dtype, run.quantization)
+            if run.kv_cache_dtype not in (None, "auto", "fp8"):
+                raise UsageError(f"--kv-cache-dtype {run.kv_cache_dtype}: use auto or fp8",
+                                 param="--kv-cache-dtype")  # fmt: skip
         options = _decoding_options(run)
     except (OASRError, typer.BadParameter) as exc:
         _error(exc.message if isinstance(exc, OASRError) else str(exc))
@@ -385,7 +417,8 @@ def _transcribe_local(run: Run, good: list[int], options: Any) -> dict[int, Any]
                 f"loading model {escape(run.model or 'tiny.en')} ({escape(ckpt)})"
             ):
                 engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=run.device, dtype=run.dtype,
-                                                num_threads=run.threads,
+                                                num_threads=run.threads, quantization=run.quantization,
+                                                kv_cache_dtype=run.kv_cache_dtype,
                                                 decode_processes=decode_processes))  # fmt: skip
             model = engine.model
             declared = getattr(model, "default_options", None)
@@ -607,8 +640,16 @@ CompressOpt = Annotated[Optional[str], typer.Option("--compression-ratio-thresho
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE",
                       help="cpu, cuda, cuda:N or mps.")]  # fmt: skip
 DtypeOpt = Annotated[str, typer.Option("--compute-type", "--dtype", metavar="TYPE",
-                     help="auto (float32 on CPU, float16 on CUDA), float32, float16 or "
-                     "bfloat16.")]  # fmt: skip
+                     help="auto (float32 on CPU, float16 on CUDA), float32, float16, "
+                     "bfloat16, or int8 / int8_float32 / int8_float16 / int8_bfloat16 (int8 "
+                     "linears around that float type: --quantization int8_w8a8).")]  # fmt: skip
+QuantOpt = Annotated[Optional[str], typer.Option("--quantization", metavar="int8_w8a8|fp8_w8a8",  # noqa: UP045
+                     help="Quantize the model's linear layers on load: int8_w8a8 (CPU, CUDA) or "
+                     "fp8_w8a8 (CUDA, compute capability >= 8.9). A checkpoint written by "
+                     "`oasr quantize` needs no flag.")]  # fmt: skip
+KVCacheOpt = Annotated[Optional[str], typer.Option("--kv-cache-dtype", metavar="auto|fp8",  # noqa: UP045
+                       help="Autoregressive decoders (Whisper, Qwen2-Audio): keep the KV cache "
+                       "in fp8 (e4m3, per-token scales).")]  # fmt: skip
 ServerOpt = Annotated[
     Optional[str],  # noqa: UP045
     typer.Option("--server", metavar="URL",
@@ -691,6 +732,8 @@ def transcribe(
     option: ModelOptionOpt = None,
     device: DeviceOpt = "cpu",
     compute_type: DtypeOpt = "auto",
+    quantization: QuantOpt = None,
+    kv_cache_dtype: KVCacheOpt = None,
     threads: ThreadsOpt = None,
     decode_processes: DecodeProcsOpt = None,
     server: ServerOpt = None,
@@ -729,7 +772,8 @@ def transcribe(
         files=list(files), task=task, model=model, language=language, fmt=fmt,
         granularities=tuple(grains), output=output, output_dir=output_dir, beam_size=beam_size,
         temperature=temperature, temperature_increment=temperature_increment_on_fallback,
-        prompt=prompt, device=device, dtype=compute_type, threads=threads, server=server,
+        prompt=prompt, device=device, dtype=compute_type, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype, threads=threads, server=server,
         api_key=api_key, verbose=verbose, max_line_width=max_line_width,
         max_words_per_line=max_words_per_line, family=family, decode_processes=decode_processes,
     ))  # fmt: skip

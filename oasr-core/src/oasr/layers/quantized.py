@@ -1,0 +1,226 @@
+"""``QuantizedLinear``: the W8A8 replacement of :class:`oasr.layers.Linear` (int8 or fp8).
+
+It holds the quantized weight (``qweight`` (N, K): int8, or float8 e4m3 stored as its bytes so a
+model-wide ``.half()`` / ``.double()`` cannot convert it), one float32 scale per output channel
+(``weight_scale``), the bias in the compute dtype, and optionally a per-input-channel
+``input_scale`` (SmoothQuant's divisor, when it could not be folded into the layer before).
+Activations are quantized per token on every call. The math and its float64 reference are in
+:mod:`oasr.quantization.numerics`.
+
+GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every op):
+
+* int8, CPU and CUDA: ``torch._int_mm`` (int8 x int8 -> int32). cuBLASLt wants more than 16 rows
+  and K, N multiples of 8: fewer rows are padded to 17 (a decode step of a few rows); a layer
+  whose K or N is not a multiple of 8 computes the same quantized values with a float32 matmul
+  instead (logged once per layer);
+* fp8, CUDA (compute capability >= 8.9) and CPU: ``torch._scaled_mm`` with row-wise scales
+  (the per-token and per-channel scales applied inside the GEMM); K and N must be multiples of
+  16, else the float32 matmul of the quantized values (logged once);
+* float64 inputs: :func:`~oasr.quantization.numerics.reference_linear` (the parity reference).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasr.layers._dispatch import declare_op
+from oasr.layers.basic import Linear, Op
+from oasr.quantization.numerics import (
+    FP8_DTYPE,
+    dequantize_weight,
+    quantize_activations,
+    quantize_weight,
+    reference_linear,
+)
+
+__all__ = ["FORMATS", "QuantizedLinear"]
+
+log = logging.getLogger(__name__)
+
+#: method name -> element format
+FORMATS = {"int8_w8a8": "int8", "fp8_w8a8": "fp8"}
+
+#: (device type, compute dtype) -> the out_dtype ``_scaled_mm`` accepts with row-wise scales
+_SCALED_MM_OUT: dict[tuple[str, torch.dtype], torch.dtype] = {}
+
+
+class QuantizedLinear(Op):
+    """``y = dequant(quant(x / input_scale) quant(W * input_scale)^T) + b`` (module docstring)."""
+
+    op_name = declare_op("quantized_linear")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        method: str,
+        bias: bool = True,
+        *,
+        smoothed: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if method not in FORMATS:
+            raise ValueError(f"unknown quantization method {method!r}; known: {', '.join(FORMATS)}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.method = method
+        self.fmt = FORMATS[method]
+        storage = torch.int8 if self.fmt == "int8" else torch.uint8
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=storage, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        if smoothed:
+            self.register_buffer("input_scale", torch.ones(in_features, dtype=torch.float32, device=device))
+        else:
+            self.input_scale: torch.Tensor | None = None
+        self._compute_dtype = dtype or torch.float32
+        self._fallback_logged = False
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: Linear | nn.Module, method: str,
+                    input_scale: torch.Tensor | None = None) -> QuantizedLinear:  # fmt: skip
+        """Quantize ``linear``'s weight (per output channel). ``input_scale`` (K,): SmoothQuant's
+        per-input-channel divisor; the weight is multiplied by it before quantization."""
+        weight = linear.weight.detach()
+        bias = linear.bias
+        q = cls(linear.in_features, linear.out_features, method, bias is not None,
+                smoothed=input_scale is not None, device=weight.device, dtype=weight.dtype)  # fmt: skip
+        w = weight.float()
+        if input_scale is not None:
+            s = input_scale.to(device=weight.device, dtype=torch.float32)
+            w = w * s[None, :]
+            q.input_scale.copy_(s)
+        qw, scale = quantize_weight(w, q.fmt)
+        q.qweight.copy_(qw.view(q.qweight.dtype))
+        q.weight_scale.copy_(scale)
+        if bias is not None:
+            q.bias.data.copy_(bias.detach())
+        return q
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def weight_q(self) -> torch.Tensor:
+        """The quantized weight in its element type (int8 or float8_e4m3fn), (N, K)."""
+        return self.qweight if self.fmt == "int8" else self.qweight.view(FP8_DTYPE)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (N, K) in the compute dtype, with the smoothing undone: for
+        code that reads a linear's ``weight`` for its shape, device or dtype. It is computed on
+        every access; the forward pass never uses it."""
+        w = dequantize_weight(self.weight_q, self.weight_scale, torch.float32)
+        if self.input_scale is not None:
+            w = w / self.input_scale[None, :]
+        return w.to(self.compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.bias.dtype if self.bias is not None else self._compute_dtype
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
+        # scales stay float32 through a model-wide .half() (rounding them would change every
+        # output); float64 (the reference copy) is exact and allowed
+        scales = {n: t for n in ("weight_scale", "input_scale") if (t := getattr(self, n, None)) is not None}
+        super()._apply(fn, recurse)
+        for name, old in scales.items():
+            new = getattr(self, name)
+            if new.dtype not in (torch.float32, torch.float64):
+                setattr(self, name, old.to(new.device))
+        probe = fn(torch.empty(0, dtype=self._compute_dtype))
+        if probe.is_floating_point():
+            self._compute_dtype = probe.dtype
+        return self
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if x.dtype == torch.float64:
+            return reference_linear(x, self.weight_q, self.weight_scale, self.bias, self.fmt, self.input_scale)
+        x2 = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            x2 = (x2.float() / self.input_scale).to(x.dtype)
+        if self.fmt == "int8":
+            y = self._int8(x2)
+        else:
+            y = self._fp8(x2)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _dequantized(self, x2: torch.Tensor, why: str) -> torch.Tensor:
+        """The same quantized math without a fused GEMM: activations quantized per token and
+        dequantized, the weight dequantized, one float32 matmul (for shapes the GEMMs refuse)."""
+        if not self._fallback_logged:
+            self._fallback_logged = True
+            log.info("quantized_linear %dx%d (%s): %s; using a float32 matmul of the dequantized "
+                     "values", self.out_features, self.in_features, self.method, why)  # fmt: skip
+        xq, sx = quantize_activations(x2, self.fmt)
+        w = dequantize_weight(self.weight_q, self.weight_scale, torch.float32)
+        bias = self.bias.float() if self.bias is not None else None
+        return F.linear(xq.float() * sx, w, bias).to(x2.dtype)
+
+    def _int8(self, x2: torch.Tensor) -> torch.Tensor:
+        dev = x2.device.type
+        m, k = x2.shape
+        n = self.out_features
+        if dev not in ("cpu", "cuda"):
+            return self._dequantized(x2, f"no int8 GEMM on {dev}")
+        if dev == "cuda" and (k % 8 or n % 8):
+            return self._dequantized(x2, "cuBLASLt's int8 GEMM needs K and N multiples of 8")
+        xq, sx = quantize_activations(x2, "int8")
+        if dev == "cuda" and m <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
+            xq = F.pad(xq, (0, 0, 0, 17 - m))
+        acc = torch._int_mm(xq, self.qweight.t())[:m]
+        y = acc.float().mul_(sx).mul_(self.weight_scale)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.to(x2.dtype)
+
+    def _fp8(self, x2: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        if k % 16 or n % 16:
+            return self._dequantized(x2, "torch._scaled_mm needs K and N multiples of 16")
+        xq, sx = quantize_activations(x2, "fp8")
+        out_dtype = _scaled_mm_out_dtype(x2.device.type, x2.dtype)
+        y = torch._scaled_mm(xq, self.weight_q.t(), scale_a=sx, scale_b=self.weight_scale[None, :],
+                             out_dtype=out_dtype)  # fmt: skip
+        if self.bias is not None:
+            y = y + self.bias.to(out_dtype)
+        return y.to(x2.dtype)
+
+    def extra_repr(self) -> str:
+        smooth = ", smoothed" if self.input_scale is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, method={self.method}{smooth}")  # fmt: skip
+
+
+def _scaled_mm_out_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The output dtype for ``_scaled_mm`` with row-wise scales: the compute dtype where torch
+    accepts it, else bfloat16 (some builds take only bfloat16 with row-wise scales); probed once
+    per (device type, dtype)."""
+    key = (device_type, dtype)
+    got = _SCALED_MM_OUT.get(key)
+    if got is not None:
+        return got
+    a = torch.zeros(16, 16, device=device_type, dtype=FP8_DTYPE)
+    one_a = torch.ones(16, 1, device=device_type)
+    one_b = torch.ones(1, 16, device=device_type)
+    got = torch.bfloat16
+    for candidate in (dtype, torch.bfloat16):
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=one_a, scale_b=one_b, out_dtype=candidate)
+        except (RuntimeError, NotImplementedError):
+            continue
+        got = candidate
+        break
+    _SCALED_MM_OUT[key] = got
+    return got

@@ -1,0 +1,159 @@
+"""Replacing a model's :class:`oasr.layers.Linear` modules with quantized ones.
+
+A loaded model (an :class:`oasr.model.ASRModel`) holds its network(s) as ``torch.nn.Module``
+attributes (``model.network``, ``model.net``). Every ``Linear`` in them is replaced by a
+:class:`oasr.layers.quantized.QuantizedLinear`, except the ones the family keeps in higher
+precision: module names (relative to the network, ``fnmatch`` patterns) listed in a
+``quantization_keep`` attribute of the network class or of the model class. Core adds nothing of
+its own: convolutions, norms and embeddings (tied output projections included) are never
+``Linear`` and stay as they are.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from oasr.errors import UnsupportedOptionError
+from oasr.layers.basic import Linear
+from oasr.layers.quantized import FORMATS, QuantizedLinear
+from oasr.quantization import check_method
+
+__all__ = ["QuantizationReport", "check_device", "keep_patterns", "networks", "quantize_model",
+           "quantize_module"]  # fmt: skip
+
+
+@dataclass
+class QuantizationReport:
+    """What :func:`quantize_model` did: the method, the names of the linears it replaced and of
+    those it kept (``network_attr.module.path``)."""
+
+    method: str
+    quantized: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+
+def networks(model: Any) -> dict[str, nn.Module]:
+    """The ``torch.nn.Module`` attributes of a loaded model by attribute name (the model itself
+    under ``""`` when it is a module)."""
+    if isinstance(model, nn.Module):
+        return {"": model}
+    found: dict[str, nn.Module] = {}
+    seen: set[int] = set()
+    for name, value in vars(model).items():
+        if isinstance(value, nn.Module) and id(value) not in seen:
+            seen.add(id(value))
+            found[name] = value
+    return found
+
+
+def keep_patterns(model: Any, net: nn.Module) -> tuple[str, ...]:
+    """The family's keep-in-high-precision patterns: ``quantization_keep`` of the network and
+    of the model (class attributes; tuples of ``fnmatch`` patterns over module names)."""
+    pats: list[str] = []
+    for owner in (net, model):
+        pats.extend(getattr(owner, "quantization_keep", ()) or ())
+    return tuple(dict.fromkeys(pats))
+
+
+def _device(net: nn.Module) -> torch.device:
+    for t in net.parameters():
+        return t.device
+    for t in net.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def check_device(method: str, device: torch.device | str) -> None:
+    """A typed error when ``method`` cannot run on ``device``: fp8 needs a CUDA GPU of compute
+    capability 8.9 or later (or the CPU, through torch's fp8 GEMM); int8 runs on CPU and CUDA."""
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise UnsupportedOptionError(
+            f"quantization {method} runs on cpu or cuda, not {dev.type}", param="quantization"
+        )
+    if method == "fp8_w8a8" and dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        if (major, minor) < (8, 9):
+            name = torch.cuda.get_device_name(dev)
+            raise UnsupportedOptionError(
+                f"quantization fp8_w8a8 needs a GPU with fp8 tensor cores (compute capability "
+                f">= 8.9: Ada, Hopper, Blackwell); {name} is {major}.{minor}. Use int8_w8a8",
+                param="quantization",
+            )
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def quantize_module(
+    net: nn.Module,
+    method: str,
+    keep: Iterable[str] = (),
+    input_scales: Mapping[str, torch.Tensor] | None = None,
+    prefix: str = "",
+) -> QuantizationReport:
+    """Replace, in place, every :class:`Linear` of ``net`` whose name matches none of ``keep``.
+    ``input_scales``: SmoothQuant divisors (K,) by module name for the layers that carry one."""
+    canonical = check_method(method)
+    assert canonical is not None and canonical in FORMATS
+    check_device(canonical, _device(net))
+    keep = tuple(keep)
+    report = QuantizationReport(canonical)
+    targets = [(n, m) for n, m in net.named_modules() if isinstance(m, Linear)]
+    for name, module in targets:
+        full = f"{prefix}.{name}" if prefix else name
+        if _matches(name, keep):
+            report.kept.append(full)
+            continue
+        scale = (input_scales or {}).get(name)
+        q = QuantizedLinear.from_linear(module, canonical, scale)
+        parent_name, _, attr = name.rpartition(".")
+        parent = net.get_submodule(parent_name) if parent_name else net
+        setattr(parent, attr, q)
+        report.quantized.append(full)
+    return report
+
+
+def quantize_model(
+    model: Any,
+    method: str,
+    input_scales: Mapping[str, torch.Tensor] | None = None,
+) -> QuantizationReport:
+    """Quantize every network of a loaded model in place (the family's keep list honoured);
+    ``input_scales`` are keyed ``"<network attr>.<module name>"``. The model's
+    ``quantization`` attribute is set to the report."""
+    canonical = check_method(method)
+    if canonical is None:
+        raise UnsupportedOptionError(f"quantization {method!r}: name a method", param="quantization")
+    nets = networks(model)
+    if not nets:
+        raise UnsupportedOptionError(
+            f"{getattr(model, 'name', type(model).__name__)} holds no torch network to quantize",
+            param="quantization",
+        )
+    report = QuantizationReport(canonical)
+    for attr, net in nets.items():
+        scales = None
+        if input_scales:
+            pre = f"{attr}." if attr else ""
+            scales = {k[len(pre):]: v for k, v in input_scales.items() if k.startswith(pre)}
+        r = quantize_module(net, canonical, keep_patterns(model, net), scales, prefix=attr)
+        report.quantized += r.quantized
+        report.kept += r.kept
+    if not report.quantized:
+        raise UnsupportedOptionError(
+            f"{getattr(model, 'name', type(model).__name__)} has no linear layer to quantize",
+            param="quantization",
+        )
+    try:
+        model.quantization = report
+    except AttributeError:  # a model with __slots__: the report is still returned
+        pass
+    return report

@@ -1,0 +1,97 @@
+"""The quantized math, in one place: what a quantized linear computes and its float64 reference.
+
+Symmetric quantization everywhere (no zero points):
+
+* weights (N, K): one scale per output channel, ``s_w[n] = max_k |W[n, k]| / QMAX``,
+  ``W_q = round(W / s_w)`` (int8: clamped to [-127, 127]; fp8: cast to e4m3 with its own
+  rounding, |W / s_w| <= 448);
+* activations (M, K): one scale per token (row), computed on the fly from that row,
+  ``s_x[m] = max_k |x[m, k]| / QMAX``, ``x_q = round(x / s_x)``;
+* ``y = (x_q W_q^T) * s_x * s_w^T + b``: the integer (or fp8) products summed exactly (int32
+  accumulation; fp8 products accumulate in float32), then scaled in float32.
+
+An optional per-input-channel ``input_scale`` (SmoothQuant) divides ``x`` before it is quantized;
+the weight was multiplied by it before its quantization, so ``(x / s) (W s)^T = x W^T``.
+
+Scales are float32. :func:`reference_linear` computes the same thing in float64 from the same
+quantized weight ("fake quantization"): the parity tests compare every GEMM path with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "INT8_MAX",
+    "dequantize_weight",
+    "quantize_activations",
+    "quantize_weight",
+    "reference_linear",
+]
+
+INT8_MAX = 127.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+#: the smallest scale: an all-zero row quantizes to zeros instead of dividing by zero
+_TINY = 1e-12
+
+
+def qmax(fmt: str) -> float:
+    return INT8_MAX if fmt == "int8" else FP8_MAX
+
+
+def _to_format(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "int8":
+        return scaled.round().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_q (N, K) int8 or float8_e4m3fn, s_w (N,) float32)`` for a float weight (N, K)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / qmax(fmt)).clamp_min(_TINY)
+    return _to_format(w / scale[:, None], fmt), scale
+
+
+def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``W_q * s_w`` as ``dtype`` (N, K)."""
+    return (qweight.to(torch.float32) * scale.float()[:, None]).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q (M, K), s_x (M, 1) float32)``: per-token dynamic quantization of a 2-D input. The
+    scale is computed in float32 whatever the input's dtype (fp16 rows quantize the same on CPU
+    and GPU)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / qmax(fmt)).clamp_min_(_TINY)
+    return _to_format(xf / scale, fmt), scale
+
+
+def reference_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The quantized linear in float64 (fake quantization): activations quantized per token with
+    scales computed in float64, products of the quantized values summed in float64 (exact for
+    int8), scaled in float64. ``x`` (..., K) -> (..., N) float64."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).double()
+    if input_scale is not None:
+        x2 = x2 / input_scale.double()
+    q = qmax(fmt)
+    sx = (x2.abs().amax(dim=1, keepdim=True) / q).clamp_min(_TINY)
+    if fmt == "int8":
+        xq = (x2 / sx).round().clamp(-q, q)
+    else:
+        xq = (x2 / sx).clamp(-q, q).to(FP8_DTYPE).double()
+    wq = qweight.double()
+    y = (xq @ wq.t()) * sx * weight_scale.double()[None, :]
+    if bias is not None:
+        y = y + bias.double()
+    return y.reshape(*shape[:-1], wq.shape[0])

@@ -116,6 +116,17 @@ def offline(args, ref, shape: dict) -> dict:
     opts = DecodingOptions()
     with torch.no_grad():
         ours_s = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
+        # where the time goes: fbank alone, fbank + encoder, the rest is the search
+        resolved = model._check(opts)
+        feats_s = _best(lambda: model.features(waves), args.repeats, args.device)
+        encode_s = _best(lambda: model.encode_features(*model.features(waves), resolved),
+                         args.repeats, args.device)  # fmt: skip
+        stages = {"oasr_features_s": round(feats_s, 4), "oasr_encoder_s": round(encode_s - feats_s, 4),
+                  "oasr_search_s": round(ours_s - encode_s, 4)}  # fmt: skip
+        if args.profile:
+            from benchmarks.profiling import profile_call
+
+            stages["profile"] = profile_call(lambda: model.transcribe(waves, opts), args.device)
         feats, lens = model.features(waves)  # the same features for the reference
         m = m.to(args.device)
         feats32, lens_d = feats.float(), lens.to(args.device)
@@ -144,6 +155,7 @@ def offline(args, ref, shape: dict) -> dict:
         "oasr_s": round(ours_s, 4), "reference_s": round(ref_s, 4),
         "oasr_rtfx": round(audio / ours_s, 1), "reference_rtfx": round(audio / ref_s, 1),
         "speedup": round(ref_s / ours_s, 2),
+        **stages,
     }  # fmt: skip
 
 
@@ -197,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 128, 256])
     p.add_argument("--stream-seconds", type=float, default=6.4)
     p.add_argument("--skip-streaming", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one OASR call (top operators to stderr and in the JSON)")
     p.add_argument("--reference-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the package's Swoosh activations through torch.compile, as it does by "
                         "default (default: on CUDA)")  # fmt: skip

@@ -306,13 +306,17 @@ def offline(args, kind: str, shape: dict) -> dict:
     ours_s, ours = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
     ours_tokens = [t.segments[0].tokens if t.segments else [] for t in ours]
     split = {}
+    if args.profile:
+        from benchmarks.profiling import profile_call
+
+        split["profile"] = profile_call(lambda: model.transcribe(waves, opts), args.device)
     if kind != "ctc":  # where the time goes: mel + encoder alone, and the search without graphs
         resolved = model._check(opts)
         encode_s, _ = _best(lambda: model.encode(waves, resolved), args.repeats, args.device)
         model.cuda_graphs = False
         eager_s, eager = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
         model.cuda_graphs = True
-        split = {"oasr_encode_s": round(encode_s, 4), "oasr_search_s": round(ours_s - encode_s, 4),
+        split |= {"oasr_encode_s": round(encode_s, 4), "oasr_search_s": round(ours_s - encode_s, 4),
                  "oasr_no_graphs_s": round(eager_s, 4),
                  "same_tokens_without_graphs": ours_tokens == [
                      t.segments[0].tokens if t.segments else [] for t in eager]}  # fmt: skip
@@ -423,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     # after about one token): the streaming run caps the symbols per frame, as reported
     p.add_argument("--max-symbols", type=int, default=2)
     p.add_argument("--skip-streaming", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one OASR call (top operators to stderr and in the JSON)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     import torch

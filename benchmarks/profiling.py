@@ -1,0 +1,45 @@
+"""Where one call's time goes: the family benchmarks' ``--profile`` (torch profiler, CPU and the
+device), printed to stderr and returned for the JSON report.
+
+``profile_call(fn, device)`` runs ``fn`` once (after the benchmark's own warm-up) under
+``torch.profiler`` and returns the wall seconds, the host seconds spent launching / waiting in the
+CUDA runtime, the device's busy seconds (sum of kernel and copy times) and the operators taking
+the most device time (or host time on the CPU)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def profile_call(fn: Callable[[], Any], device: str, rows: int = 20) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(averages.table(sort_by=key, row_limit=rows), file=sys.stderr)
+    top = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:rows]
+    runtime = sum(e.self_cpu_time_total for e in averages
+                  if e.key.startswith("cuda") or e.key.startswith("cudaStream"))  # fmt: skip
+    device_busy = sum(e.self_device_time_total for e in averages) if cuda else 0
+    return {
+        "wall_s": round(wall, 4),
+        "cuda_runtime_host_s": round(runtime / 1e6, 4),
+        "device_busy_s": round(device_busy / 1e6, 4),
+        "launches": int(sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC"))),
+        "graph_replays": int(sum(e.count for e in averages if e.key == "cudaGraphLaunch")),
+        "top": [{"op": e.key, "count": e.count, "ms": round(getattr(e, key) / 1e3, 2)} for e in top],
+    }  # fmt: skip

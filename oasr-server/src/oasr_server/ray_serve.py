@@ -318,6 +318,7 @@ class OASRServer:
         engine_config: EngineConfig,
         registry: Any,
         grpc_base: str | None = None,
+        engine_factory: Callable[[], Any] | None = None,
     ) -> None:
         from ray import serve
 
@@ -331,6 +332,7 @@ class OASRServer:
             local_rank = getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0
             self.server_config.grpc_bind = f"{host}:{int(port) + local_rank if int(port) else 0}"
         self.engine_config = engine_config
+        self.engine_factory = engine_factory
         self.registry = registry
         self.state: Any = None
         self._own_models: Any = None
@@ -339,7 +341,9 @@ class OASRServer:
     def __serve_build_asgi_app__(self) -> ASGIApp:  # noqa: N807 - Serve's hook name
         from oasr_server.app import create_app
 
-        app = create_app(self.server_config, engine_config=self.engine_config)
+        app = create_app(
+            self.server_config, engine_config=self.engine_config, engine_factory=self.engine_factory
+        )
         self.state = state = app.state.oasr
         original = app.router.lifespan_context
 
@@ -424,8 +428,11 @@ def build_application(
     layout: Layout,
     *,
     grpc_bind: str | None = None,
+    engine_factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """The Serve application (``serve.run`` it): the registry and the engine replicas."""
+    """The Serve application (``serve.run`` it): the registry and the engine replicas.
+    ``engine_factory`` (picklable; called in each replica) builds the engine instead of
+    ``engine_config`` (benchmarks: random weights of a given shape)."""
     from ray import serve
 
     engine_config = dataclasses.replace(engine_config, device=layout.device)
@@ -441,7 +448,7 @@ def build_application(
         name=SERVER_DEPLOYMENT,
         **layout.deployment_options(options.cpus_per_replica),
     )
-    return server.bind(server_config, engine_config, registry, grpc_bind)
+    return server.bind(server_config, engine_config, registry, grpc_bind, engine_factory)
 
 
 # -- proxy failover ----------------------------------------------------------------------------

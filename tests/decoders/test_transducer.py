@@ -780,3 +780,45 @@ def test_cuda_equals_cpu(monkeypatch) -> None:
             net.model.cpu()
             assert _result(gpu) == _result(cpu), name
             assert _scores(gpu) == pytest.approx(_scores(cpu), abs=1e-4), name
+
+
+@pytest.mark.parametrize("seed,beam", [(2, 4), (9, 3)])
+def test_hotword_biased_modified_beam_equals_icefall(icefall_search, monkeypatch, seed, beam) -> None:
+    """Hotwords: icefall's biased modified beam search (its ContextGraph, non-strict) keeps the
+    same final beams with the same scores; ours also takes back unfinished matches before
+    ranking (icefall's finalize; this packaged copy adds it to an unused lm_score)."""
+    from oasr.decoders.context_graph import ContextGraph
+
+    graph_mod = importlib.import_module("zipformer.decode.context_graph")
+    model = IcefallModel(seed)
+    enc, lens = _encoder_out(seed)
+    with torch.no_grad():
+        plain = transducer_modified_beam_search(IcefallNetwork(model), model.joiner.encoder_proj(enc),
+                                                lens, beam_size=beam, length_norm_offset=CONTEXT)
+    # hotwords from hypotheses the plain search ranks below the best
+    phrases = [h.tokens[-2:] for n in plain for h in n[1:2] if len(h.tokens) >= 2][:3] + [[5, 7, 5]]
+    ref_graph = graph_mod.ContextGraph(2.0)
+    ref_graph.build(phrases)
+    graph = ContextGraph(phrases, 2.0)
+    captured = _capture_final_beams(icefall_search, monkeypatch)
+    with torch.no_grad():
+        icefall_search.modified_beam_search(model, enc, lens, beam=beam, context_graph=ref_graph,
+                                            return_timestamps=True)
+        nbest = transducer_modified_beam_search(
+            IcefallNetwork(model), model.joiner.encoder_proj(enc), lens, beam_size=beam,
+            length_norm_offset=CONTEXT, context_graph=graph)
+    by_length = sorted(range(len(LENGTHS)), key=lambda b: -LENGTHS[b])
+    changed = 0
+    for b, hyps in enumerate(nbest):
+        final = captured[by_length.index(b)]
+        final.pop("best")
+        assert {tuple(h.tokens) for h in hyps} == set(final)
+        for h in hyps:
+            score, times = final[tuple(h.tokens)]
+            state = 0
+            for u in h.tokens:
+                state = graph.step(state, u)[1]
+            assert h.score - graph.finalize(state) == pytest.approx(score, abs=1e-4)
+            assert h.times == times
+        changed += hyps[0].tokens != plain[b][0].tokens
+    assert changed  # the hotwords changed some best hypothesis

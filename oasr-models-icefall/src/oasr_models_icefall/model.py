@@ -38,6 +38,8 @@ from oasr.decoders import (
     group_words,
     token_timestamps,
 )
+from oasr.decoders.context_graph import ContextGraph, PieceEncoder, context_graph_for
+from oasr.decoders.ctc_gpu import ctc_prefix_beam_search_gpu
 from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.features.kaldi import KaldiFbank
 from oasr.layers import default_dtype, resolve_dtype
@@ -192,6 +194,7 @@ class _IcefallASR:
         #: joiner are capturable); False runs the frames eagerly
         self.cuda_graphs = True
         self.max_token_duration = 1.0
+        self._encoder: PieceEncoder | None = None  # hotword spelling, made on first use
 
     # -- native format (oasr convert) -----------------------------------------------------
     def save_native(self, dst: str | Path) -> str:
@@ -255,6 +258,9 @@ class _IcefallASR:
     def _check(self, options: DecodingOptions | ResolvedOptions) -> ResolvedOptions:
         o = options.validate_for(self)
         m = self._method(o)
+        if o.hotwords and m in ("greedy_search", "ctc_greedy_search"):
+            raise UnsupportedOptionError(f"hotwords need a beam search; {m} cannot bias (use "
+                                         f"decoding_method auto or a beam search)", param="hotwords")
         if m.startswith("ctc") and not self.cfg.use_ctc:
             raise UnsupportedOptionError(f"{self.name} has no CTC head; use greedy_search or "
                                          f"modified_beam_search", param="decoding_method")
@@ -279,13 +285,22 @@ class _IcefallASR:
         m = o.decoding_method
         if m != "auto":
             return m
+        greedy = o.beam_size == 1 and not o.hotwords  # hotwords need a beam: auto switches
         if self.default_head == "transducer" and self.cfg.use_transducer:
-            return "greedy_search" if o.beam_size == 1 else "modified_beam_search"
-        return "ctc_greedy_search" if o.beam_size == 1 else "ctc_prefix_beam_search"
+            return "greedy_search" if greedy else "modified_beam_search"
+        return "ctc_greedy_search" if greedy else "ctc_prefix_beam_search"
 
     @staticmethod
     def _beam(o: ResolvedOptions) -> int:
         return o.beam_size if o.beam_size > 1 else 4
+
+    def _context_graph(self, o: ResolvedOptions) -> ContextGraph | None:
+        """The request's hotwords as a context graph (spelled with the model's tokens)."""
+        if not o.hotwords:
+            return None
+        if self._encoder is None:
+            self._encoder = PieceEncoder(self.tokens.pieces, WORD_START)
+        return context_graph_for(o.hotwords, self._encoder, o.hotwords_score)
 
     def _new_search(self, o: ResolvedOptions, method: str, batch: int) -> Any:
         if method == "greedy_search":
@@ -296,10 +311,11 @@ class _IcefallASR:
         if method == "modified_beam_search":
             return TransducerModifiedBeamSearch(self.decoder_network, self._beam(o), batch,
                                                 blank_id=self.blank_id, blank_penalty=o.blank_penalty,
-                                                length_norm_offset=self.cfg.context_size)  # fmt: skip
+                                                length_norm_offset=self.cfg.context_size,
+                                                context_graph=self._context_graph(o))  # fmt: skip
         if method == "ctc_greedy_search":
             return CTCGreedySearch(self.blank_id)
-        return CTCPrefixBeamSearch(o.beam_size if o.beam_size > 1 else 4, self.blank_id)
+        return CTCPrefixBeamSearch(self._beam(o), self.blank_id, self._context_graph(o))
 
     # -- encoder ----------------------------------------------------------------------------
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,13 +345,23 @@ class _IcefallASR:
         """What the search consumes: projected encoder frames, or CTC log-probabilities (CPU)."""
         with torch.no_grad():
             if method.startswith("ctc"):
-                return self.net.ctc_log_probs(enc).cpu()
+                lp = self.net.ctc_log_probs(enc)
+                # the prefix beam search runs on CUDA as batched tensor operations
+                return lp if method == "ctc_prefix_beam_search" and lp.is_cuda else lp.cpu()
             return self.net.joiner.encoder_proj(enc)
 
     def decode(self, enc: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions) -> list[Hypothesis]:
         method = self._method(options)
         frames = self._search_frames(enc, method)
         lens_list = [int(n) for n in lens]
+        if method == "ctc_prefix_beam_search" and frames.is_cuda:
+            if options.blank_penalty:
+                frames = frames.clone()
+                frames[:, :, self.blank_id] -= options.blank_penalty
+            graph = self._context_graph(options)
+            nbest = ctc_prefix_beam_search_gpu(frames, lens_list, self._beam(options), self.blank_id,
+                                               [graph] * len(lens_list))
+            return [n[0] for n in nbest]
         if method.startswith("ctc"):
             out = []
             for b, n in enumerate(lens_list):

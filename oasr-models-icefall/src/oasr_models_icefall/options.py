@@ -39,6 +39,11 @@ class IcefallOptions(ModelOptions):
     left_context_frames: int = option(
         128, ge=0, doc="Causal models: 50 Hz frames of left context each chunk attends to."
     )
+    hotwords_score: float = option(
+        1.5, gt=0, le=100,
+        doc="Hotwords: bonus per matched token (sherpa-onnx --hotwords-score); a hotword may "
+            "carry its own as 'PHRASE :SCORE'.",
+    )  # fmt: skip
 
     def validate(self) -> None:
         if self.chunk_size == 0:

@@ -13,10 +13,12 @@ from oasr.types import DecodeFamily, ModelCapabilities
 CTC_ARCHITECTURE = "zipformer"
 TRANSDUCER_ARCHITECTURE = "transducer"
 CTC_CAPABILITIES = ModelCapabilities(
-    decode_family=DecodeFamily.CTC, offline=True, streaming=True, word_timestamps=True
+    decode_family=DecodeFamily.CTC, offline=True, streaming=True, word_timestamps=True,
+    hotwords=True,
 )
 TRANSDUCER_CAPABILITIES = ModelCapabilities(
-    decode_family=DecodeFamily.TRANSDUCER, offline=True, streaming=True, word_timestamps=True
+    decode_family=DecodeFamily.TRANSDUCER, offline=True, streaming=True, word_timestamps=True,
+    hotwords=True,
 )
 
 

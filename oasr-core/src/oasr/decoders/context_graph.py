@@ -25,11 +25,12 @@ import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from oasr.decoders.ctc import _is_cjk
 from oasr.errors import InvalidRequestError
 
-__all__ = ["DEFAULT_HOTWORD_BOOST", "ContextGraph", "ContextTables", "parse_hotwords"]
+__all__ = ["DEFAULT_HOTWORD_BOOST", "ContextGraph", "ContextTables", "PieceEncoder",
+           "parse_hotwords"]
 
 #: per-token bonus (natural-log units) when a request gives no other (sherpa-onnx's default)
 DEFAULT_HOTWORD_BOOST = 1.5
@@ -224,9 +225,56 @@ class ContextGraph:
                              [entries[k][1] for k in order], list(self.node_score))
 
 
-def context_graph_for(model: Any, hotwords: Sequence[str] | None, boost: float,
-                      encode: Callable[[str], Sequence[int]]) -> ContextGraph | None:
-    """The request's graph, or ``None`` without hotwords (helper for families)."""
+class PieceEncoder:
+    """Spells hotwords with a model's piece table (id -> piece, sentencepiece-style ``\u2581``
+    word starts, or characters): each word as the fewest pieces that cover it exactly, tried
+    as written, upper-cased, then lower-cased (BPE tables are often one case), with and without
+    the word-start mark. Families whose tokenizer only decodes use this to tokenize hotwords."""
+
+    def __init__(self, pieces: Sequence[str], word_start: str = "\u2581") -> None:
+        self.index: dict[str, int] = {}
+        for i, p in enumerate(pieces):
+            if p and not (p.startswith("<") and p.endswith(">")) and p not in self.index:
+                self.index[p] = i
+        self.word_start = word_start
+        self.longest = max((len(p) for p in self.index), default=1)
+
+    def __call__(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for word in text.split():
+            cjk = all(_is_cjk(ch) for ch in word)  # characters carry no word-start mark
+            for variant in dict.fromkeys((word, word.upper(), word.lower())):
+                marked = self._spell(self.word_start + variant)
+                plain = self._spell(variant)
+                got = (plain or marked) if cjk else (marked or plain)
+                if got:
+                    ids += got
+                    break
+            else:
+                raise InvalidRequestError(
+                    f"hotword {text!r}: the model's vocabulary cannot spell {word!r}",
+                    param="hotwords",
+                )
+        return ids
+
+    def _spell(self, s: str) -> list[int] | None:
+        """Fewest pieces covering ``s`` exactly (dynamic programming), or None."""
+        n = len(s)
+        best: list[list[int] | None] = [None] * (n + 1)
+        best[0] = []
+        for a in range(n):
+            if best[a] is None:
+                continue
+            for b in range(a + 1, min(n, a + self.longest) + 1):
+                pid = self.index.get(s[a:b])
+                if pid is not None and (best[b] is None or len(best[a]) + 1 < len(best[b])):
+                    best[b] = [*best[a], pid]
+        return best[n]
+
+
+def context_graph_for(hotwords: Sequence[str] | None, encode: Callable[[str], Sequence[int]],
+                      boost: float = DEFAULT_HOTWORD_BOOST) -> ContextGraph | None:
+    """A request's graph (hotwords tokenized with ``encode``), or ``None`` without hotwords."""
     if not hotwords:
         return None
     graph = ContextGraph.from_hotwords(hotwords, encode, boost)

@@ -262,6 +262,11 @@ class TransducerGreedySearch:
     the emitted tokens. ``unk_id`` (icefall) is treated like blank; ``blank_penalty`` is
     subtracted from the blank logit before the decision (icefall's ``--blank-penalty``)."""
 
+    #: ``sync_free`` with several symbols per frame: chunks of at least this many frames run
+    #: the device loop; shorter ones (a streaming step's) the frame loop, which launches fewer
+    #: kernels for a few frames
+    label_looping_min_frames = GRAPH_MIN_FRAMES
+
     def __init__(self, network: TransducerNetwork, batch_size: int = 1, *, blank_id: int = 0,
                  max_symbols_per_frame: int = 1, unk_id: int | None = None,
                  blank_penalty: float = 0.0, sync_free: bool | None = None,
@@ -270,7 +275,8 @@ class TransducerGreedySearch:
         _check_positive(max_symbols_per_frame, "max_symbols_per_frame")
         #: no host read per frame (every row's prediction network runs each step; rows that did
         #: not emit keep their state): None = on CUDA. One symbol per frame: a frame loop on the
-        #: device; more (without ``unk_id``): the TDT device loop with the one duration 0
+        #: device; more (without ``unk_id``, chunks of ``label_looping_min_frames``): the TDT
+        #: device loop with the one duration 0
         self.sync_free = sync_free
         #: with ``sync_free`` on CUDA, replay one frame (one symbol per frame; captured per call
         #: of at least ``GRAPH_MIN_FRAMES`` frames) or ``TDT_STEPS_PER_CHECK`` steps as a CUDA
@@ -327,7 +333,8 @@ class TransducerGreedySearch:
             sync_free = self.sync_free if self.sync_free is not None else enc.device.type == "cuda"
             if sync_free and self.max_symbols_per_frame == 1:
                 self._step_on_device(enc, lens)
-            elif sync_free and self.skip_ids == {self.blank_id}:
+            elif (sync_free and self.skip_ids == {self.blank_id}
+                  and max(lens) >= self.label_looping_min_frames):
                 self._step_label_looping(enc, lens)
             else:
                 for t in range(max(lens)):
@@ -440,15 +447,16 @@ def transducer_greedy_search(network: TransducerNetwork, encoder_out: Any,
 class _Beam:
     """One hypothesis of the beam; ``row`` is its row in the stacked decoder state."""
 
-    __slots__ = ("tokens", "score", "times", "logprobs", "row")
+    __slots__ = ("tokens", "score", "times", "logprobs", "row", "cstate")
 
     def __init__(self, tokens: tuple[int, ...], score: float, times: list[int],
-                 logprobs: list[float], row: int) -> None:
+                 logprobs: list[float], row: int, cstate: int = 0) -> None:
         self.tokens = tokens
         self.score = score
         self.times = times
         self.logprobs = logprobs
         self.row = row
+        self.cstate = cstate  # hotword context-graph state (0: the root / no graph)
 
 
 def _log_add(a: float, b: float) -> float:
@@ -472,12 +480,16 @@ class TransducerModifiedBeamSearch:
     log-probability; ``nbest()`` ranks by ``score / (len(tokens) + length_norm_offset)`` when
     ``length_norm`` (icefall's ``get_most_probable(length_norm=True)`` divides by the length of
     its token list, which starts with ``context_size`` padding symbols: pass that as the offset
-    to rank exactly as icefall), else by ``score``."""
+    to rank exactly as icefall), else by ``score``.
+
+    Hotwords: with a ``context_graph`` (:class:`oasr.decoders.context_graph.ContextGraph`, one
+    for every stream or one per stream) a non-blank token's graph bonus is added to the
+    surviving pair's score after the top-k, as icefall's biased modified beam search does."""
 
     def __init__(self, network: TransducerNetwork, beam_size: int = 4, batch_size: int = 1, *,
                  blank_id: int = 0, unk_id: int | None = None, temperature: float = 1.0,
                  blank_penalty: float = 0.0, length_norm: bool = True,
-                 length_norm_offset: int = 1) -> None:
+                 length_norm_offset: int = 1, context_graph: Any = None) -> None:
         _check_positive(beam_size, "beam_size")
         _check_positive(batch_size, "batch_size")
         if not temperature > 0:
@@ -494,6 +506,11 @@ class TransducerModifiedBeamSearch:
         self.length_norm_offset = length_norm_offset
         self.frames = [0] * batch_size
         self._beams = [[_Beam((), 0.0, [], [], b)] for b in range(batch_size)]
+        # hotwords: one ContextGraph for every stream, or one (or None) per stream
+        graphs = context_graph if isinstance(context_graph, (list, tuple)) else [context_graph] * batch_size
+        if len(graphs) != batch_size:
+            raise ValueError("context_graph: one graph per stream")
+        self.context_graphs = list(graphs)
         self._state: Any = None
         self._decoder_out: Any = None
 
@@ -559,17 +576,22 @@ class TransducerModifiedBeamSearch:
                 if h >= counts[i]:
                     continue  # padding: the utterance has fewer candidates than the beam
                 parent = old[h]
+                cstate = parent.cstate
                 if token in self.skip_ids:
                     key, times, lps = parent.tokens, parent.times, parent.logprobs
                 else:
                     key = parent.tokens + (token,)
                     times = parent.times + [self.frames[b] + t]
                     lps = parent.logprobs + [lp]
+                    graph = self.context_graphs[b]
+                    if graph is not None:  # icefall: the bonus joins the score after the top-k
+                        bonus, cstate = graph.step(cstate, token)
+                        value += bonus
                 same = merged.get(key)
                 if same is not None:
                     same.score = _log_add(same.score, value)
                     continue
-                beam = _Beam(key, value, list(times), list(lps), len(parents))
+                beam = _Beam(key, value, list(times), list(lps), len(parents), cstate)
                 merged[key] = beam
                 if token not in self.skip_ids:
                     emitted.append((len(parents), token))
@@ -590,18 +612,21 @@ class TransducerModifiedBeamSearch:
                                                [p for p, _ in emitted], [u for _, u in emitted])
         self._state, self._decoder_out = state, decoder_out
 
-    def _rank(self, beam: _Beam) -> float:
+    def _rank(self, score: float, beam: _Beam) -> float:
         if self.length_norm:
-            return beam.score / (len(beam.tokens) + self.length_norm_offset)
-        return beam.score
+            return score / (len(beam.tokens) + self.length_norm_offset)
+        return score
 
     def nbest(self) -> list[list[Hypothesis]]:
-        """Per stream, the hypotheses of the beam, best first."""
+        """Per stream, the hypotheses of the beam, best first (with hotwords: the bonus of an
+        unfinished match taken back first, icefall's ``finalize``)."""
         out = []
-        for beams in self._beams:
-            ranked = sorted(beams, key=self._rank, reverse=True)
-            out.append([Hypothesis(list(h.tokens), h.score, list(h.times), list(h.logprobs))
-                        for h in ranked])
+        for beams, graph in zip(self._beams, self.context_graphs, strict=True):
+            scored = [(h.score if graph is None else h.score + graph.finalize(h.cstate), h)
+                      for h in beams]
+            ranked = sorted(scored, key=lambda x: self._rank(*x), reverse=True)
+            out.append([Hypothesis(list(h.tokens), score, list(h.times), list(h.logprobs))
+                        for score, h in ranked])
         return out
 
     def best(self) -> list[Hypothesis]:
@@ -613,14 +638,15 @@ def transducer_modified_beam_search(network: TransducerNetwork, encoder_out: Any
                                     beam_size: int = 4, blank_id: int = 0,
                                     unk_id: int | None = None, temperature: float = 1.0,
                                     blank_penalty: float = 0.0, length_norm: bool = True,
-                                    length_norm_offset: int = 1) -> list[list[Hypothesis]]:
+                                    length_norm_offset: int = 1,
+                                    context_graph: Any = None) -> list[list[Hypothesis]]:
     """n-best lists (best first) for each utterance of a (B, T, D) batch (or one (T, D) input).
     See :class:`TransducerModifiedBeamSearch`."""
     enc, lens = _batch(encoder_out, lengths)
     search = TransducerModifiedBeamSearch(
         network, beam_size, enc.shape[0], blank_id=blank_id, unk_id=unk_id,
         temperature=temperature, blank_penalty=blank_penalty, length_norm=length_norm,
-        length_norm_offset=length_norm_offset)
+        length_norm_offset=length_norm_offset, context_graph=context_graph)
     search.step(enc, lens)
     return search.nbest()
 

@@ -70,3 +70,63 @@ def test_biased_result_is_the_biased_search(setup) -> None:
     assert [t.segments[0].tokens if t.segments else [] for t in got] == [w[0].tokens for w in want]
     assert set(spelled) <= set(want[0][0].tokens) and want[0][0].tokens != best
     assert [t.segments[0].tokens if t.segments else [] for t in none] == [p[0].tokens for p in plain]
+
+
+def test_http_hotwords_reach_the_model(setup) -> None:
+    """The OpenAI-compatible upload: repeated ``hotwords[]`` (and ``hotwords_score``) give the
+    model's own biased result; a word the vocabulary cannot spell is a 400 naming hotwords."""
+    import io
+    import wave
+
+    import numpy as np
+
+    pytest.importorskip("oasr_server")
+    from starlette.testclient import TestClient
+
+    from oasr_server.app import create_app
+    from oasr_server.config import ServerConfig
+
+    model, ws, _, _ = setup
+    pcm = np.clip(np.round(ws[0] * 32768.0), -32768, 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(pcm.tobytes())
+    audio = pcm.astype(np.float32) / 32768.0
+    word = model.tokens.piece(3).lstrip("\u2581") + model.tokens.piece(4)
+    want = model.transcribe([audio], DecodingOptions.build(
+        hotwords=(word, "AD"), hotwords_score=5.0, beam_size=4, decoding_method="ctc_prefix_beam_search"))
+    app = create_app(ServerConfig(warmup=False),
+                     engine_config=EngineConfig(ckpt_dir=str(model.source_path)))
+    with TestClient(app) as client:
+        assert app.state.oasr.wait_loaded(60), app.state.oasr.load_error
+        files = {"file": ("a.wav", buf.getvalue(), "audio/wav")}
+        r = client.post("/v1/audio/transcriptions", files=files, data={
+            "hotwords[]": [word, "AD"], "hotwords_score": "5", "beam_size": "4",
+            "decoding_method": "ctc_prefix_beam_search", "response_format": "json"})
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == want[0].text
+        bad = client.post("/v1/audio/transcriptions", files=files,
+                          data={"hotwords": "ZZQ", "beam_size": "4"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "hotwords"
+
+
+@pytest.mark.gpu
+def test_gpu_model_uses_the_tensor_search(offline_release, helpers) -> None:
+    """On CUDA the CTC prefix beam search runs as tensor operations: its result equals the
+    host search (with the same hotwords) on the CUDA model's own log-probabilities."""
+    model = load_model(EngineConfig(ckpt_dir=str(offline_release[1]), device="cuda"))
+    ws = helpers.waves(3)
+    word = model.tokens.piece(3).lstrip("\u2581") + model.tokens.piece(4)
+    for hotwords in (None, (word + " :6",)):
+        opts = model._check(DecodingOptions.build(beam_size=6, decoding_method="ctc_prefix_beam_search",
+                                                  hotwords=hotwords))
+        feats, lens = model.features(ws)
+        with torch.no_grad():
+            enc, enc_lens = model.encode_features(feats, lens, opts)
+            lp = model.net.ctc_log_probs(enc).float().cpu()
+        graph = model._context_graph(opts)
+        want = ctc_prefix_beam_search(lp, enc_lens.tolist(), beam_size=6,
+                                      context_graphs=[graph] * len(ws))
+        got = model.decode(enc, enc_lens, opts)
+        assert [h.tokens for h in got] == [w[0].tokens for w in want]
+        assert [h.times for h in got] == [w[0].times for w in want]

@@ -114,7 +114,7 @@ def test_http_hotwords_reach_the_model(setup) -> None:
 def test_gpu_model_uses_the_tensor_search(offline_release, helpers) -> None:
     """On CUDA the CTC prefix beam search runs as tensor operations: its result equals the
     host search (with the same hotwords) on the CUDA model's own log-probabilities."""
-    model = load_model(EngineConfig(ckpt_dir=str(offline_release[1]), device="cuda"))
+    model = load_model(EngineConfig(ckpt_dir=str(offline_release[1]), device="cuda", dtype="float32"))
     ws = helpers.waves(3)
     word = model.tokens.piece(3).lstrip("\u2581") + model.tokens.piece(4)
     for hotwords in (None, (word + " :6",)):

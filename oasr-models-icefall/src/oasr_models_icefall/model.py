@@ -258,9 +258,6 @@ class _IcefallASR:
     def _check(self, options: DecodingOptions | ResolvedOptions) -> ResolvedOptions:
         o = options.validate_for(self)
         m = self._method(o)
-        if o.hotwords and m in ("greedy_search", "ctc_greedy_search"):
-            raise UnsupportedOptionError(f"hotwords need a beam search; {m} cannot bias (use "
-                                         f"decoding_method auto or a beam search)", param="hotwords")
         if m.startswith("ctc") and not self.cfg.use_ctc:
             raise UnsupportedOptionError(f"{self.name} has no CTC head; use greedy_search or "
                                          f"modified_beam_search", param="decoding_method")

@@ -5,10 +5,10 @@ parses them from every surface and refuses unknown names."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from oasr.errors import InvalidRequestError
-from oasr.options import ModelOptions, option
+from oasr.errors import InvalidRequestError, UnsupportedOptionError
+from oasr.options import ModelOptions, ResolvedOptions, option
 
 DecodingMethod = Literal[
     "auto", "greedy_search", "modified_beam_search", "ctc_greedy_search", "ctc_prefix_beam_search"
@@ -49,3 +49,13 @@ class IcefallOptions(ModelOptions):
         if self.chunk_size == 0:
             raise InvalidRequestError("chunk_size must be -1 (full context) or a positive number "
                                       "of 50 Hz frames", param="chunk_size")
+
+    def resolve(self, options: Any) -> ResolvedOptions:
+        resolved = super().resolve(options)
+        method = resolved.decoding_method
+        if resolved.hotwords and method in ("greedy_search", "ctc_greedy_search"):
+            # refused before any work: greedy search has no beam to bias
+            raise UnsupportedOptionError(
+                f"hotwords need a beam search; {method} cannot use them (use "
+                "decoding_method auto or a beam search)", param="hotwords")
+        return resolved

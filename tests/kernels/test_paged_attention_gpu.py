@@ -46,13 +46,13 @@ def kernel():
     from oasr_kernels import paged_attention
     from oasr_kernels.provider import install
 
-    before = L.list_overrides().get((OP, "cuda"))
-    assert install("cuda") == ["paged_decode_attention"]
+    before = L.list_overrides()
+    assert OP in install("cuda")
     yield paged_attention
-    if before is None:
-        L.unregister_override(OP, "cuda")
-    else:
-        L.register_override(OP, "cuda", before)
+    for key in L.list_overrides():
+        L.unregister_override(*key)
+    for key, fn in before.items():
+        L.register_override(*key, fn)
 
 
 def native(*args):

@@ -12,6 +12,7 @@ def register_kernel_providers(register: Register) -> None:
         "cuda",
         "oasr_kernels.provider:install",
         device_types=["cuda"],
-        ops=["paged_decode_attention"],
+        ops=["paged_decode_attention", "paged_prefill_attention", "add_norm", "rms_norm", "bias_act",
+             "glu_depthwise_conv1d", "log_mel_power"],
         description="CUDA kernels compiled with NVRTC (CuPy) on first use",
     )

@@ -2,6 +2,7 @@
 
 Called by :func:`oasr.kernel_providers.install_kernel_providers` when a model is loaded on a CUDA
 device. Raises (and so leaves the native ops in place, with a warning) when CuPy is missing.
+Also registers the kernels' search spaces with :mod:`oasr.tune` (for ``oasr.tune.autotune``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,15 @@ from __future__ import annotations
 __all__ = ["OPS", "install"]
 
 #: the oasr.layers ops this provider overrides on "cuda"
-OPS = ("paged_decode_attention",)
+OPS = (
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "add_norm",
+    "rms_norm",
+    "bias_act",
+    "glu_depthwise_conv1d",
+    "log_mel_power",
+)
 
 
 def install(device_type: str = "cuda") -> list[str]:
@@ -24,7 +33,17 @@ def install(device_type: str = "cuda") -> list[str]:
             "'oasr-kernels[cuda13]' (CUDA 13)"
         ) from exc
     from oasr.layers import register_override
+    from oasr.tune import register_tunable
+    from oasr_kernels import fused, prefill_attention
     from oasr_kernels.paged_attention import paged_decode_attention_cuda
 
     register_override("paged_decode_attention", "cuda", paged_decode_attention_cuda)
+    register_override("paged_prefill_attention", "cuda", prefill_attention.paged_prefill_attention_cuda)
+    register_override("add_norm", "cuda", fused.add_norm_cuda)
+    register_override("rms_norm", "cuda", fused.rms_norm_cuda)
+    register_override("bias_act", "cuda", fused.bias_act_cuda)
+    register_override("glu_depthwise_conv1d", "cuda", fused.glu_depthwise_conv1d_cuda)
+    register_override("log_mel_power", "cuda", fused.log_mel_power_cuda)
+    for tunable in fused.TUNABLES + prefill_attention.TUNABLES:
+        register_tunable(tunable)
     return list(OPS)

@@ -33,6 +33,7 @@ from oasr.audio import as_mono_waveform
 from oasr.executors.autoregressive import AttentionContext, AutoregressiveExecutor, Row, Window
 from oasr.features.whisper import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
 from oasr.layers.attention import attention, fixed_shape_attention
+from oasr.layers.fused import add_norm
 from oasr.types import DecodingOptions, Transcript
 from oasr_models_whisper.decoding import (
     CHUNK_SECONDS,
@@ -44,6 +45,7 @@ from oasr_models_whisper.decoding import (
     initial_tokens,
     resolve_suppress_tokens,
 )
+from oasr_models_whisper.nn import decoder_norms
 from oasr_models_whisper.options import whisper_options
 from oasr_models_whisper.speech_gate import empty_transcript, gate_enabled, speech_gate
 from oasr_models_whisper.transcribe import (
@@ -75,16 +77,25 @@ def make_executor(model: Any, config: SchedulerConfig) -> AutoregressiveExecutor
         # already, so a batch saves no time there, only holds every window's activations at
         # once (tiny.en, 9 inputs: 1.37 GB peak instead of 1.03 GB)
         config = dataclasses.replace(config, max_encoder_batch=1)
-    return AutoregressiveExecutor(model, WhisperStepModel(model.network), WhisperDriver(model), config)
+    graphs = config.cuda_graphs is not False and model.network.device.type == "cuda"
+    step = WhisperStepModel(model.network, encoder_graphs=graphs)
+    return AutoregressiveExecutor(model, step, WhisperDriver(model), config)
 
 
 # --------------------------------------------------------------------------- the network
 class WhisperStepModel:
     """:class:`oasr.executors.autoregressive.StepModel` over a :class:`WhisperNet`."""
 
-    def __init__(self, net: Any) -> None:
+    def __init__(self, net: Any, encoder_graphs: bool = False) -> None:
         self.net = net
         dims = net.dims
+        #: the encoder from CUDA graphs per batch bucket (encoder_graphs.py; CUDA only)
+        self.encoder_graphs = None
+        if encoder_graphs and net.device.type == "cuda":
+            from oasr_models_whisper.encoder_graphs import EncoderGraphs, encoder_graphs_enabled
+
+            if encoder_graphs_enabled():
+                self.encoder_graphs = EncoderGraphs(net)
         self.device = net.device
         self.dtype = net.dtype
         self.num_layers = dims.n_text_layer
@@ -94,6 +105,7 @@ class WhisperStepModel:
         self.vocab_size = dims.n_vocab
         self.cross_shape = (dims.n_audio_ctx, dims.n_text_state)
         self._fused_qkv = self._fuse_self_qkv() if self.device.type == "cuda" else None
+        self._norms = decoder_norms(net.decoder)
         esize = torch.empty(0, dtype=self.dtype).element_size()
         #: memory beyond the executor's pools (the fused projection weights)
         self.extra_bytes = sum(w.numel() * esize for w, _ in self._fused_qkv or ())
@@ -116,6 +128,8 @@ class WhisperStepModel:
         return fused
 
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
+        if self.encoder_graphs is not None:
+            return self.encoder_graphs(mel)
         return self.net.encode(mel)
 
     def project_cross(self, layer: int, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,9 +140,10 @@ class WhisperStepModel:
         dec = self.net.decoder
         b, t = tokens.shape
         x = dec.embed_tokens(tokens) + dec.positional_embedding[positions]
+        norms = self._norms
+        h = norms[0](x)
         for li, block in enumerate(dec.layers):
             att = block.self_attn
-            h = block.self_attn_norm(x)
             if self._fused_qkv is not None:
                 w, bias = self._fused_qkv[li]
                 q, k, v = torch.nn.functional.linear(h, w, bias).split(att.embed_dim, dim=-1)
@@ -137,18 +152,18 @@ class WhisperStepModel:
                 q = att._split(att.q_proj(h))
                 k, v = att.k_proj(h), att.v_proj(h)
             out = ctx.self_attention(li, q, k, v)
-            x = x + att.out_proj(out.transpose(1, 2).reshape(b, t, -1))
-            x = x + self._cross_attention(block, x, *ctx.cross_kv(li))
-            x = x + block.mlp(block.mlp_norm(x))
-        x = dec.final_norm(x)
-        return dec.embed_tokens.unembed(x).float()
+            # each residual add with the norm after it: one kernel with oasr-kernels
+            x, h = add_norm(x, att.out_proj(out.transpose(1, 2).reshape(b, t, -1)), norms[3 * li + 1])
+            x, h = add_norm(x, self._cross_attention(block, h, *ctx.cross_kv(li)), norms[3 * li + 2])
+            x, h = add_norm(x, block.mlp(h), norms[3 * li + 3])
+        return dec.embed_tokens.unembed(h).float()
 
     @staticmethod
-    def _cross_attention(block: Any, x: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
-        """Cross-attention of ``x`` (B, T, d) over pooled K/V (B, frames, d)."""
+    def _cross_attention(block: Any, h: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
+        """Cross-attention of the normalised ``h`` (B, T, d) over pooled K/V (B, frames, d)."""
         att = block.cross_attn
-        b, t, _ = x.shape
-        q = att._split(att.q_proj(block.cross_attn_norm(x)))
+        b, t, _ = h.shape
+        q = att._split(att.q_proj(h))
         # the key length is always the encoder's: cuDNN's kernel streams the K/V of a large
         # batch about twice as fast as flash (see fixed_shape_attention), and this read is
         # most of a large model's decode step

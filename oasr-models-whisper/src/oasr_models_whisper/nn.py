@@ -42,6 +42,7 @@ from oasr.layers import (
     KVCache,
     LayerNorm,
     MultiHeadAttention,
+    add_norm,
     default_dtype,
     gelu,
     sinusoids,
@@ -99,10 +100,15 @@ class WhisperEncoder(nn.Module):
                 f"(30 s, use pad_or_trim), got {mel.shape[-1]}"
             )
         x = x + self.positional_embedding.to(x.dtype)
-        for block in self.layers:
-            x = x + block.self_attn(block.self_attn_norm(x))
-            x = x + block.mlp(block.mlp_norm(x))
-        return self.final_norm(x)
+        # each residual add and the norm after it in one op (add_norm: one kernel on CUDA with
+        # oasr-kernels, exactly ``x + y`` then the norm otherwise)
+        norms = [n for block in self.layers for n in (block.self_attn_norm, block.mlp_norm)]
+        norms.append(self.final_norm)
+        h = norms[0](x)
+        for i, block in enumerate(self.layers):
+            x, h = add_norm(x, block.self_attn(h), norms[2 * i + 1])
+            x, h = add_norm(x, block.mlp(h), norms[2 * i + 2])
+        return h
 
 
 class WhisperDecoder(nn.Module):
@@ -117,6 +123,14 @@ class WhisperDecoder(nn.Module):
             for _ in range(dims.n_text_layer)
         )
         self.final_norm = LayerNorm(d, **kw)
+
+
+def decoder_norms(dec: WhisperDecoder) -> list[nn.Module]:
+    """The decoder's norms in the order a pass applies them (self-attention, cross-attention,
+    MLP per layer, then the final norm): each follows a residual add (:func:`add_norm`)."""
+    norms = [n for b in dec.layers for n in (b.self_attn_norm, b.cross_attn_norm, b.mlp_norm)]
+    norms.append(dec.final_norm)
+    return norms
 
 
 class WhisperDecoderCache:
@@ -211,14 +225,17 @@ class WhisperNet(nn.Module):
             )
         dec = self.decoder
         x = dec.embed_tokens(tokens) + dec.positional_embedding[offset : offset + t]
+        norms = decoder_norms(dec)
+        h = norms[0](x)
         for i, block in enumerate(dec.layers):
-            x = x + block.self_attn(block.self_attn_norm(x), cache=cache.self_kv[i], causal=True)
+            a = block.self_attn(h, cache=cache.self_kv[i], causal=True)
+            x, h = add_norm(x, a, norms[3 * i + 1])
             with fixed_shape_attention():  # keys: always the encoder's 1500 frames
-                x = x + block.cross_attn(block.cross_attn_norm(x), static_kv=cache.cross_kv[i])
-            x = x + block.mlp(block.mlp_norm(x))
+                a = block.cross_attn(h, static_kv=cache.cross_kv[i])
+            x, h = add_norm(x, a, norms[3 * i + 2])
+            x, h = add_norm(x, block.mlp(h), norms[3 * i + 3])
         cache._length = offset + t
-        x = dec.final_norm(x)
-        return dec.embed_tokens.unembed(x).float()
+        return dec.embed_tokens.unembed(h).float()
 
     @torch.no_grad()
     def cross_attention(self, tokens: torch.Tensor, audio_features: torch.Tensor) -> torch.Tensor:

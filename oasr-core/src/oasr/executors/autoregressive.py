@@ -44,8 +44,7 @@ import torch
 
 from oasr.errors import InvalidRequestError
 from oasr.kv_cache import PagedKVCache, blocks_for
-from oasr.layers import install_kernel_providers, paged_decode_attention
-from oasr.layers.attention import grouped_attention
+from oasr.layers import install_kernel_providers, paged_decode_attention, paged_prefill_attention
 
 if TYPE_CHECKING:
     from oasr.scheduler import Request, SchedulerConfig
@@ -220,7 +219,6 @@ class AttentionContext:
         self.rows = rows  # cross-pool rows: an int n for rows [0, n), or indices (B,)
         #: embeddings given for some inputs: (flat indices into B*T, vectors (n, d)), or None
         self.embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mask: torch.Tensor | None = None
 
     def input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder inputs ``x`` (B, T, d) (token embeddings) with the given embeddings in
@@ -244,11 +242,8 @@ class AttentionContext:
                     v.reshape(b * t, cache.num_heads, cache.head_dim))  # fmt: skip
         if t == 1:
             return paged_decode_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
-        if self._mask is None:
-            keys = torch.arange(self.tables.shape[1] * cache.block_size, device=q.device)
-            self._mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # causal
-        kk, vv = cache.gather(layer, self.tables)
-        return grouped_attention(q, kk, vv, self._mask)
+        # the new tokens are each row's last t (a prefill: positions 0 .. t - 1, lengths t)
+        return paged_prefill_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
 
     def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This batch's rows of the cross-attention pools of ``layer``: K, V (B, frames, width)."""

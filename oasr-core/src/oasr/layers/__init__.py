@@ -143,3 +143,10 @@ from oasr.layers.attention import grouped_attention  # noqa: E402
 from oasr.layers.llm import RMSNorm, RotaryEmbedding, SiLUGatedMLP, apply_rotary  # noqa: E402
 
 __all__ += ["RMSNorm", "RotaryEmbedding", "SiLUGatedMLP", "apply_rotary", "grouped_attention"]
+
+# Fused ops (the kernels issue): several native ops in one call that a kernel provider can run
+# as one kernel; paged attention for a block of new tokens (prefill).
+from oasr.layers.attention import paged_prefill_attention  # noqa: E402
+from oasr.layers.fused import add_norm, bias_act, glu_depthwise_conv1d, log_mel_power  # noqa: E402
+
+__all__ += ["add_norm", "bias_act", "glu_depthwise_conv1d", "log_mel_power", "paged_prefill_attention"]

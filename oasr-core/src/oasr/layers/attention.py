@@ -189,6 +189,60 @@ def paged_decode_attention(
     )
 
 
+_PAGED_PREFILL_ATTENTION = declare_op("paged_prefill_attention")
+
+
+def _paged_prefill_attention_native(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    # Dense keys/values gathered from the rows' blocks and a causal mask by position.
+    b, _, t, _ = q.shape
+    nb = block_tables.shape[1]
+    bs, hkv, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+    flat = block_tables.reshape(-1)
+    k = k_pool.index_select(0, flat).view(b, nb * bs, hkv, d).transpose(1, 2)
+    v = v_pool.index_select(0, flat).view(b, nb * bs, hkv, v_pool.shape[-1]).transpose(1, 2)
+    keys = torch.arange(nb * bs, device=q.device)
+    positions = lengths.to(q.device)[:, None] - t + torch.arange(t, device=q.device)[None, :]
+    mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+    return grouped_attention(q, k, v, mask, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of a block of ``T`` new tokens per row over a paged KV cache (a
+    prefill, or several tokens at once), their keys/values already written to the pools.
+
+    ``q`` (B, H, T, D); pools, ``block_tables`` and ``lengths`` as for
+    :func:`paged_decode_attention`, ``lengths[b]`` counting the new tokens (``>= T``). Query
+    ``i`` of row ``b`` sits at position ``lengths[b] - T + i`` and sees keys ``0 ..`` that
+    position. Returns (B, H, T, D) in ``q``'s dtype. Overridable op
+    ``"paged_prefill_attention"``; the native code gathers the blocks and calls
+    :func:`grouped_attention` with a causal mask."""
+    return call_op(
+        _PAGED_PREFILL_ATTENTION,
+        q.device.type,
+        _paged_prefill_attention_native,
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        lengths,
+        scale,
+    )
+
+
 def attention_with_weights(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -35,6 +35,7 @@ from torch import nn
 from oasr.layers._dispatch import call_op, declare_op
 from oasr.layers.attention import attention
 from oasr.layers.basic import Conv1d, LayerNorm, Linear, Op
+from oasr.layers.fused import glu_depthwise_conv1d
 
 __all__ = [
     "BatchNorm1d",
@@ -346,8 +347,8 @@ class ConformerConvModule(nn.Module):
             else:
                 idx = lengths.to(x.device)[:, None] + torch.arange(self.lorder, device=x.device)[None, :]
                 new_cache = torch.gather(x, 2, idx[:, None, :].expand(-1, x.shape[1], -1))
-        x = glu(self.pointwise_conv1(x), dim=1)
-        x = self.depthwise_conv(x)
+        # GLU then the depthwise convolution: one op (one kernel with oasr-kernels on CUDA)
+        x = glu_depthwise_conv1d(self.pointwise_conv1(x), self.depthwise_conv)
         if self.use_layer_norm:
             x = self.norm(x.transpose(1, 2)).transpose(1, 2)
         else:

@@ -1,0 +1,85 @@
+// Shared by oasr-kernels' sources (prepended to each by the launcher: NVRTC compiles them with no
+// include path). fp16 and bf16 are plain 16-bit words converted with PTX (fp16) or bit shifts
+// (bf16), so no CUDA header is needed and nothing beyond SM75 is used. All arithmetic is fp32.
+
+#define OASR_FULL_MASK 0xffffffffu
+#define OASR_NEG_INF __int_as_float(0xff800000)
+
+namespace oasr {
+
+struct f16 {
+  unsigned short bits;
+};
+struct bf16 {
+  unsigned short bits;
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(f16 v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(bf16 v) {
+  return __uint_as_float(((unsigned int)v.bits) << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float f);
+
+template <>
+__device__ __forceinline__ float from_float<float>(float f) {
+  return f;
+}
+template <>
+__device__ __forceinline__ f16 from_float<f16>(float f) {
+  f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float f) {
+  unsigned int u = __float_as_uint(f);
+  bf16 r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = (unsigned short)0x7fc0u;  // NaN
+    return r;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  r.bits = (unsigned short)(u >> 16);
+  return r;
+}
+
+// The value a float takes once stored in T and read back (what torch's op in T computes
+// before its next op reads it).
+template <typename T>
+__device__ __forceinline__ float round_to(float f) {
+  return to_float(from_float<T>(f));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(OASR_FULL_MASK, v, off);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(OASR_FULL_MASK, v, off));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); `red` holds 32 floats of
+// shared memory. Every thread gets the total.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < warps; ++w) total += red[w];
+  return total;
+}
+
+}  // namespace oasr

@@ -1,0 +1,194 @@
+// Fused elementwise / normalisation / convolution kernels for oasr.layers' fused ops
+// (oasr-core/src/oasr/layers/fused.py holds each op's native reference). common.cuh is prepended.
+//
+// Every kernel reads and writes the dtype T (float, f16, bf16) and computes in fp32. Where the
+// native op rounds an intermediate to T (the residual sum, GLU's output, ...), the kernel rounds
+// it the same way, so the kernel differs from the native op only by fp32 summation order.
+//
+// Launch parameters that are not fixed here (threads per block, tiles) come from the launcher,
+// which reads them from the autotune cache (oasr.tune).
+
+namespace oasr {
+
+// ---------------------------------------------------------------- residual add + layer norm
+// One block per row of D elements: s = x + r (rounded to T, written to sum_out), then
+// layer_norm(s) * w + b (mode 0) or rms_norm(s) * w (mode 1) written to out. The row lives in
+// dynamic shared memory (D floats) between the passes; 32 more floats for the reductions.
+// r == nullptr: no residual (sum_out is not written).
+template <typename T, int MODE>
+__device__ __forceinline__ void add_norm(const T* __restrict__ x, const T* __restrict__ r,
+                                         const T* __restrict__ w, const T* __restrict__ b,
+                                         T* __restrict__ sum_out, T* __restrict__ out, int D,
+                                         float eps) {
+  extern __shared__ float oasr_fused_smem[];
+  float* row = oasr_fused_smem;
+  float* red = oasr_fused_smem + D;
+  const long long base = (long long)blockIdx.x * D;
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float s = to_float(x[base + i]);
+    if (r != nullptr) {
+      s = round_to<T>(s + to_float(r[base + i]));
+      sum_out[base + i] = from_float<T>(s);
+    }
+    row[i] = s;
+    acc += (MODE == 0) ? s : s * s;
+  }
+  const float total = block_sum(acc, red);
+  float mean = 0.f, rstd;
+  if (MODE == 0) {
+    mean = total / D;
+    float var = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float c = row[i] - mean;
+      var += c * c;
+    }
+    var = block_sum(var, red);
+    rstd = rsqrtf(var / D + eps);
+  } else {
+    rstd = rsqrtf(total / D + eps);
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float y;
+    if (MODE == 0) {
+      y = (row[i] - mean) * rstd * to_float(w[i]) + to_float(b[i]);
+    } else {
+      // the native op normalises in fp32, casts to T, then scales by the weight in T
+      y = to_float(w[i]) * round_to<T>(row[i] * rstd);
+    }
+    out[base + i] = from_float<T>(y);
+  }
+}
+
+// ---------------------------------------------------------------- bias + activation
+// out[i] = act(x[i] + bias[i % D]) over N * D contiguous elements, grid-stride.
+// ACT 0: exact (erf) GELU, 1: SiLU / Swish.
+template <typename T, int ACT>
+__device__ __forceinline__ void bias_act(const T* __restrict__ x, const T* __restrict__ bias,
+                                         T* __restrict__ out, long long n, int D) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float s = to_float(x[i]);
+    if (bias != nullptr) s = round_to<T>(s + to_float(bias[i % D]));
+    float y;
+    if (ACT == 0) {
+      y = 0.5f * s * (1.f + erff(s * 0.70710678118654752f));
+    } else {
+      y = s / (1.f + expf(-s));
+    }
+    out[i] = from_float<T>(y);
+  }
+}
+
+// ---------------------------------------------------------------- GLU + depthwise conv1d
+// x (B, 2C, Tin) contiguous; g = x[:, :C] * sigmoid(x[:, C:]) (rounded to T, as F.glu's output);
+// out[b, c, t] = bias[c] + sum_k w[c, k] * g[b, c, t + k - P] (zero outside [0, Tin)),
+// t < Tout = Tin + 2P - K + 1. Grid (ceil(Tout / blockDim.x), C, B); one output per thread; the
+// block's blockDim.x + K - 1 GLU inputs are computed once into shared memory.
+template <typename T>
+__device__ __forceinline__ void glu_dwconv(const T* __restrict__ x, const T* __restrict__ w,
+                                           const T* __restrict__ bias, T* __restrict__ out, int C,
+                                           int Tin, int Tout, int K, int P) {
+  extern __shared__ float oasr_fused_smem[];
+  float* g = oasr_fused_smem;  // blockDim.x + K - 1
+  const int c = blockIdx.y;
+  const long long b = blockIdx.z;
+  const int t0 = blockIdx.x * blockDim.x;
+  const T* xa = x + (b * 2 * C + c) * (long long)Tin;
+  const T* xg = xa + (long long)C * Tin;
+  const int span = blockDim.x + K - 1;
+  for (int i = threadIdx.x; i < span; i += blockDim.x) {
+    const int p = t0 - P + i;
+    float v = 0.f;
+    if (p >= 0 && p < Tin) {
+      const float gate = to_float(xg[p]);
+      v = round_to<T>(to_float(xa[p]) * (1.f / (1.f + expf(-gate))));
+    }
+    g[i] = v;
+  }
+  __syncthreads();
+  const int t = t0 + threadIdx.x;
+  if (t >= Tout) return;
+  float acc = 0.f;
+  const T* wc = w + (long long)c * K;
+  for (int k = 0; k < K; ++k) acc = fmaf(to_float(wc[k]), g[threadIdx.x + k], acc);
+  if (bias != nullptr) acc += to_float(bias[c]);
+  out[(b * C + c) * (long long)Tout + t] = from_float<T>(acc);
+}
+
+// ---------------------------------------------------------------- log-mel from an STFT
+// spec: the STFT as floats (re, im) with strides sb, sf, st (in floats; re at +0, im at +1);
+// out (B, M, frames) float: log10(max(sum_f filt[m, f] * |spec[b, f, t]|^2, 1e-10)).
+// The mel filters are sparse: filter m is non-zero only on bins [lo[m], hi[m]). Grid
+// (ceil(frames / TT), B); the tile's power spectrum (F x TT floats) is computed once into
+// shared memory, then each thread writes outputs with t fastest (coalesced stores).
+__device__ __forceinline__ void log_mel(const float* __restrict__ spec, long long sb, long long sf,
+                                        long long st, const float* __restrict__ filt,
+                                        const int* __restrict__ lo, const int* __restrict__ hi,
+                                        float* __restrict__ out, int F, int M, int frames,
+                                        int TT) {
+  extern __shared__ float oasr_fused_smem[];
+  float* power = oasr_fused_smem;  // F * TT
+  const long long b = blockIdx.y;
+  const int t0 = blockIdx.x * TT;
+  for (int i = threadIdx.x; i < F * TT; i += blockDim.x) {
+    const int f = i / TT, tt = i % TT;
+    const int t = t0 + tt;
+    float p = 0.f;
+    if (t < frames) {
+      const float* z = spec + b * sb + f * sf + t * st;
+      p = z[0] * z[0] + z[1] * z[1];
+    }
+    power[i] = p;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < M * TT; i += blockDim.x) {
+    const int m = i / TT, tt = i % TT;
+    const int t = t0 + tt;
+    if (t >= frames) continue;
+    float acc = 0.f;
+    const float* fm = filt + (long long)m * F;
+    for (int f = lo[m]; f < hi[m]; ++f) acc = fmaf(fm[f], power[f * TT + tt], acc);
+    out[(b * M + m) * (long long)frames + t] = log10f(fmaxf(acc, 1e-10f));
+  }
+}
+
+}  // namespace oasr
+
+#define OASR_ADD_NORM(NAME, T, MODE)                                                         \
+  extern "C" __global__ void NAME(const T* x, const T* r, const T* w, const T* b, T* sum_out, \
+                                  T* out, int D, float eps) {                                \
+    oasr::add_norm<T, MODE>(x, r, w, b, sum_out, out, D, eps);                               \
+  }
+#define OASR_BIAS_ACT(NAME, T, ACT)                                                          \
+  extern "C" __global__ void NAME(const T* x, const T* bias, T* out, long long n, int D) {   \
+    oasr::bias_act<T, ACT>(x, bias, out, n, D);                                               \
+  }
+#define OASR_GLU_DWCONV(NAME, T)                                                             \
+  extern "C" __global__ void NAME(const T* x, const T* w, const T* bias, T* out, int C,      \
+                                  int Tin, int Tout, int K, int P) {                         \
+    oasr::glu_dwconv<T>(x, w, bias, out, C, Tin, Tout, K, P);                                \
+  }
+
+OASR_ADD_NORM(oasr_add_layer_norm_f32, float, 0)
+OASR_ADD_NORM(oasr_add_layer_norm_f16, oasr::f16, 0)
+OASR_ADD_NORM(oasr_add_layer_norm_bf16, oasr::bf16, 0)
+OASR_ADD_NORM(oasr_add_rms_norm_f32, float, 1)
+OASR_ADD_NORM(oasr_add_rms_norm_f16, oasr::f16, 1)
+OASR_ADD_NORM(oasr_add_rms_norm_bf16, oasr::bf16, 1)
+OASR_BIAS_ACT(oasr_bias_gelu_f32, float, 0)
+OASR_BIAS_ACT(oasr_bias_gelu_f16, oasr::f16, 0)
+OASR_BIAS_ACT(oasr_bias_gelu_bf16, oasr::bf16, 0)
+OASR_BIAS_ACT(oasr_bias_silu_f32, float, 1)
+OASR_BIAS_ACT(oasr_bias_silu_f16, oasr::f16, 1)
+OASR_BIAS_ACT(oasr_bias_silu_bf16, oasr::bf16, 1)
+OASR_GLU_DWCONV(oasr_glu_dwconv_f32, float)
+OASR_GLU_DWCONV(oasr_glu_dwconv_f16, oasr::f16)
+OASR_GLU_DWCONV(oasr_glu_dwconv_bf16, oasr::bf16)
+
+extern "C" __global__ void oasr_log_mel_f32(const float* spec, long long sb, long long sf,
+                                            long long st, const float* filt, const int* lo,
+                                            const int* hi, float* out, int F, int M, int frames,
+                                            int TT) {
+  oasr::log_mel(spec, sb, sf, st, filt, lo, hi, out, F, M, frames, TT);
+}

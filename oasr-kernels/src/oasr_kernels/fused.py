@@ -1,0 +1,328 @@
+"""CUDA overrides of the fused ``oasr.layers`` ops (``csrc/fused_ops.cu``) and of ``rms_norm``.
+
+Each ``*_cuda`` function is registered as the override of its op on "cuda" by
+:func:`oasr_kernels.provider.install`; it returns ``NotImplemented`` (the native op runs) for
+inputs it does not take: a dtype other than fp32/fp16/bf16, non-contiguous tensors, shapes
+outside the table in ``docs/kernels.md``, or no working compiler (:mod:`oasr_kernels.jit`).
+
+Launch parameters (threads per block, tiles) are read per shape from the autotune cache
+(:func:`oasr.tune.tuned_params`), with the defaults below when it has none. :data:`TUNABLES`
+describes each op's candidates for :func:`oasr.tune.autotune`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from oasr.tune import Tunable, tuned_params
+from oasr_kernels.jit import DTYPE_TAGS, KernelModule
+
+__all__ = [
+    "TUNABLES", "add_norm_cuda", "bias_act_cuda", "glu_depthwise_conv1d_cuda",
+    "log_mel_power_cuda", "rms_norm_cuda",
+]  # fmt: skip
+
+MODULE = KernelModule("fused_ops.cu")
+_SMEM_LIMIT = 48 * 1024  # the default dynamic shared memory limit (no opt-in attribute)
+MAX_NORM_DIM = _SMEM_LIMIT // 4 - 64  # the row lives in shared memory as fp32
+MAX_DWCONV_KERNEL = 1024
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+# ------------------------------------------------------------------ residual add + norm
+def norm_key(mode: str, dtype: torch.dtype, d: int) -> str:
+    return f"{mode}:{DTYPE_TAGS[dtype]}:d{d}"
+
+
+def _norm_default(d: int) -> dict[str, int]:
+    return {"threads": 128 if d <= 512 else 256}
+
+
+def launch_add_norm(mode: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    bias: torch.Tensor | None, eps: float,
+                    params: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """(sum, normalised) from the kernel, or None when it cannot run. ``mode`` "layer" or "rms"."""
+    d = x.shape[-1]
+    rows = x.numel() // d if d else 0
+    if params is None:
+        params = tuned_params("add_norm", norm_key(mode, x.dtype, d), x.device, _norm_default(d))
+    out = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else x
+    if rows == 0:
+        return s, out
+    threads = int(params["threads"])
+    args = (_ptr(x), _ptr(residual), _ptr(weight), _ptr(bias), _ptr(s if residual is not None else None),
+            _ptr(out), np.int32(d), np.float32(eps))  # fmt: skip
+    name = f"oasr_add_{mode}_norm_{DTYPE_TAGS[x.dtype]}"
+    if not MODULE.launch(name, (rows,), (threads,), args, x.device, shared_mem=4 * (d + 32)):
+        return None
+    return s, out
+
+
+def _norm_inputs_ok(x: torch.Tensor, residual: torch.Tensor | None, params: list[torch.Tensor]) -> bool:
+    if not x.is_cuda or x.dtype not in DTYPE_TAGS or not x.is_contiguous() or x.dim() < 1:
+        return False
+    d = x.shape[-1]
+    if not 1 <= d <= MAX_NORM_DIM or x.numel() // d > 2**31 - 1:
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous() or residual.device != x.device):  # fmt: skip
+        return False
+    return all(p.shape == (d,) and p.dtype == x.dtype and p.is_contiguous() and p.device == x.device
+               for p in params)  # fmt: skip
+
+
+def add_norm_cuda(x: torch.Tensor, residual: torch.Tensor | None, norm: Any) -> Any:
+    """Override of ``add_norm`` for :class:`oasr.layers.LayerNorm` and :class:`oasr.layers.RMSNorm`."""
+    from oasr.layers.basic import LayerNorm
+    from oasr.layers.llm import RMSNorm
+
+    kind = type(norm)
+    if kind is LayerNorm:
+        params, mode, bias = [norm.weight, norm.bias], "layer", norm.bias
+    elif kind is RMSNorm:
+        params, mode, bias = [norm.weight], "rms", None
+    else:
+        return NotImplemented
+    if not _norm_inputs_ok(x, residual, params):
+        return NotImplemented
+    result = launch_add_norm(mode, x, residual, norm.weight, bias, float(norm.eps))
+    return NotImplemented if result is None else result
+
+
+def rms_norm_cuda(module: Any, x: torch.Tensor) -> Any:
+    """Override of the ``rms_norm`` module op (no residual): one kernel instead of four."""
+    if not _norm_inputs_ok(x, None, [module.weight]):
+        return NotImplemented
+    result = launch_add_norm("rms", x, None, module.weight, None, float(module.eps))
+    return NotImplemented if result is None else result[1]
+
+
+# ------------------------------------------------------------------ bias + activation
+def act_key(act: str, dtype: torch.dtype) -> str:
+    return f"{'gelu' if act == 'gelu' else 'silu'}:{DTYPE_TAGS[dtype]}"
+
+
+_ACT_DEFAULT = {"threads": 256, "blocks_per_sm": 16}
+
+
+def launch_bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str,
+                    params: dict[str, int] | None = None) -> torch.Tensor | None:  # fmt: skip
+    if params is None:
+        params = tuned_params("bias_act", act_key(act, x.dtype), x.device, _ACT_DEFAULT)
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n == 0:
+        return out
+    d = x.shape[-1]
+    threads = int(params["threads"])
+    grid = max(1, min(-(-n // threads), _sms(x.device) * int(params["blocks_per_sm"])))
+    name = f"oasr_bias_{'gelu' if act == 'gelu' else 'silu'}_{DTYPE_TAGS[x.dtype]}"
+    args = (_ptr(x), _ptr(bias), _ptr(out), np.int64(n), np.int32(d))
+    if not MODULE.launch(name, (grid,), (threads,), args, x.device):
+        return None
+    return out
+
+
+def bias_act_cuda(x: torch.Tensor, bias: torch.Tensor | None, act: str) -> Any:
+    """Override of ``bias_act``."""
+    if not x.is_cuda or x.dtype not in DTYPE_TAGS or not x.is_contiguous() or x.dim() < 1:
+        return NotImplemented
+    if bias is not None and (bias.shape != (x.shape[-1],) or bias.dtype != x.dtype
+                             or not bias.is_contiguous() or bias.device != x.device):  # fmt: skip
+        return NotImplemented
+    out = launch_bias_act(x, bias, act)
+    return NotImplemented if out is None else out
+
+
+# ------------------------------------------------------------------ GLU + depthwise conv1d
+def dwconv_key(dtype: torch.dtype, k: int) -> str:
+    return f"{DTYPE_TAGS[dtype]}:k{k}"
+
+
+_DWCONV_DEFAULT = {"threads": 128}
+
+
+def launch_glu_dwconv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: int,
+                      params: dict[str, int] | None = None) -> torch.Tensor | None:  # fmt: skip
+    b, c2, t_in = x.shape
+    c, k = weight.shape[0], weight.shape[-1]
+    t_out = t_in + 2 * padding - k + 1
+    if params is None:
+        params = tuned_params("glu_depthwise_conv1d", dwconv_key(x.dtype, k), x.device, _DWCONV_DEFAULT)
+    out = torch.empty((b, c, max(t_out, 0)), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    threads = int(params["threads"])
+    grid = (-(-t_out // threads), c, b)
+    args = (_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), np.int32(c), np.int32(t_in), np.int32(t_out),
+            np.int32(k), np.int32(padding))  # fmt: skip
+    smem = 4 * (threads + k - 1)
+    if not MODULE.launch(f"oasr_glu_dwconv_{DTYPE_TAGS[x.dtype]}", grid, (threads,), args, x.device,
+                         shared_mem=smem):  # fmt: skip
+        return None
+    return out
+
+
+def glu_depthwise_conv1d_cuda(x: torch.Tensor, conv: Any) -> Any:
+    """Override of ``glu_depthwise_conv1d`` for :class:`oasr.layers.DepthwiseConv1d`."""
+    from oasr.layers.conformer import DepthwiseConv1d
+
+    if type(conv) is not DepthwiseConv1d:
+        return NotImplemented
+    if not x.is_cuda or x.dtype not in DTYPE_TAGS or x.dim() != 3 or not x.is_contiguous():
+        return NotImplemented
+    w, bias = conv.weight, conv.bias
+    c = conv.channels
+    if x.shape[1] != 2 * c or w.dtype != x.dtype or w.shape != (c, 1, conv.kernel_size) or not w.is_contiguous():
+        return NotImplemented
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        return NotImplemented
+    if conv.kernel_size > MAX_DWCONV_KERNEL or x.shape[0] > 65535 or c > 65535:
+        return NotImplemented
+    out = launch_glu_dwconv(x, w, bias, int(conv.padding))
+    return NotImplemented if out is None else out
+
+
+# ------------------------------------------------------------------ log-mel from an STFT
+def mel_key(m: int, f: int) -> str:
+    return f"m{m}:f{f}"
+
+
+_MEL_DEFAULT = {"frames_per_block": 32, "threads": 256}
+
+
+def filter_spans(filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per mel filter, the first and one-past-last bins with a non-zero weight (int32, on the
+    filters' device; a few small kernels, no host synchronisation)."""
+    nz = filters != 0
+    idx = torch.arange(filters.shape[1], device=filters.device)
+    hi = torch.where(nz, idx + 1, 0).amax(dim=1)
+    lo = torch.minimum(torch.where(nz, idx, filters.shape[1]).amin(dim=1), hi)
+    return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def launch_log_mel(stft: torch.Tensor, filters: torch.Tensor, frames: int,
+                   params: dict[str, int] | None = None) -> torch.Tensor | None:  # fmt: skip
+    m, f = filters.shape
+    lead = stft.shape[:-2]
+    spec = torch.view_as_real(stft.reshape(-1, *stft.shape[-2:]) if stft.dim() != 3 else stft)
+    b = spec.shape[0]
+    if params is None:
+        params = tuned_params("log_mel_power", mel_key(m, f), stft.device, _MEL_DEFAULT)
+    out = torch.empty((b, m, frames), dtype=torch.float32, device=stft.device)
+    if out.numel() == 0:
+        return out.reshape(*lead, m, frames)
+    tt, threads = int(params["frames_per_block"]), int(params["threads"])
+    lo, hi = filter_spans(filters)
+    sb, sf, st, _ = spec.stride()
+    args = (_ptr(spec), np.int64(sb), np.int64(sf), np.int64(st), _ptr(filters), _ptr(lo), _ptr(hi),
+            _ptr(out), np.int32(f), np.int32(m), np.int32(frames), np.int32(tt))  # fmt: skip
+    grid = (-(-frames // tt), b)
+    if not MODULE.launch("oasr_log_mel_f32", grid, (threads,), args, stft.device, shared_mem=4 * f * tt):
+        return None
+    return out.reshape(*lead, m, frames)
+
+
+def log_mel_power_cuda(stft: torch.Tensor, filters: torch.Tensor, frames: int) -> Any:
+    """Override of ``log_mel_power`` (complex64 STFT, float32 filters)."""
+    if not stft.is_cuda or stft.dtype != torch.complex64 or stft.dim() < 2:
+        return NotImplemented
+    if filters.dtype != torch.float32 or filters.dim() != 2 or not filters.is_contiguous():
+        return NotImplemented
+    if filters.device != stft.device or filters.shape[1] != stft.shape[-2]:
+        return NotImplemented
+    if not 0 <= frames <= stft.shape[-1] or 4 * filters.shape[1] * 16 > _SMEM_LIMIT:
+        return NotImplemented
+    if stft.dim() != 3 and not stft.is_contiguous():
+        return NotImplemented
+    out = launch_log_mel(stft, filters, frames)
+    return NotImplemented if out is None else out
+
+
+# ------------------------------------------------------------------ autotuning
+def _norm_tunable(mode: str) -> Tunable:
+    def make(shape: dict, dtype: torch.dtype, device: torch.device):
+        rows, d = int(shape["rows"]), int(shape["dim"])
+        x = torch.randn(rows, d, device=device, dtype=dtype)
+        r = torch.randn_like(x)
+        w, b = torch.randn(d, device=device, dtype=dtype), torch.randn(d, device=device, dtype=dtype)
+        return lambda p: launch_add_norm(mode, x, r, w, b if mode == "layer" else None, 1e-5, p)
+
+    return Tunable(
+        op="add_norm",
+        key=lambda shape, dtype: norm_key(mode, dtype, int(shape["dim"])),
+        candidates=lambda shape: [{"threads": t} for t in (64, 128, 256, 512, 1024)],
+        make=make,
+        default=lambda shape: _norm_default(int(shape["dim"])),
+        shapes=[{"rows": 96000, "dim": 1280}, {"rows": 64, "dim": 1280}, {"rows": 24000, "dim": 512},
+                {"rows": 24000, "dim": 256}],  # fmt: skip
+        variant=mode,
+    )
+
+
+def _act_tunable() -> Tunable:
+    def make(shape: dict, dtype: torch.dtype, device: torch.device):
+        x = torch.randn(int(shape["rows"]), int(shape["dim"]), device=device, dtype=dtype)
+        b = torch.randn(int(shape["dim"]), device=device, dtype=dtype)
+        return lambda p: launch_bias_act(x, b, shape.get("act", "gelu"), p)
+
+    return Tunable(
+        op="bias_act",
+        key=lambda shape, dtype: act_key(shape.get("act", "gelu"), dtype),
+        candidates=lambda shape: [{"threads": t, "blocks_per_sm": k} for t in (128, 256, 512) for k in (4, 8, 16, 32)],
+        make=make,
+        default=lambda shape: dict(_ACT_DEFAULT),
+        shapes=[{"rows": 96000, "dim": 5120, "act": "gelu"}, {"rows": 24000, "dim": 2048, "act": "silu"}],
+    )
+
+
+def _dwconv_tunable() -> Tunable:
+    def make(shape: dict, dtype: torch.dtype, device: torch.device):
+        b, c, t, k = (int(shape[n]) for n in ("batch", "channels", "frames", "kernel"))
+        x = torch.randn(b, 2 * c, t, device=device, dtype=dtype)
+        w = torch.randn(c, 1, k, device=device, dtype=dtype)
+        bias = torch.randn(c, device=device, dtype=dtype)
+        return lambda p: launch_glu_dwconv(x, w, bias, (k - 1) // 2, p)
+
+    return Tunable(
+        op="glu_depthwise_conv1d",
+        key=lambda shape, dtype: dwconv_key(dtype, int(shape["kernel"])),
+        candidates=lambda shape: [{"threads": t} for t in (32, 64, 128, 256, 512)],
+        make=make,
+        default=lambda shape: dict(_DWCONV_DEFAULT),
+        shapes=[{"batch": 64, "channels": 256, "frames": 375, "kernel": 15},
+                {"batch": 64, "channels": 512, "frames": 375, "kernel": 31},
+                {"batch": 64, "channels": 1024, "frames": 375, "kernel": 9}],  # fmt: skip
+    )
+
+
+def _mel_tunable() -> Tunable:
+    def make(shape: dict, dtype: torch.dtype, device: torch.device):
+        b, m, frames = int(shape["batch"]), int(shape["mels"]), int(shape["frames"])
+        stft = torch.randn(b, 201, frames + 1, dtype=torch.complex64, device=device)
+        filt = torch.rand(m, 201, device=device)
+        return lambda p: launch_log_mel(stft, filt, frames, p)
+
+    return Tunable(
+        op="log_mel_power",
+        key=lambda shape, dtype: mel_key(int(shape["mels"]), 201),
+        candidates=lambda shape: [{"frames_per_block": tt, "threads": t} for tt in (16, 32) for t in (128, 256, 512)],
+        make=make,
+        default=lambda shape: dict(_MEL_DEFAULT),
+        shapes=[{"batch": 64, "mels": 128, "frames": 3000}, {"batch": 64, "mels": 80, "frames": 3000}],
+        dtypes=(torch.float32,),
+    )
+
+
+TUNABLES = [_norm_tunable("layer"), _norm_tunable("rms"), _act_tunable(), _dwconv_tunable(), _mel_tunable()]

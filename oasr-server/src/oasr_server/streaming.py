@@ -18,7 +18,9 @@ How a turn becomes text is the stream's *turn recogniser*, chosen by the engine'
   ``partial_interval_ms`` of new audio (one interim job per stream at a time; greedy decoding
   without temperature fallback; best effort: a full queue or a failure just skips it). Each
   hypothesis is compared with the previous one and the words both agree on (a common word
-  prefix: "local agreement") are the *stable* text.
+  prefix: "local agreement") are the *stable* text. A model that streams its tokens (the
+  speech-LLM) also makes the committed turn's text stable piece by piece while its final
+  transcription decodes.
 * :class:`EngineStreaming` (streaming engines, e.g. WeNet): each turn is one engine streaming
   request (:class:`~oasr_server.stream_worker.StreamingEngineLoop`), fed as the audio arrives;
   the model's partial hypothesis after each of its chunks is the stable text, its final result
@@ -624,7 +626,28 @@ class Retranscribe:
 
     def final(self, item: _Item, start: int, end: int) -> Awaitable[Transcript]:
         self.discard(item)
-        return self._transcribe(self.stream._slice(start, end), self.stream.options)
+        return self._final(item, self.stream._slice(start, end), self.stream.options)
+
+    async def _final(self, item: _Item, audio: np.ndarray, options: DecodingOptions) -> Transcript:
+        """The committed turn's transcription. A model that streams its tokens (the engine's
+        token-streaming partials: Qwen2-Audio) sends each decoded piece on as an interim
+        hypothesis of the turn while it decodes, so it reaches the client as a delta (realtime)
+        or an interim result (gRPC) through the same path as re-transcription interims; other
+        models send nothing until the transcript."""
+        state = self.stream.state
+        _, worker = state.require_ready()
+        deadline = time.monotonic() + state.config.request_timeout
+        pieces = state.transcribe_pieces(worker, audio, options, deadline)
+        text = ""
+        try:
+            async for piece in pieces:
+                if not isinstance(piece, str):
+                    return piece
+                text += piece
+                self.stream._interim(item, text, text)
+        finally:
+            await pieces.aclose()
+        raise AssertionError("transcribe_pieces ended without a transcript")  # pragma: no cover
 
     def discard(self, item: _Item) -> None:
         if item.partial_task is not None:

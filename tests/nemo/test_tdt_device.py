@@ -112,8 +112,8 @@ def test_status_reads_and_buffer_growth(hf_checkpoints, waves, few_steps_per_che
 
 @pytest.mark.parametrize("kind,max_symbols,penalty", [("rnnt", 10, 0.0), ("rnnt", 2, 1.5),
                                                       ("nemotron", 2, 0.0)])
-def test_rnnt_label_looping_equals_frame_loop(hf_checkpoints, waves, kind, max_symbols,
-                                              penalty) -> None:
+def test_rnnt_label_looping_equals_frame_loop(hf_checkpoints, waves, monkeypatch, kind,
+                                              max_symbols, penalty) -> None:
     """RNN-T greedy with ``max_symbols_per_frame > 1`` and ``sync_free``: the device loop gives
     the frame loop's tokens, frames, log-probabilities and scores, whole and in chunks (a
     stream's search resumed chunk by chunk, as Nemotron's streaming does)."""
@@ -135,7 +135,18 @@ def test_rnnt_label_looping_equals_frame_loop(hf_checkpoints, waves, kind, max_s
 
     loop = search(False)
     assert sum(len(h.tokens) for h in loop) > 10
-    for got in (search(True), search(True, chunk=5)):
+    assert max(lens) >= TransducerGreedySearch.label_looping_min_frames
+    device_calls = []
+    step = TransducerGreedySearch._step_label_looping
+    monkeypatch.setattr(TransducerGreedySearch, "_step_label_looping",
+                        lambda self, *a: (device_calls.append(1), step(self, *a)))
+    # chunks of 33 frames: the first on the device loop, the rest (< 32 frames) on the frame
+    # loop, the state handed over between them
+    runs = [search(True), search(True, chunk=33)]
+    monkeypatch.setattr(TransducerGreedySearch, "label_looping_min_frames", 1)
+    runs.append(search(True, chunk=5))  # every chunk on the device loop
+    assert len(device_calls) == 2 + (max(lens) + 4) // 5
+    for got in runs:
         for a, b in zip(loop, got, strict=True):
             assert (a.tokens, a.times) == (b.tokens, b.times)
             assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)

@@ -131,8 +131,8 @@ def run_once(
                                engine_factory=factory)  # fmt: skip
     serve.run(app, name=rs.APP_NAME, route_prefix="/", blocking=False)
     try:
-        if not rs._wait_running(rs.APP_NAME, 1800):
-            raise SystemExit(f"deploy failed: {rs._app_message(rs.APP_NAME)}")
+        if not rs.wait_running(rs.APP_NAME, 1800):
+            raise SystemExit(f"deploy failed: {rs.app_message(rs.APP_NAME)}")
         with ThreadPoolExecutor(max(replicas, 1)) as pool:  # warm-up: each replica at least once
             list(pool.map(lambda b: _post(base, b, args.tokens), bodies[: 2 * replicas]))
         t0 = time.perf_counter()

@@ -189,14 +189,13 @@ def _configs(ckpt: str) -> tuple[Any, Any]:
     return server, engine
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint: str) -> dict[str, str]:
+def _reference(ckpt: str) -> dict[str, str]:
     """Each clip's transcript from a plain oasr-server app (in-process, over ASGI)."""
     import httpx
 
     from oasr_server.app import create_app
 
-    server, engine = _configs(checkpoint)
+    server, engine = _configs(ckpt)
     app = create_app(server, engine_config=engine)
 
     async def go() -> dict[str, str]:
@@ -216,7 +215,8 @@ def reference(checkpoint: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(checkpoint: str, reference: dict[str, str]) -> Any:
+def deployment(checkpoint: str) -> Any:
+    """(base URL, reference transcripts): the reference is computed while the replicas load."""
     import ray
 
     from oasr_server import ray_serve as rs
@@ -227,14 +227,26 @@ def cluster(checkpoint: str, reference: dict[str, str]) -> Any:
     try:
         server, engine = _configs(checkpoint)
         layout = rs.deploy(server, engine, rs.RayOptions(replicas=2, cpus_per_replica=0.5),
-                           host="127.0.0.1", port=port)  # fmt: skip
+                           host="127.0.0.1", port=port, grpc_bind="127.0.0.1:0",
+                           wait=False)  # fmt: skip
         assert layout.num_replicas == 2 and layout.device == "cpu"
-        assert rs._wait_running(rs.APP_NAME, 240), rs._app_message(rs.APP_NAME)
+        reference = _reference(checkpoint)
+        assert rs.wait_running(rs.APP_NAME, 240), rs.app_message(rs.APP_NAME)
         base = f"http://127.0.0.1:{port}"
         _wait_replicas(base, 2, 30)
-        yield base
+        yield base, reference
     finally:
         ray.shutdown()  # the local cluster, Serve with it
+
+
+@pytest.fixture
+def cluster(deployment: tuple[str, dict]) -> str:
+    return deployment[0]
+
+
+@pytest.fixture
+def reference(deployment: tuple[str, dict]) -> dict[str, str]:
+    return deployment[1]
 
 
 def _models(base: str) -> dict[str, Any]:
@@ -316,6 +328,46 @@ def test_realtime_websocket_through_the_proxy(cluster: str, reference: dict) -> 
 
 
 @pytest.mark.slow
+def test_grpc_on_each_replica_port(cluster: str, reference: dict) -> None:
+    """gRPC goes to a replica's own port (listed in /v1/models): a call, and a stream, stays
+    on that replica."""
+    import grpc
+
+    from oasr_server.grpc_api import speech_pb2, speech_pb2_grpc
+
+    replicas = _wait_replicas(cluster, 2, 30)
+    addresses = {r["grpc"] for r in replicas}
+    assert len(addresses) == 2 and None not in addresses
+    audio = (SPEECH / CLIPS[1]).read_bytes()
+    for address in sorted(addresses):
+        with grpc.insecure_channel(address) as channel:
+            answer = speech_pb2_grpc.SpeechStub(channel).Recognize(
+                speech_pb2.RecognizeRequest(audio=audio), timeout=60
+            )
+        assert answer.text == reference[CLIPS[1]]
+
+
+def _busy_replica(base: str, replicas: list[dict], timeout: float) -> dict:
+    """The first of ``replicas`` whose last report shows requests in its engine or queue."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        busy: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name in ("oasr_engine_in_flight", "oasr_queue_depth"):
+                for s in family.samples:
+                    busy[s.labels["replica"]] = busy.get(s.labels["replica"], 0) + s.value
+        for r in replicas:
+            if busy.get(r["replica"], 0) >= 1:
+                return r
+        time.sleep(0.2)
+    raise AssertionError("no replica reported work in flight")
+
+
+@pytest.mark.slow
 def test_replica_killed_mid_load_is_replaced_and_no_request_is_lost(
     cluster: str, reference: dict
 ) -> None:
@@ -323,7 +375,6 @@ def test_replica_killed_mid_load_is_replaced_and_no_request_is_lost(
     import ray
 
     before = _wait_replicas(cluster, 2, 30)
-    victim = before[0]
     sent = 12
     results: list[Any] = [None] * sent
 
@@ -338,7 +389,7 @@ def test_replica_killed_mid_load_is_replaced_and_no_request_is_lost(
     threads = [threading.Thread(target=one, args=(i,)) for i in range(sent)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # the proxy has spread them over both replicas; the engines are busy
+    victim = _busy_replica(cluster, before, 60)  # holds requests in its engine or queue now
     ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
     for t in threads:
         t.join(180)

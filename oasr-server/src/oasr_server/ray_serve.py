@@ -382,6 +382,9 @@ class OASRServer:
     async def _report(self) -> dict[str, Any]:
         state = self.state
         grpc = getattr(state.grpc_server, "oasr_port", None) if state is not None else None
+        host = (self.server_config.grpc_bind or "").rpartition(":")[0].strip("[]")
+        if host in ("", "0.0.0.0", "::"):  # all interfaces: the node's address
+            host = self.node
         own = await self._own_models()
         model = json.loads(bytes(own.body))["data"][0]
         return {
@@ -390,7 +393,7 @@ class OASRServer:
             "node": self.node,
             "actor": self.actor,
             "device": str(getattr(self.engine_config, "device", "cpu")),
-            "grpc": f"{self.node}:{grpc}" if grpc else None,
+            "grpc": f"{host}:{grpc}" if grpc else None,
             "model": model,
             "metrics": state.metrics.render().decode() if state is not None else "",
         }
@@ -643,9 +646,11 @@ def deploy(
     host: str = "127.0.0.1",
     port: int = 8000,
     grpc_bind: str | None = None,
+    wait: bool = True,
 ) -> Layout:
     """Start Serve's proxy on ``host:port`` and run the application; returns once every replica
-    is running (its model loaded), or raises when the deployment failed."""
+    is running (its model loaded), or raises when the deployment failed. ``wait=False``: returns
+    once the deployment is submitted (:func:`wait_running` then)."""
     from ray import serve
 
     layout = plan_layout(
@@ -657,7 +662,13 @@ def deploy(
     )
     serve.start(http_options={"host": host, "port": port}, proxy_location="EveryNode")
     app = build_application(server_config, engine_config, options, layout, grpc_bind=grpc_bind)
-    serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
+    if wait:
+        serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
+    else:
+        from ray.serve.api import RunTarget, run_many
+
+        target = RunTarget(target=app, name=options.app_name, route_prefix="/")
+        run_many([target], wait_for_applications_running=False)
     return layout
 
 
@@ -747,9 +758,9 @@ def serve_on_ray(
     try:
         layout = deploy(server_config, engine_config, options, host=host, port=port,
                         grpc_bind=grpc_bind)  # fmt: skip
-        if not _wait_running(options.app_name, server_config.request_timeout + 600):
+        if not wait_running(options.app_name, server_config.request_timeout + 600):
             log(f"error: the {options.app_name!r} application did not start: "
-                f"{_app_message(options.app_name)}")  # fmt: skip
+                f"{app_message(options.app_name)}")  # fmt: skip
             return 1
         scale = (
             f"autoscaling {layout.autoscaling['min_replicas']}-{layout.autoscaling['max_replicas']}"
@@ -777,7 +788,9 @@ def serve_on_ray(
             serve.shutdown()
 
 
-def _wait_running(app_name: str, timeout: float) -> bool:
+def wait_running(app_name: str, timeout: float) -> bool:
+    """Whether the application reached RUNNING within ``timeout`` seconds (False: it failed or
+    is still deploying; :func:`app_message` says why)."""
     from ray import serve
 
     deadline = time.monotonic() + timeout
@@ -792,7 +805,7 @@ def _wait_running(app_name: str, timeout: float) -> bool:
     return False
 
 
-def _app_message(app_name: str) -> str:
+def app_message(app_name: str) -> str:
     from ray import serve
 
     status = serve.status().applications.get(app_name)

@@ -488,22 +488,28 @@ def _nbest(streams: Sequence[GPUCTCPrefixBeamSearch]) -> list[list[Hypothesis]]:
     s_, ns_, vs_, vns_ = fs[:, _S], fs[:, _NS], fs[:, _VS], fs[:, _VNS]
     ptr = np.where(vs_ > vns_, ints[:, _PTR_S], ints[:, _PTR_NS])
     ptr = np.where(valid, ptr, -1)
-    toks: list[list[int]] = [[] for _ in range(len(ptr))]
-    times: list[list[int]] = [[] for _ in range(len(ptr))]
-    tlps: list[list[float]] = [[] for _ in range(len(ptr))]
+    # follow every hypothesis' node chain at once: depth k of all live chains per iteration
+    n_rows = len(ptr)
+    depth = np.zeros(n_rows, np.int64)
+    steps: list[tuple[Any, Any, Any, Any]] = []
     cur = ptr.copy()
     while True:
         live = np.nonzero(cur >= 0)[0]
         if live.size == 0:
             break
         g = rows[live] + cur[live]
-        tk, pa, lv = nodes[g, 0], nodes[g, 1], node_lp[g]
-        fr = cur[live] // widths[live]
-        for n, r in enumerate(live.tolist()):
-            toks[r].append(int(tk[n]))
-            times[r].append(int(fr[n]))
-            tlps[r].append(float(lv[n]))
-        cur[live] = pa
+        steps.append((live, nodes[g, 0], cur[live] // widths[live], node_lp[g]))
+        depth[live] += 1
+        cur[live] = nodes[g, 1]
+    longest = len(steps)
+    tok_m = np.zeros((n_rows, longest), np.int64)
+    time_m = np.zeros((n_rows, longest), np.int64)
+    lp_m = np.zeros((n_rows, longest), np.float64)
+    for k, (live, tk, fr, lv) in enumerate(steps):
+        tok_m[live, k], time_m[live, k], lp_m[live, k] = tk, fr, lv
+    toks = [tok_m[r, : depth[r]][::-1].tolist() for r in range(n_rows)]
+    times = [time_m[r, : depth[r]][::-1].tolist() for r in range(n_rows)]
+    tlps = [lp_m[r, : depth[r]][::-1].tolist() for r in range(n_rows)]
     row = 0
     for b in todo:
         st = streams[b]
@@ -516,7 +522,7 @@ def _nbest(streams: Sequence[GPUCTCPrefixBeamSearch]) -> list[list[Hypothesis]]:
             score = _host_logadd(float(s_[r]), float(ns_[r]))
             if g is not None:
                 score += float(fs[r, _CTX]) + g.finalize(int(ints[r, _CST]))
-            hyps.append(Hypothesis(toks[r][::-1], score, times[r][::-1], tlps[r][::-1]))
+            hyps.append(Hypothesis(toks[r], score, times[r], tlps[r]))
         row += st.beam_size
         if g is not None:
             hyps.sort(key=lambda x: x.score, reverse=True)

@@ -4,6 +4,7 @@ log-posteriors, in one call.
 
     python -m benchmarks.ctcbench --device cuda --out ctc_h200.json   # issue #21's workload
     python -m benchmarks.ctcbench --quick                             # CPU, seconds: a check
+    python -m benchmarks.ctcbench --device cuda --conformer --out x.json   # + the decoder's share
 
 Workload (defaults): beam 10, vocabulary 5000, batch 64, 30 s at 25 frames/s (750 frames),
 realistic CTC posteriors (mostly blank, a few confident tokens, a long tail; seeded). Every
@@ -12,6 +13,10 @@ families call them. Reported: median seconds of each (``--repeats``, the host se
 unless ``--host-repeats``), frames per second, the ratios, and whether the n-best lists
 (tokens and times) agree exactly. ``--host-rows N`` times the host searches on the first N
 utterances and scales to the batch (reported as ``extrapolated``).
+
+``--conformer`` also times a WeNet Conformer (12 blocks, 256 wide, random weights, the model's
+dtype on the device) encoding the same batch of 30 s fbank features into CTC log-probs, and the
+search on those, and reports the search's share of encoder + search (issue #21: under 10 %).
 """
 
 from __future__ import annotations
@@ -188,6 +193,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def conformer_share(args: argparse.Namespace, search_s: float) -> dict[str, Any]:
+    """Encoder + CTC head of a random-weight WeNet Conformer on the batch, and the search's
+    share of the whole."""
+    from oasr_models_wenet.config import WenetConfig
+    from oasr_models_wenet.nn import WenetNet, build_network
+
+    cfg = WenetConfig(input_dim=80, vocab_size=args.vocab)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in WenetNet(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    state = {k: (torch.ones(s) if k.endswith("running_var") else torch.randn(s, generator=g) * 0.02)
+             for k, s in shapes.items() if not k.endswith("num_batches_tracked")}
+    net = build_network(cfg, state, args.device).eval()
+    n_feats = args.frames * 4 + 3  # x4 conv2d subsampling: args.frames encoder frames
+    feats = torch.randn(args.batch, n_feats, 80, generator=g).to(args.device, net.dtype)
+    lens = torch.full((args.batch,), n_feats, dtype=torch.long, device=args.device)
+    times = []
+    for _ in range(args.repeats + 1):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            enc, enc_lens = net.encoder(feats, lens, -1, -1)
+            lp = net.ctc_log_probs(enc)
+        _sync(args.device)
+        times.append(time.perf_counter() - t0)
+    encode = statistics.median(times[1:])
+    t0 = time.perf_counter()
+    ctc_prefix_beam_search_gpu(lp, enc_lens.tolist(), beam_size=args.beam)
+    _sync(args.device)
+    on_model = time.perf_counter() - t0
+    return {"conformer_encode_s": encode, "conformer_frames": int(lp.shape[1]),
+            "search_on_conformer_output_s": on_model,
+            "decoder_share": on_model / (encode + on_model),
+            "decoder_share_synthetic": search_s / (encode + search_s)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -201,12 +242,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-rows", type=int, default=0, help="time the host searches on N rows")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the host searches")
     p.add_argument("--skip-wenet", action="store_true")
+    p.add_argument("--conformer", action="store_true",
+                   help="also time a random-weight WeNet Conformer encoder: the decoder's share")
     p.add_argument("--quick", action="store_true", help="a small CPU check (seconds)")
     p.add_argument("--out", help="write the JSON report here")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.frames, args.vocab, args.repeats = 4, 100, 500, 1
     report = run(args)
+    if args.conformer:
+        report |= conformer_share(args, report["device_search_s"])
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -1,0 +1,226 @@
+"""oasr-kernels' fused and paged prefill kernels run on the CPU through the host emulation of
+CUDA (cuda_host_emulation.h), launched by the real Python launchers (their grids, shared memory
+sizes and argument packing), against the native ops. Catches index, reduction, rounding and
+argument-order mistakes without a GPU; the GPU tests check the real compile and launch."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import oasr.layers as L
+from oasr.layers.conformer import DepthwiseConv1d
+from oasr.layers.llm import RMSNorm
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.slow
+
+
+def _translate(source: str, common: bool = False) -> str:
+    """The two PTX conversions (common.cuh) become _Float16 casts; dynamic shared memory
+    becomes a pointer to the emulated block's."""
+    if common:
+        rules = [
+            (r'asm\("cvt\.f32\.f16 %0, %1;" : "=f"\(f\) : "h"\(v\.bits\)\);', "f = (float)std::bit_cast<_Float16>(v.bits);"),
+            (r'asm\("cvt\.rn\.f16\.f32 %0, %1;" : "=h"\(r\.bits\) : "f"\(f\)\);', "r.bits = std::bit_cast<unsigned short>((_Float16)f);"),
+        ]  # fmt: skip
+        for pattern, replacement in rules:
+            source, n = re.subn(pattern, replacement, source)
+            assert n == 1, f"emulation rule no longer matches common.cuh: {pattern}"
+        return source
+    source, n1 = re.subn(r"extern __shared__ float (\w+)\[\];", r"float* \1 = reinterpret_cast<float*>(emu_dyn_smem);", source)
+    source, n2 = re.subn(r"extern __shared__ long long (\w+)\[\];",
+                         r"long long* \1 = reinterpret_cast<long long*>(emu_dyn_smem);", source)  # fmt: skip
+    assert n1 + n2 >= 1, "emulation rule no longer matches: dynamic shared memory"
+    return source
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory):
+    from oasr_kernels import fused as fused_module
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    work = tmp_path_factory.mktemp("emu_fused")
+    probe = work / "probe.cpp"
+    probe.write_text("#include <barrier>\n#include <bit>\nint main() { _Float16 h = 1; "
+                     "return std::bit_cast<unsigned short>(h) == 0; }\n")  # fmt: skip
+    if subprocess.run([cxx, "-std=c++20", str(probe), "-o", str(work / "probe")], capture_output=True).returncode:
+        pytest.skip("g++ without C++20 <barrier>/<bit> or _Float16")
+    csrc = Path(fused_module.__file__).parent / "csrc"
+    body = _translate((csrc / "common.cuh").read_text(), common=True) + "\n"
+    names: list[str] = []
+    for filename in ("fused_ops.cu", "paged_prefill_attention.cu"):
+        source = (csrc / filename).read_text()
+        body += _translate(source) + "\n"
+        names += re.findall(r"^OASR_\w+\((oasr_\w+),", source, flags=re.M)
+        names += re.findall(r'extern "C" __global__ void (oasr_\w+)\(', source)
+    assert len(names) == 15 + 1 + 6, names
+    table = ",\n".join(f'{{"{n}", [](void** a) {{ emu_call({n}, a); }}}}' for n in names)
+    launcher = f"""
+extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned threads,
+                      unsigned smem, void** args) {{
+  struct Entry {{ const char* n; void (*run)(void**); }};
+  static const Entry entries[] = {{ {table} }};
+  for (const Entry& e : entries)
+    if (std::strcmp(e.n, name) == 0) {{
+      auto run = e.run;
+      emu_launch3(gx, gy, gz, threads, smem, [=] {{ run(args); }});
+      return 0;
+    }}
+  return 1;
+}}
+"""
+    cpp = work / "emulated.cpp"
+    cpp.write_text(f'#include "{HERE / "cuda_host_emulation.h"}"\n' + body + launcher)
+    lib = work / "libemulated.so"
+    proc = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-w",
+                           "-o", str(lib), str(cpp), "-lpthread"], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dll = ctypes.CDLL(str(lib))
+    dll.launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 5 + [ctypes.c_void_p]
+    return dll
+
+
+@pytest.fixture
+def emulated(emulator, monkeypatch):
+    """The launchers' MODULE.launch routed to the emulator (CPU tensors)."""
+    from oasr_kernels import fused, prefill_attention
+
+    launched: list[tuple] = []
+
+    def launch(name, grid, block, args, device, shared_mem=0):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        values = [np.array(a) for a in args]  # keep alive during the call
+        argv = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
+        assert all(v.dtype.itemsize in (4, 8) for v in values)
+        assert shared_mem <= 48 * 1024 and block[0] % 32 == 0 and block[0] <= 1024
+        assert emulator.launch(name.encode(), *grid, block[0], shared_mem, argv) == 0, name
+        launched.append((name, grid, block))
+        return True
+
+    monkeypatch.setattr(fused.MODULE, "launch", launch)
+    monkeypatch.setattr(prefill_attention.MODULE, "launch", launch)
+    monkeypatch.setattr(fused, "_sms", lambda device: 2)
+    return launched
+
+
+def native(fn, *args):
+    old = L.set_overrides_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        L.set_overrides_enabled(old)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+       torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2}}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_add_layer_norm_and_rms_norm(emulated, dtype) -> None:
+    from oasr_kernels import fused
+
+    g = torch.Generator().manual_seed(0)
+    d = 80  # not a multiple of the block: some threads hold fewer elements
+    x = (torch.randn(3, 2, d, generator=g) * 3).to(dtype)
+    r = torch.randn(3, 2, d, generator=g).to(dtype)
+    ln = L.LayerNorm(d, dtype=dtype)
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(d, generator=g))
+        ln.bias.copy_(torch.randn(d, generator=g))
+    s, y = fused.launch_add_norm("layer", x, r, ln.weight, ln.bias, ln.eps, {"threads": 64})
+    s_ref, y_ref = native(L.add_norm, x, r, ln)
+    assert torch.equal(s, s_ref)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    rms = RMSNorm(d, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        rms.weight.copy_(torch.randn(d, generator=g))
+    s, y = fused.launch_add_norm("rms", x, r, rms.weight, None, rms.eps, {"threads": 32})
+    torch.testing.assert_close(y, native(L.add_norm, x, r, rms)[1], **TOL[dtype])
+    x_same, y = fused.launch_add_norm("rms", x, None, rms.weight, None, rms.eps, {"threads": 64})
+    assert x_same is x
+    torch.testing.assert_close(y, native(rms, x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_emulated_bias_act(emulated, dtype, act) -> None:
+    from oasr_kernels import fused
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 70, generator=g) * 3).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    out = fused.launch_bias_act(x, b, act, {"threads": 64, "blocks_per_sm": 1})  # grid-stride: 2 blocks
+    torch.testing.assert_close(out, native(L.bias_act, x, b, act), **TOL[dtype])
+    out = fused.launch_bias_act(x, None, act, {"threads": 32, "blocks_per_sm": 8})
+    torch.testing.assert_close(out, native(L.bias_act, x, None, act), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "padding", "t"), [(7, 3, 70), (5, 0, 9), (3, 1, 64)])
+def test_emulated_glu_depthwise_conv1d(emulated, dtype, k, padding, t) -> None:
+    from oasr_kernels import fused
+
+    g = torch.Generator().manual_seed(2)
+    conv = DepthwiseConv1d(6, k, padding=padding, dtype=dtype)
+    with torch.no_grad():
+        conv.bias.copy_(torch.randn(6, generator=g))
+    x = (torch.randn(2, 12, t, generator=g) * 2).to(dtype)
+    out = fused.launch_glu_dwconv(x, conv.weight, conv.bias, padding, {"threads": 32})
+    ref = native(L.glu_depthwise_conv1d, x, conv)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_emulated_log_mel(emulated) -> None:
+    from oasr.features.whisper import HOP_LENGTH, N_FFT, mel_filters
+    from oasr_kernels import fused
+
+    g = torch.Generator().manual_seed(3)
+    audio = torch.randn(2, 6000, generator=g) * 0.1
+    audio[1, :3000] = 0.0
+    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=torch.hann_window(N_FFT), return_complex=True)
+    filt = torch.from_numpy(mel_filters(80))
+    frames = stft.shape[-1] - 1
+    out = fused.launch_log_mel(stft, filt, frames, {"frames_per_block": 16, "threads": 64})
+    ref = native(L.log_mel_power, stft, filt, frames)
+    assert out.shape == ref.shape == (2, 80, frames)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "h", "hkv", "t", "lengths"), [(64, 2, 2, 9, (9, 30)), (128, 4, 2, 5, (5, 5)),
+                                                             (64, 3, 1, 40, (40, 47))])  # fmt: skip
+def test_emulated_paged_prefill_attention(emulated, dtype, d, h, hkv, t, lengths) -> None:
+    from oasr_kernels import prefill_attention
+
+    g = torch.Generator().manual_seed(d + t)
+    b, bs = len(lengths), 4
+    nb = -(-max(lengths) // bs) + 1
+    num_blocks = b * nb + 1
+    kp = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    vp = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    qkv = torch.randn(b, t, 3 * h * d, generator=g).to(dtype)
+    q = qkv[..., : h * d].view(b, t, h, d).transpose(1, 2)  # strided, as the step model leaves it
+    tables = (torch.randperm(num_blocks - 1, generator=g) + 1)[: b * nb].view(b, nb)
+    lens = torch.tensor(lengths)
+    assert prefill_attention.unsupported_reason(q, kp, vp, tables, lens) == "not a CUDA tensor"
+    out = prefill_attention.launch(q, kp, vp, tables, lens, None, {"warps": 2})
+    ref = native(L.paged_prefill_attention, q, kp, vp, tables, lens)
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        out = prefill_attention.launch(q, kp, vp, tables, lens, 0.3, {"warps": 1})
+        torch.testing.assert_close(out, native(L.paged_prefill_attention, q, kp, vp, tables, lens, 0.3),
+                                   atol=tol, rtol=tol)  # fmt: skip

@@ -216,6 +216,52 @@ def serve_command(
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Report ready without a warm-up run.")
     ] = False,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Serve on a Ray cluster with Ray Serve: one engine replica per GPU (CPU replicas "
+            "without GPUs) behind Serve's HTTP proxy on --http-bind (needs oasr-server[ray]).",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            "--ray-address",
+            help="--ray: join this cluster (auto, or the head's HOST:PORT) instead of starting "
+            "a local one.",
+        ),
+    ] = None,
+    ray_replicas: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--ray-replicas", min=1, help="--ray: engine replicas (default: one per GPU, else 1)."
+        ),
+    ] = None,
+    ray_gpus_per_replica: Annotated[
+        Optional[float],  # noqa: UP045
+        typer.Option(
+            "--ray-gpus-per-replica",
+            min=0,
+            help="--ray: GPUs per replica (fractions share a GPU; default 1 when the cluster has "
+            "GPUs, else 0).",
+        ),
+    ] = None,
+    ray_cpus_per_replica: Annotated[
+        float, typer.Option("--ray-cpus-per-replica", min=0, help="--ray: CPUs per replica.")
+    ] = 1.0,
+    ray_min_replicas: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--ray-min-replicas", min=0, help="--ray: autoscaling lower bound (turns it on)."
+        ),
+    ] = None,
+    ray_max_replicas: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--ray-max-replicas", min=1, help="--ray: autoscaling upper bound (turns it on)."
+        ),
+    ] = None,
     log_level: Annotated[
         str, typer.Option("--log-level", help="debug, info, warning, error.")
     ] = "info",
@@ -277,9 +323,24 @@ def serve_command(
             demo=demo,
             decode_processes=decode_processes,
         )
+        if ray:
+            from oasr_server.ray_serve import RayOptions
+
+            ray_options = RayOptions(
+                address=ray_address,
+                replicas=ray_replicas,
+                gpus_per_replica=ray_gpus_per_replica,
+                cpus_per_replica=ray_cpus_per_replica,
+                min_replicas=ray_min_replicas,
+                max_replicas=ray_max_replicas,
+            )
     except OASRError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from None
+    if ray:
+        from oasr_server.ray_serve import run_command
+
+        raise typer.Exit(run_command(config, engine_config, ray_options, host, port, grpc_bind))
 
     server: uvicorn.Server | None = None
     failed: list[BaseException] = []

@@ -42,6 +42,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from oasr.errors import EngineOverloadedError, InvalidRequestError
+from oasr.errors import OASRError as OASRErrorBase
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -736,6 +737,36 @@ def build_app(args: dict[str, Any]) -> Any:
     return build_application(server_config, engine_config, options, layout, grpc_bind=grpc)
 
 
+def run_command(
+    server_config: ServerConfig,
+    engine_config: EngineConfig,
+    options: RayOptions,
+    host: str,
+    port: int,
+    grpc_bind: str | None,
+) -> int:
+    """``oasr serve --ray``: :func:`serve_on_ray` with its failures as one line on stderr and
+    an exit status (2: Ray is not installed; 1: the deployment failed)."""
+    import importlib.util
+    import sys
+
+    def err(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        err("error: --ray needs Ray Serve; install it with: pip install 'oasr-server[ray]'")
+        return 2
+    try:
+        return serve_on_ray(server_config, engine_config, options, host=host, port=port,
+                            grpc_bind=grpc_bind, log=err)  # fmt: skip
+    except OASRErrorBase as exc:
+        err(f"error: {exc.message}")
+        return 2
+    except Exception as exc:  # noqa: BLE001 - Ray's own failures (cluster, deployment)
+        err(f"error: Ray Serve: {type(exc).__name__}: {exc}")
+        return 1
+
+
 def serve_on_ray(
     server_config: ServerConfig,
     engine_config: EngineConfig,
@@ -757,8 +788,8 @@ def serve_on_ray(
     init_ray(options.address, include_dashboard=False, log_to_driver=True)
     try:
         layout = deploy(server_config, engine_config, options, host=host, port=port,
-                        grpc_bind=grpc_bind)  # fmt: skip
-        if not wait_running(options.app_name, server_config.request_timeout + 600):
+                        grpc_bind=grpc_bind, wait=False)  # fmt: skip
+        if not wait_running(options.app_name, 3600):
             log(f"error: the {options.app_name!r} application did not start: "
                 f"{app_message(options.app_name)}")  # fmt: skip
             return 1
@@ -774,7 +805,8 @@ def serve_on_ray(
             s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)
         }
         try:
-            stop.wait()
+            while not stop.wait(0.5):
+                pass
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

@@ -224,6 +224,8 @@ def launch_log_mel(stft: torch.Tensor, filters: torch.Tensor, frames: int,
     if out.numel() == 0:
         return out.reshape(*lead, m, frames)
     tt, threads = int(params["frames_per_block"]), int(params["threads"])
+    while tt > 1 and 4 * f * tt > _SMEM_LIMIT:  # the tile's power spectrum is in shared memory
+        tt //= 2
     lo, hi = filter_spans(filters)
     sb, sf, st, _ = spec.stride()
     args = (_ptr(spec), np.int64(sb), np.int64(sf), np.int64(st), _ptr(filters), _ptr(lo), _ptr(hi),
@@ -242,7 +244,7 @@ def log_mel_power_cuda(stft: torch.Tensor, filters: torch.Tensor, frames: int) -
         return NotImplemented
     if filters.device != stft.device or filters.shape[1] != stft.shape[-2]:
         return NotImplemented
-    if not 0 <= frames <= stft.shape[-1] or 4 * filters.shape[1] * 16 > _SMEM_LIMIT:
+    if not 0 <= frames <= stft.shape[-1] or 4 * filters.shape[1] > _SMEM_LIMIT:
         return NotImplemented
     if stft.dim() != 3 and not stft.is_contiguous():
         return NotImplemented

@@ -190,3 +190,10 @@ def test_device_indexed_frame_loop_equals_eager(monkeypatch) -> None:
     got = ctc_prefix_beam_search_gpu(lp, lens, beam_size=[5, 3, 4])
     for r, g in zip(ref, got, strict=True):
         _same(r, g, abs_tol=0)
+
+
+def test_registered_on_the_decoder_axis() -> None:
+    from oasr.plugins import resolve
+
+    assert resolve("decoder", "ctc_prefix_beam_batched") is ctc_prefix_beam_search_gpu
+    assert resolve("decoder", "ctc_prefix_beam_stream") is GPUCTCPrefixBeamSearch

@@ -36,6 +36,11 @@ def register_decoders(register: Register) -> None:
              description="CTC prefix beam search (WeNet-exact n-best, scores, Viterbi times)")
     register("ctc_prefix_beam_incremental", "oasr.decoders.ctc:CTCPrefixBeamSearch",
              decode_family="ctc", description="incremental CTC prefix beam search (streaming)")
+    register("ctc_prefix_beam_batched", "oasr.decoders.ctc_gpu:ctc_prefix_beam_search_gpu",
+             decode_family="ctc",
+             description="CTC prefix beam search as batched tensor ops (GPU; host-search n-best)")
+    register("ctc_prefix_beam_stream", "oasr.decoders.ctc_gpu:GPUCTCPrefixBeamSearch",
+             decode_family="ctc", description="a stream's tensor prefix beam (step_streams batches)")
     register("attention_rescoring", "oasr.decoders.ctc:attention_rescoring", decode_family="ctc",
              description="U2/U2++ attention rescoring (reverse_weight, ctc_weight)")
     # Generic transducer decoders (oasr.decoders.transducer) over a family's TransducerNetwork.

@@ -219,7 +219,8 @@ def test_interim_deltas_while_the_turn_grows(client_for) -> None:
     deltas = [e["delta"] for e in first + events if e["type"].endswith(".delta")]
     assert deltas == ["hello world", " 1.20"]
     assert events[-1]["transcript"] == "hello world 1.20"
-    assert model.options[-1].temperature == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # the final
+    # the final: the fallback schedule cut to 1 + --max-fallback-rounds (2) temperatures
+    assert model.options[-1].temperature == (0.0, 0.2, 0.4)
 
 
 @pytest.mark.parametrize("law,name", [("mulaw", "g711_ulaw"), ("alaw", "g711_alaw")])

@@ -91,12 +91,19 @@ class SchedulerConfig:
     #: encoder runs while the current rows decode (None: max_batch_size on CUDA, where the
     #: encoder runs on a second stream beside the decode steps; 0 on CPU)
     encoder_lookahead: int | None = None
+    #: continuous executors: most seconds of audio a driver's admission scan (Whisper's VAD
+    #: gate) covers per step, summed over the requests being scanned; the rest continues in
+    #: later steps, so one step stays short whatever was admitted (None: the family's default,
+    #: Whisper 30 s on CPU, 3600 s on CUDA)
+    gate_seconds_per_step: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
         if self.max_wait_steps < 0:
             raise InvalidRequestError("max_wait_steps must be >= 0", param="max_wait_steps")
+        if self.gate_seconds_per_step is not None and not self.gate_seconds_per_step > 0:
+            raise InvalidRequestError("gate_seconds_per_step must be > 0", param="gate_seconds_per_step")
 
 
 @dataclass

@@ -47,7 +47,7 @@ from oasr_models_whisper.decoding import (
 )
 from oasr_models_whisper.nn import decoder_norms
 from oasr_models_whisper.options import whisper_options
-from oasr_models_whisper.speech_gate import empty_transcript, gate_enabled, speech_gate
+from oasr_models_whisper.speech_gate import GateScan, empty_transcript, gate_detector, gate_enabled
 from oasr_models_whisper.transcribe import (
     LONG_AUDIO_SAMPLES,
     _advance,
@@ -65,6 +65,13 @@ if TYPE_CHECKING:
 __all__ = ["WhisperDriver", "WhisperStepModel", "make_executor"]
 
 log = logging.getLogger(__name__)
+
+#: seconds of audio the VAD gate scans per scheduler step, summed over the requests being
+#: gated, when ``SchedulerConfig.gate_seconds_per_step`` is None: on the CPU Silero scans about
+#: 500 s of audio per second, so 30 s is ~60 ms of a step; on CUDA one batched forward of a
+#: full batch of 30 s inputs (64 x 30 s) still fits one step
+GATE_SECONDS_CPU = 30.0
+GATE_SECONDS_CUDA = 3600.0
 
 
 def make_executor(model: Any, config: SchedulerConfig) -> AutoregressiveExecutor | None:
@@ -210,6 +217,9 @@ class WhisperDriver:
         self._language: dict[str, str | None] = {}  # checked at admission, used at begin
         self._cols = torch.arange(self.dims.n_vocab, device=self.device)
         self._blank = (*self.tok.encode(" "), self.tok.eot)
+        #: the VAD gate's scan over the requests being gated, and those requests by id
+        self._gate: GateScan | None = None
+        self._gating: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ admission
     def accept(self, request: Request) -> bool:
@@ -222,25 +232,56 @@ class WhisperDriver:
         return True
 
     def begin(self, requests: list[Request], ex: AutoregressiveExecutor) -> None:
-        """The VAD gate, once for every gated request admitted since the last step (one batched
-        scan on a GPU instead of launch-bound LSTM steps per request), then the first windows."""
-        gated = [r for r in requests if gate_enabled(r.options)]
-        keep = [True] * len(gated)
-        if gated:
-            try:  # the segmentation does not depend on the options: one call for all
-                keep = speech_gate([np.asarray(r.audio) for r in gated], gated[0].options, self.device)
-            except Exception:  # noqa: BLE001 - the gate is a filter: when it fails, decode
-                log.warning("vad_gate failed; decoding the inputs ungated", exc_info=True)
-        silent = {r.rid for r, speech in zip(gated, keep, strict=True) if not speech}
+        """The VAD gate, then the first windows. The gate scans a bounded slice of audio per
+        scheduler step over every gated request (:class:`GateScan`, ``SchedulerConfig.
+        gate_seconds_per_step``: one batched detector forward for all of them); a request still
+        being scanned comes back here at the next step (``ex.begin_later``), so one step never
+        scans hours of audio while aborts, admissions and the decoding rows wait for it, and a
+        short clip is decided in its first step beside long ones."""
         for request in requests:
-            language = self._language.get(request.rid)
-            if request.rid in silent:
-                ex.finish(request, empty_transcript(len(request.audio), request.options, language))
+            if request.rid in self._gating:
+                continue  # still being scanned
+            gate = self._gate_for(ex) if gate_enabled(request.options) else None
+            if gate is None:
+                self._start(request, ex)
                 continue
-            try:
-                self._setup(request, language, ex)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                ex.finish(request, exc)
+            gate.add(request.rid, request.audio)
+            self._gating[request.rid] = request
+        if not self._gating:
+            return
+        try:
+            decided = self._gate.advance()  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - the gate is a filter: when it fails, decode
+            log.warning("vad_gate failed; decoding the inputs ungated", exc_info=True)
+            decided = dict.fromkeys(self._gating, True)
+            self._gate = None
+        for rid, speech in decided.items():
+            request = self._gating.pop(rid)
+            if speech:
+                self._start(request, ex)
+            else:
+                language = self._language.get(rid)
+                ex.finish(request, empty_transcript(len(request.audio), request.options, language))
+        for request in self._gating.values():
+            ex.begin_later(request)
+
+    def _gate_for(self, ex: AutoregressiveExecutor) -> GateScan | None:
+        """The gate scan (built on first use); None without a detector."""
+        if self._gate is None:
+            detector = gate_detector(self.device)
+            if detector is None:
+                return None
+            seconds = ex.config.gate_seconds_per_step
+            if seconds is None:
+                seconds = GATE_SECONDS_CUDA if self.device.type == "cuda" else GATE_SECONDS_CPU
+            self._gate = GateScan(detector, int(seconds * SAMPLE_RATE))
+        return self._gate
+
+    def _start(self, request: Request, ex: AutoregressiveExecutor) -> None:
+        try:
+            self._setup(request, self._language.get(request.rid), ex)
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            ex.finish(request, exc)
 
     def _setup(self, request: Request, language: str | None, ex: AutoregressiveExecutor) -> None:
         options = whisper_options(request.options)  # common + Whisper options as attributes
@@ -268,6 +309,8 @@ class WhisperDriver:
     def release(self, request: Request) -> None:
         self.states.pop(request.rid, None)
         self._language.pop(request.rid, None)
+        if self._gating.pop(request.rid, None) is not None and self._gate is not None:
+            self._gate.remove(request.rid)
 
     # ------------------------------------------------------------------ windows
     def _set_sot(self, st: _Request) -> None:

@@ -30,7 +30,14 @@ from oasr.types import DecodingOptions, Transcript
 from oasr.vad import SegmentationOptions, StreamingSegmenter, VoiceActivityDetector
 from oasr_models_whisper.options import whisper_options
 
-__all__ = ["empty_transcript", "gate_detector", "gate_enabled", "has_speech", "speech_gate"]
+__all__ = [
+    "GateScan",
+    "empty_transcript",
+    "gate_detector",
+    "gate_enabled",
+    "has_speech",
+    "speech_gate",
+]
 
 log = logging.getLogger(__name__)
 _warned_no_detector = False
@@ -119,6 +126,87 @@ def speech_gate(
 
         return [bool(s) for s in speech_segments_batch(list(audios), det)]
     return [has_speech(a, det) for a in audios]
+
+
+class GateScan:
+    """The gate over many inputs, a bounded slice of audio at a time (the continuous executor's:
+    one scheduler step must not scan hours of audio while other requests wait for it).
+
+    ``add(key, audio)`` queues an input; each :meth:`advance` scans at most ``budget`` samples
+    summed over the queued inputs and returns the inputs decided by it, ``{key: has_speech}``.
+    The budget is shared max-min fairly: inputs are served shortest remaining scan first, each
+    taking at most an equal share of what is left, so a short clip is decided in the first
+    advance after it arrives however long the others are, and every input moves at least one
+    detector window per advance. All slices of one advance go through the detector together
+    (``step_batch``: one forward where the detector offers it). Each decision equals
+    :func:`has_speech` on the whole input (the same streaming scan, cut at other places)."""
+
+    def __init__(self, detector: VoiceActivityDetector, budget: int,
+                 options: SegmentationOptions | None = None) -> None:  # fmt: skip
+        from oasr_models_whisper.vad_longform import DEFAULT_SEGMENTATION
+
+        self.detector = detector
+        self.options = options or DEFAULT_SEGMENTATION
+        self.window = int(detector.window_size(SAMPLE_RATE))
+        #: samples scanned per advance, summed over the inputs (at least one window each)
+        self.budget = max(self.window, int(budget))
+        self._native = SAMPLE_RATE in tuple(detector.sample_rates)
+        self._scans: dict[object, list] = {}  # key -> [audio, position, state, segmenter]
+
+    def __len__(self) -> int:
+        return len(self._scans)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._scans
+
+    def add(self, key: object, audio: np.ndarray | torch.Tensor) -> None:
+        x = np.asarray(audio, dtype=np.float32).reshape(-1)
+        state = self.detector.new_state(SAMPLE_RATE) if self._native else None
+        segmenter = StreamingSegmenter(SAMPLE_RATE, self.window, self.options)
+        self._scans[key] = [x, 0, state, segmenter]
+
+    def remove(self, key: object) -> None:
+        self._scans.pop(key, None)
+
+    def advance(self) -> dict[object, bool]:
+        decided: dict[object, bool] = {}
+        for key, (x, *_rest) in list(self._scans.items()):
+            if len(x) == 0:
+                decided[key] = False
+            elif not self._native:  # resampling needed: the offline path, whole
+                from oasr.vad import get_speech_segments
+
+                decided[key] = bool(get_speech_segments(x, SAMPLE_RATE, self.detector, self.options))
+        for key in decided:
+            del self._scans[key]
+        if not self._scans:
+            return decided
+        # max-min fair shares of the budget, shortest remaining scan first, whole windows
+        order = sorted(self._scans, key=lambda k: len(self._scans[k][0]) - self._scans[k][1])
+        left, keys, chunks, finals = self.budget, [], [], []
+        for i, key in enumerate(order):
+            x, pos, _, _ = self._scans[key]
+            share = max(self.window, left // (len(order) - i) // self.window * self.window)
+            end = min(len(x), pos + share)
+            left = max(0, left - (end - pos))
+            keys.append(key)
+            chunks.append(x[pos:end])
+            finals.append(end >= len(x))
+            self._scans[key][1] = end
+        states = [self._scans[k][2] for k in keys]
+        if hasattr(self.detector, "step_batch"):
+            probs = self.detector.step_batch(states, chunks, final=finals)
+        else:
+            probs = [self.detector.step(st, c, final=f) for st, c, f in zip(states, chunks, finals, strict=True)]
+        for key, p, final in zip(keys, probs, finals, strict=True):
+            x, _, _, segmenter = self._scans[key]
+            if segmenter.push(p):
+                decided[key] = True
+            elif final:
+                decided[key] = bool(segmenter.finish(len(x)))
+        for key in decided:
+            self._scans.pop(key, None)
+        return decided
 
 
 def empty_transcript(

@@ -240,9 +240,15 @@ class ServerState:
                     engine = self.engine_factory()
                 else:
                     from oasr.engine import ASREngine
+                    from oasr.scheduler import SchedulerConfig
                     from oasr.types import EngineConfig
 
-                    engine = ASREngine(self.engine_config or EngineConfig())
+                    engine_config = self.engine_config or EngineConfig()
+                    scheduler_config = SchedulerConfig(
+                        max_batch_size=engine_config.max_batch_size,
+                        gate_seconds_per_step=self.config.gate_seconds_per_step,
+                    )
+                    engine = ASREngine(engine_config, scheduler_config=scheduler_config)
             self.engine = engine
             if self.config.warmup:
                 import numpy as np
@@ -519,9 +525,15 @@ class ServerState:
     def bounded_options(
         self, options: DecodingOptions, audio: np.ndarray | list[np.ndarray]
     ) -> DecodingOptions:
-        """``options`` with the decoding-work bound of ``max_tokens_per_second`` (see
-        :class:`ServerConfig`): only when the client set no ``max_new_tokens``, the audio is
-        short enough for the bound to bite, and the model accepts the option."""
+        """``options`` with the decoding-work bounds of :class:`ServerConfig`: the temperature
+        schedule cut to ``1 + max_fallback_rounds`` temperatures, and the token budget of
+        ``max_tokens_per_second`` (only when the client set no ``max_new_tokens``, the audio is
+        short enough for the bound to bite, and the model accepts the option)."""
+        from dataclasses import replace
+
+        rounds = self.config.max_fallback_rounds
+        if rounds is not None and len(options.temperatures) > rounds + 1:
+            options = replace(options, temperature=options.temperatures[: rounds + 1])
         rate = self.config.max_tokens_per_second
         engine = self.engine
         if not rate or options.max_new_tokens is not None or engine is None:
@@ -539,8 +551,6 @@ class ServerState:
         budget = -(-int(32 + rate * seconds) // 32) * 32  # a multiple of 32: requests still share
         if budget > 224:
             return options
-        from dataclasses import replace
-
         bounded = replace(options, max_new_tokens=budget)
         try:
             bounded.validate_for(engine.model)

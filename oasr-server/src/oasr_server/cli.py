@@ -176,6 +176,24 @@ def serve_command(
             "audio's seconds for clips under ~10 s (0: the model's own budget).",
         ),
     ] = 20.0,
+    max_fallback_rounds: Annotated[
+        int,
+        typer.Option(
+            "--max-fallback-rounds",
+            min=-1,
+            help="Temperature-fallback rounds per window after the first decoding: a request's "
+            "temperature schedule is cut to its first 1 + N temperatures (-1: no cap).",
+        ),
+    ] = 2,
+    gate_seconds_per_step: Annotated[
+        Optional[float],  # noqa: UP045
+        typer.Option(
+            "--gate-seconds-per-step",
+            min=0.001,
+            help="Seconds of audio Whisper's VAD gate scans per scheduler step, over all the "
+            "requests being gated (default: 30 on CPU, 3600 on CUDA).",
+        ),
+    ] = None,
     stream_buffer_seconds: Annotated[
         float,
         typer.Option(
@@ -314,6 +332,8 @@ def serve_command(
             realtime_idle_timeout=realtime_idle_timeout,
             stream_buffer_seconds=stream_buffer_seconds,
             max_tokens_per_second=max_tokens_per_second,
+            max_fallback_rounds=None if max_fallback_rounds < 0 else max_fallback_rounds,
+            gate_seconds_per_step=gate_seconds_per_step,
             max_pending_audio_seconds=max_pending_audio_seconds,
             upload_idle_timeout=upload_idle_timeout,
             upload_min_rate=upload_min_rate,

@@ -86,6 +86,15 @@ class ServerConfig:
     #: when that is at most 224 (Whisper's window budget), so a short or broken clip cannot
     #: generate a full window of tokens in every temperature-fallback round (0: no bound).
     max_tokens_per_second: float = 20.0
+    #: Most temperature-fallback rounds per window after the first decoding: a request's
+    #: temperature schedule is cut to its first ``1 + this`` temperatures (the default schedule
+    #: 0.0, 0.2, ..., 1.0 becomes 0.0, 0.2, 0.4), so with ``max_tokens_per_second`` a window's
+    #: decoding work is at most ``(1 + this) x`` its token budget (None: no cap).
+    max_fallback_rounds: int | None = 2
+    #: Seconds of audio the engine's admission scan (Whisper's VAD gate) covers per scheduler
+    #: step, summed over the requests being scanned (``SchedulerConfig.gate_seconds_per_step``;
+    #: None: the family's default, Whisper 30 s on CPU and 3600 s on CUDA)
+    gate_seconds_per_step: float | None = None
     stream_buffer_seconds: float = 600.0
     #: The same bound in bytes of buffered audio (float32 at the model's rate: 64 KB per second
     #: at 16 kHz); the smaller of the two applies.
@@ -135,6 +144,14 @@ class ServerConfig:
         if not self.max_pending_audio_seconds > 0:
             raise InvalidRequestError(
                 "max_pending_audio_seconds must be > 0", param="max_pending_audio_seconds"
+            )
+        if self.max_fallback_rounds is not None and self.max_fallback_rounds < 0:
+            raise InvalidRequestError(
+                "max_fallback_rounds must be >= 0", param="max_fallback_rounds"
+            )
+        if self.gate_seconds_per_step is not None and not self.gate_seconds_per_step > 0:
+            raise InvalidRequestError(
+                "gate_seconds_per_step must be > 0", param="gate_seconds_per_step"
             )
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

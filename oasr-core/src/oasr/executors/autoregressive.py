@@ -116,7 +116,9 @@ class RequestDriver(Protocol):
         ...
 
     def begin(self, requests: list[Request], executor: AutoregressiveExecutor) -> None:
-        """The requests admitted since the last step, in one batch: queue their first windows."""
+        """The requests admitted since the last step, in one batch: queue their first windows.
+        Work that may be long (a scan of the whole input) is done a bounded slice per step: the
+        driver hands the requests not done yet back with ``executor.begin_later(request)``."""
         ...
 
     def encoder_inputs(self, windows: list[Window]) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -267,6 +269,8 @@ class _Graph:
 
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+#: most steps the admission-group rule holds a request back while rows decode (see try_admit)
+GROUP_WAIT_STEPS = 32
 
 
 # --------------------------------------------------------------------------- the executor
@@ -331,6 +335,9 @@ class AutoregressiveExecutor:
             group = self.encoder_lookahead // 2 if self.encoder_lookahead else self.max_rows // 8
         self.min_admit_group = max(1, int(group))
         self._group_open = False
+        #: the step at which the group rule first held a request back (None: it holds nothing)
+        self._held_since: int | None = None
+        self._holding = False
         self.cache = PagedKVCache(sm.num_layers, int(num_blocks), self.block_size, sm.num_kv_heads,
                                   sm.head_dim, device=self.device, dtype=self.dtype,
                                   zero_on_allocate=self.device.type == "cpu")  # fmt: skip
@@ -385,10 +392,18 @@ class AutoregressiveExecutor:
         free = self.max_requests - self.num_running
         if free <= 0:
             return False
-        if self.active and not self._group_open and free < self.min_admit_group:
-            return False  # refill in groups (see __init__)
+        if self.rows and not self._group_open and free < self.min_admit_group:
+            # refill in groups (see __init__), but only while rows decode (they free the room
+            # soon) and for at most GROUP_WAIT_STEPS steps: requests still being gated or
+            # encoded may hold their places for long, and a short clip must not wait for them
+            self._holding = True
+            if self._held_since is None:
+                self._held_since = self.stats["steps"]
+            if self.stats["steps"] - self._held_since < GROUP_WAIT_STEPS:
+                return False
         continuous = self.driver.accept(request)  # typed errors fail this request alone
         self._group_open = True  # the rest of this admission round joins the group
+        self._held_since = None
         if not continuous:
             return self.batch_path.try_admit(request)
         self.active[request.rid] = request
@@ -413,6 +428,9 @@ class AutoregressiveExecutor:
     def step(self) -> Finished:
         self._done = done = []
         self._group_open = False
+        if not self._holding:  # nothing was held back this round: the wait starts afresh
+            self._held_since = None
+        self._holding = False
         self.stats["steps"] += 1
         if self.batch_path.num_running:
             done.extend(self.batch_path.step())
@@ -429,6 +447,12 @@ class AutoregressiveExecutor:
     # ------------------------------------------------------------------ driver callbacks
     def alive(self, request: Request) -> bool:
         return request.rid in self.active
+
+    def begin_later(self, request: Request) -> None:
+        """Hand ``request`` to :meth:`RequestDriver.begin` again at the next step (a driver
+        whose admission work, e.g. a VAD scan, goes on over several steps)."""
+        if self.alive(request):
+            self.to_begin.append(request)
 
     def encode_later(self, window: Window) -> None:
         """Queue ``window`` for the next encoder batch."""

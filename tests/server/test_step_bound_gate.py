@@ -1,0 +1,97 @@
+"""Issue #26 item 4, the unit under the server test: :class:`GateScan`, Whisper's VAD gate a
+bounded slice per scheduler step. Each advance scans at most its budget (summed over the inputs,
+at least one detector window each), a short clip beside long inputs is decided in the first
+advance, and every decision equals ``has_speech`` on the whole input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("oasr_vad_silero")
+pytest.importorskip("oasr_models_whisper")
+
+SR = 16000
+
+
+class Counting:
+    """The default detector, counting the samples each call is given."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.sample_rates = inner.sample_rates
+        self.fed = 0
+
+    def window_size(self, rate: int = SR) -> int:
+        return self.inner.window_size(rate)
+
+    def new_state(self, rate: int = SR):
+        return self.inner.new_state(rate)
+
+    def step(self, state, chunk, *, final=False):
+        self.fed += len(chunk)
+        return self.inner.step(state, chunk, final=final)
+
+    def step_batch(self, states, chunks, *, final=False):
+        self.fed += sum(len(c) for c in chunks)
+        return self.inner.step_batch(states, chunks, final=final)
+
+    def speech_probs(self, audio, rate: int = SR):
+        return self.inner.speech_probs(audio, rate)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: Silero's window-by-window LSTM slows down a lot with two threads on a
+    busy 2-core machine (as tests/whisper/test_speech_gate.py)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_gate_scan_is_bounded_fair_and_exact() -> None:
+    from oasr.audio import load_audio
+    from oasr.vad import default_detector
+    from oasr_models_whisper.speech_gate import GateScan, has_speech
+    from tests.server.test_realtime import FIRST
+
+    clip = load_audio(str(FIRST), SR)
+    rng = np.random.default_rng(0)
+    noise = lambda s: (0.003 * rng.standard_normal(int(s * SR))).astype(np.float32)  # noqa: E731
+    cases = {
+        "short_speech": clip,
+        "long_noise_a": noise(60),
+        "long_noise_b": noise(40),
+        "speech_after_30s": np.concatenate([noise(30), clip]),
+        "speech_then_silence": np.concatenate([clip, np.zeros(30 * SR, np.float32)]),
+        "empty": np.zeros(0, np.float32),
+    }
+    det = Counting(default_detector())
+    want = {k: has_speech(a, det.inner) for k, a in cases.items()}
+    assert want == {"short_speech": True, "long_noise_a": False, "long_noise_b": False,
+                    "speech_after_30s": True, "speech_then_silence": True, "empty": False}  # fmt: skip
+
+    budget = 15 * SR
+    gate = GateScan(det, budget)
+    for k, a in cases.items():
+        gate.add(k, a)
+    got: dict[str, bool] = {}
+    rounds: dict[str, int] = {}
+    n = 0
+    while len(gate):
+        det.fed = 0
+        decided = gate.advance()
+        n += 1
+        assert det.fed <= budget + len(cases) * gate.window, det.fed  # the step's bound
+        got.update(decided)
+        rounds.update(dict.fromkeys(decided, n))
+        if n == 1:
+            gate.remove("long_noise_b")  # an abort between steps: dropped from the scan
+    assert got == {k: v for k, v in want.items() if k != "long_noise_b"}
+    # the short clip and the empty input are decided in the first step beside 130 s of others
+    assert rounds["short_speech"] == rounds["empty"] == 1
+    assert rounds["speech_then_silence"] == 1  # speech found: the 30 s of silence not scanned
+    assert rounds["long_noise_a"] >= 60 * SR // budget  # the long scan spread over steps

@@ -158,3 +158,33 @@ def test_bad_input_is_a_typed_error(toy_graph):
         dec.decode(torch.zeros(1, 5, toy_graph.num_tokens + 1))
     with pytest.raises(InvalidRequestError, match="beam"):
         WfstSearchOptions(beam=0)
+
+
+@pytest.fixture(scope="module")
+def realistic_graph():
+    from benchmarks.wfstbench import build_realistic_graph, pocketsphinx_model_dir
+
+    if pocketsphinx_model_dir() is None:
+        pytest.skip("needs the pocketsphinx-en-us LM and dictionary: `apt-get install "
+                    "pocketsphinx-en-us` (scripts/setup.sh does it where apt-get runs as root)")
+    return build_realistic_graph(1000, min_log10_prob=-1.5)
+
+
+def test_realistic_graph_matches_kaldi_faster_decoder(realistic_graph):
+    """TLG over 39 CMU phones and 1000 words of pocketsphinx's US English trigram LM."""
+    from benchmarks.wfstbench import synthetic_batch
+
+    g = realistic_graph
+    assert g.num_tokens == 40 and len(g.words) - 1 >= 900 and g.num_arcs > 100_000
+    lp = synthetic_batch(g, 4, 100, seed=5)
+    lengths = [100, 80, 100, 63]
+    opts = WfstSearchOptions(beam=10.0, acoustic_scale=0.8)
+    hyps = WfstDecoder(g, "cpu", opts).decode(torch.from_numpy(lp), lengths)
+    fst = to_kaldifst(g)
+    for b, hyp in enumerate(hyps):
+        scaled = lp[b, : lengths[b]] * np.float32(opts.acoustic_scale)
+        words, frames, cost = kaldi_decode(fst, scaled, opts.beam, opts.max_active,
+                                           opts.min_active, opts.beam_delta)
+        assert len(words) >= 3
+        assert hyp.word_ids == words and hyp.word_frames == frames, b
+        assert hyp.cost == pytest.approx(cost, abs=1e-3)

@@ -94,11 +94,12 @@ def read_lexicon(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
     """``word unit unit ...`` per line (the first pronunciation of a word counts once per line;
     a word may have several lines). ``word(2)`` variants of CMU dictionaries keep their word."""
     out = []
+    variant = re.compile(r"\(\d+\)$")
     for line in lines:
         parts = line.split()
         if len(parts) < 2 or parts[0].startswith("#"):
             continue
-        word = re.sub(r"\(\d+\)$", "", parts[0])
+        word = variant.sub("", parts[0]) if parts[0].endswith(")") else parts[0]
         out.append((word, parts[1:]))
     return out
 

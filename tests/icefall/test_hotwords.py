@@ -130,3 +130,56 @@ def test_gpu_model_uses_the_tensor_search(offline_release, helpers) -> None:
         got = model.decode(enc, enc_lens, opts)
         assert [h.tokens for h in got] == [w[0].tokens for w in want]
         assert [h.times for h in got] == [w[0].times for w in want]
+
+
+def _stream_finals(path: str, audios, device: str, tensor: bool, force: bool = False) -> list[str]:
+    """Finals of streams fed together chunk by chunk (CTC prefix beam, beam 4, a hotword);
+    ``tensor``: the tensor search (batched per step), ``force``: even off CUDA."""
+    from oasr.decoders.ctc_gpu import GPUCTCPrefixBeamSearch
+    from oasr.engine import ASREngine
+
+    engine = ASREngine(EngineConfig(ckpt_dir=path, service_mode="streaming", device=device,
+                                    dtype="float32"))
+    try:
+        model = engine.model
+        model.tensor_ctc_search = tensor
+        if force:
+            model._new_search = lambda o, method, batch: GPUCTCPrefixBeamSearch(
+                model._beam(o), model.blank_id, model.device, model._context_graph(o))
+        word = model.tokens.piece(3).lstrip("\u2581") + model.tokens.piece(4)
+        opts = DecodingOptions.build(beam_size=4, decoding_method="ctc_prefix_beam_search",
+                                     hotwords=(word + " :3",))
+        rids = [engine.add_streaming_request(opts) for _ in audios]
+        done: dict[str, str] = {}
+        step = 3200
+        for i in range(0, max(len(a) for a in audios), step):
+            for rid, a in zip(rids, audios, strict=True):
+                if i < len(a):
+                    engine.feed_chunk(rid, a[i : i + step], is_last=i + step >= len(a))
+            done |= {o.request_id: o.text for o in engine.step() if o.is_final}
+        done |= {rid: t.text for rid, t in engine.run().items() if t is not None}
+        return [done[r] for r in rids]
+    finally:
+        engine.shutdown()
+
+
+def test_streams_batch_the_tensor_search(causal_release, helpers) -> None:
+    """Streams whose CTC prefix beams are tensor searches advance in one batched step per
+    chunk (``step_streams``); the finals equal the host search's, hotwords included."""
+    import numpy as np
+
+    audios = [np.concatenate(helpers.waves(2, seed=s)) for s in (5, 6)]
+    path = str(causal_release[1])
+    host = _stream_finals(path, audios, "cpu", False)
+    assert any(host)
+    assert _stream_finals(path, audios, "cpu", True, force=True) == host
+
+
+@pytest.mark.gpu
+def test_gpu_streams_batch_the_tensor_search(causal_release, helpers) -> None:
+    """On CUDA the model picks the tensor search for streams by itself."""
+    import numpy as np
+
+    audios = [np.concatenate(helpers.waves(2, seed=s)) for s in (5, 6)]
+    path = str(causal_release[1])
+    assert _stream_finals(path, audios, "cuda", True) == _stream_finals(path, audios, "cuda", False)

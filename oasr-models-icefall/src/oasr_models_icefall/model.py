@@ -39,7 +39,7 @@ from oasr.decoders import (
     token_timestamps,
 )
 from oasr.decoders.context_graph import ContextGraph, PieceEncoder, context_graph_for
-from oasr.decoders.ctc_gpu import ctc_prefix_beam_search_gpu
+from oasr.decoders.ctc_gpu import GPUCTCPrefixBeamSearch, ctc_prefix_beam_search_gpu, step_streams
 from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.features.kaldi import KaldiFbank
 from oasr.layers import default_dtype, resolve_dtype
@@ -195,6 +195,9 @@ class _IcefallASR:
         self.cuda_graphs = True
         self.max_token_duration = 1.0
         self._encoder: PieceEncoder | None = None  # hotword spelling, made on first use
+        #: CTC prefix beam search on CUDA as batched tensor operations (oasr.decoders.ctc_gpu);
+        #: False keeps the host search
+        self.tensor_ctc_search = True
 
     # -- native format (oasr convert) -----------------------------------------------------
     def save_native(self, dst: str | Path) -> str:
@@ -312,6 +315,9 @@ class _IcefallASR:
                                                 context_graph=self._context_graph(o))  # fmt: skip
         if method == "ctc_greedy_search":
             return CTCGreedySearch(self.blank_id)
+        if self.tensor_ctc_search and self.device.type == "cuda":  # streams batch in one step
+            return GPUCTCPrefixBeamSearch(self._beam(o), self.blank_id, self.device,
+                                          self._context_graph(o))
         return CTCPrefixBeamSearch(self._beam(o), self.blank_id, self._context_graph(o))
 
     # -- encoder ----------------------------------------------------------------------------
@@ -344,14 +350,15 @@ class _IcefallASR:
             if method.startswith("ctc"):
                 lp = self.net.ctc_log_probs(enc)
                 # the prefix beam search runs on CUDA as batched tensor operations
-                return lp if method == "ctc_prefix_beam_search" and lp.is_cuda else lp.cpu()
+                tensor = method == "ctc_prefix_beam_search" and lp.is_cuda and self.tensor_ctc_search
+                return lp if tensor else lp.cpu()
             return self.net.joiner.encoder_proj(enc)
 
     def decode(self, enc: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions) -> list[Hypothesis]:
         method = self._method(options)
         frames = self._search_frames(enc, method)
         lens_list = [int(n) for n in lens]
-        if method == "ctc_prefix_beam_search" and frames.is_cuda:
+        if method == "ctc_prefix_beam_search" and frames.is_cuda:  # (tensor_ctc_search)
             if options.blank_penalty:
                 frames = frames.clone()
                 frames[:, :, self.blank_id] -= options.blank_penalty
@@ -500,7 +507,7 @@ class _IcefallASR:
             return st.hyp
         if isinstance(s, (CTCGreedySearch,)):
             return s.result()
-        if isinstance(s, CTCPrefixBeamSearch):
+        if isinstance(s, (CTCPrefixBeamSearch, GPUCTCPrefixBeamSearch)):
             return s.best()
         if isinstance(s, TransducerGreedySearch):
             return s.results()[0]
@@ -517,6 +524,7 @@ class _IcefallASR:
         greedy = [i for i, st in enumerate(states) if st.search is None]
         if greedy:
             self._greedy_rows([states[i] for i in greedy], out[greedy] if len(greedy) < len(states) else out)
+        tensor_beams: list[tuple[GPUCTCPrefixBeamSearch, torch.Tensor]] = []
         for i, st in enumerate(states):
             if len(states) > 1:
                 st.caches = new.row(i)
@@ -531,9 +539,14 @@ class _IcefallASR:
                 if st.options.blank_penalty:
                     lp = lp.clone()
                     lp[:, self.blank_id] -= st.options.blank_penalty
-                st.search.step(lp)
+                if isinstance(st.search, GPUCTCPrefixBeamSearch):
+                    tensor_beams.append((st.search, lp))
+                else:
+                    st.search.step(lp)
             else:
                 st.search.step(f, [f.shape[1]])
+        if tensor_beams:  # every tensor prefix beam of this chunk in one batched step
+            step_streams([b for b, _ in tensor_beams], [lp for _, lp in tensor_beams])
 
     def _greedy_rows(self, states: list[IcefallStream], enc: torch.Tensor) -> None:
         """Greedy search of one chunk for several streams in one batched search (each stream

@@ -539,13 +539,11 @@ class Zipformer(nn.Module):
         varied = b > 1
         valid = _valid_mask(lengths, t) if varied else None
         mask = self.chunk_mask(t, chunk_size, left_context_frames, x.device)
-        attn_mask = None
-        if mask is not None or valid is not None:
-            attn_mask = torch.zeros(b, 1, t, t, dtype=torch.bool, device=x.device)
-            if mask is not None:
-                attn_mask = attn_mask | mask
-            if valid is not None:
-                attn_mask = attn_mask | ~valid[:, None, None, :]
+        # True = masked. Full context: the padded keys only, (B, 1, 1, T) broadcast over the
+        # queries (no (B, 1, T, T) tensor to build and read in every layer); chunked: both
+        attn_mask = None if valid is None else ~valid[:, None, None, :]
+        if mask is not None:
+            attn_mask = mask[None, None] if attn_mask is None else attn_mask | mask
         outputs = []
         for i, module in enumerate(self.encoders):
             x = _channels(x, self.cfg.encoder_dim[i])

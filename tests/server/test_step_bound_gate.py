@@ -39,6 +39,10 @@ class Counting:
     def speech_probs(self, audio, rate: int = SR):
         return self.inner.speech_probs(audio, rate)
 
+    def speech_probs_batch(self, audios, rate: int = SR):
+        self.fed += sum(len(a) for a in audios)
+        return self.inner.speech_probs_batch(audios, rate)
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -52,7 +56,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_gate_scan_is_bounded_fair_and_exact() -> None:
+@pytest.mark.parametrize("whole_batch", [False, True], ids=["stepped", "whole_batch"])
+def test_gate_scan_is_bounded_fair_and_exact(whole_batch: bool) -> None:
+    """``whole_batch``: inputs scanned whole in one advance go through the stateless batched
+    forward (what a GPU detector does), the rest through the stateful step."""
     from oasr.audio import load_audio
     from oasr.vad import default_detector
     from oasr_models_whisper.speech_gate import GateScan, has_speech
@@ -63,6 +70,7 @@ def test_gate_scan_is_bounded_fair_and_exact() -> None:
     noise = lambda s: (0.003 * rng.standard_normal(int(s * SR))).astype(np.float32)  # noqa: E731
     cases = {
         "short_speech": clip,
+        "short_noise": noise(1.5),
         "long_noise_a": noise(60),
         "long_noise_b": noise(40),
         "speech_after_30s": np.concatenate([noise(30), clip]),
@@ -70,12 +78,16 @@ def test_gate_scan_is_bounded_fair_and_exact() -> None:
         "empty": np.zeros(0, np.float32),
     }
     det = Counting(default_detector())
+    batched = []
+    det.speech_probs_batch = lambda audios, rate=SR: batched.append(len(audios)) or (  # noqa: E731
+        Counting.speech_probs_batch(det, audios, rate))
     want = {k: has_speech(a, det.inner) for k, a in cases.items()}
-    assert want == {"short_speech": True, "long_noise_a": False, "long_noise_b": False,
+    assert want == {"short_speech": True, "short_noise": False, "long_noise_a": False, "long_noise_b": False,
                     "speech_after_30s": True, "speech_then_silence": True, "empty": False}  # fmt: skip
 
     budget = 15 * SR
     gate = GateScan(det, budget)
+    gate._whole_batch = whole_batch
     for k, a in cases.items():
         gate.add(k, a)
     got: dict[str, bool] = {}
@@ -91,7 +103,8 @@ def test_gate_scan_is_bounded_fair_and_exact() -> None:
         if n == 1:
             gate.remove("long_noise_b")  # an abort between steps: dropped from the scan
     assert got == {k: v for k, v in want.items() if k != "long_noise_b"}
+    assert bool(batched) == whole_batch  # the two short inputs went through one batched call
     # the short clip and the empty input are decided in the first step beside 130 s of others
-    assert rounds["short_speech"] == rounds["empty"] == 1
+    assert rounds["short_speech"] == rounds["short_noise"] == rounds["empty"] == 1
     assert rounds["speech_then_silence"] == 1  # speech found: the 30 s of silence not scanned
     assert rounds["long_noise_a"] >= 60 * SR // budget  # the long scan spread over steps

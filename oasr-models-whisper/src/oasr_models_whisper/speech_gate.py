@@ -151,6 +151,8 @@ class GateScan:
         #: samples scanned per advance, summed over the inputs (at least one window each)
         self.budget = max(self.window, int(budget))
         self._native = SAMPLE_RATE in tuple(detector.sample_rates)
+        on_cpu = str(getattr(detector, "device", "cpu")).startswith("cpu")
+        self._whole_batch = not on_cpu and hasattr(detector, "speech_probs_batch")
         self._scans: dict[object, list] = {}  # key -> [audio, position, state, segmenter]
 
     def __len__(self) -> int:
@@ -193,11 +195,27 @@ class GateScan:
             chunks.append(x[pos:end])
             finals.append(end >= len(x))
             self._scans[key][1] = end
-        states = [self._scans[k][2] for k in keys]
+        probs: list = [None] * len(keys)
+        sliced = list(range(len(keys)))
+        if self._whole_batch:
+            # inputs scanned whole in this advance: one stateless batched forward (cuDNN's LSTM
+            # over the whole sequence; a stateful step with rows of different lengths runs the
+            # launch-bound masked loop)
+            whole = [i for i in sliced if finals[i] and len(chunks[i]) == len(self._scans[keys[i]][0])]
+            if len(whole) > 1:
+                batch = self.detector.speech_probs_batch([chunks[i] for i in whole], SAMPLE_RATE)
+                for i, p in zip(whole, batch, strict=True):
+                    probs[i] = p
+                sliced = [i for i in sliced if probs[i] is None]
+        states = [self._scans[keys[i]][2] for i in sliced]
+        parts = [chunks[i] for i in sliced]
+        ends = [finals[i] for i in sliced]
         if hasattr(self.detector, "step_batch"):
-            probs = self.detector.step_batch(states, chunks, final=finals)
+            stepped = self.detector.step_batch(states, parts, final=ends) if sliced else []
         else:
-            probs = [self.detector.step(st, c, final=f) for st, c, f in zip(states, chunks, finals, strict=True)]
+            stepped = [self.detector.step(st, c, final=f) for st, c, f in zip(states, parts, ends, strict=True)]
+        for i, p in zip(sliced, stepped, strict=True):
+            probs[i] = p
         for key, p, final in zip(keys, probs, finals, strict=True):
             x, _, _, segmenter = self._scans[key]
             if segmenter.push(p):

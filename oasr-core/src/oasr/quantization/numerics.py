@@ -63,10 +63,15 @@ def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
 def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_q (M, K), s_x (M, 1) float32)``: per-token dynamic quantization of a 2-D input. The
     scale is computed in float32 whatever the input's dtype (fp16 rows quantize the same on CPU
-    and GPU)."""
+    and GPU). Few passes over ``x``: this runs before every quantized GEMM."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / qmax(fmt)).clamp_min_(_TINY)
-    return _to_format(xf / scale, fmt), scale
+    q = qmax(fmt)
+    amax = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True)
+    scale = amax.div_(q).clamp_min_(_TINY)
+    scaled = torch.div(xf, scale)
+    if fmt == "int8":
+        return scaled.round_().clamp_(-q, q).to(torch.int8), scale
+    return scaled.clamp_(-q, q).to(FP8_DTYPE), scale
 
 
 def reference_linear(

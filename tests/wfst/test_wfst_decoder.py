@@ -20,8 +20,6 @@ from oasr_decoders_wfst.synthetic import peaky_log_probs
 sys.path.insert(0, str(Path(__file__).parent))
 from _kaldi_reference import kaldi_decode, to_kaldifst  # noqa: E402
 
-pytest.importorskip("kaldi_decoder")
-
 TOY_ARPA = """
 \\data\\
 ngram 1=8
@@ -102,6 +100,7 @@ SETTINGS = [
 @pytest.mark.parametrize("opts", SETTINGS, ids=["default", "max_active", "narrow"])
 @pytest.mark.parametrize("peaky", [False, True], ids=["random", "peaky"])
 def test_toy_graph_matches_kaldi_faster_decoder(toy_graph, opts, peaky):
+    pytest.importorskip("kaldi_decoder")
     lp, lengths = _inputs(toy_graph, 8, 60, seed=1 + peaky, peaky=peaky)
     hyps = WfstDecoder(toy_graph, "cpu", opts).decode(lp, lengths)
     fst = to_kaldifst(toy_graph)
@@ -172,6 +171,7 @@ def realistic_graph():
 
 def test_realistic_graph_matches_kaldi_faster_decoder(realistic_graph):
     """TLG over 39 CMU phones and 1000 words of pocketsphinx's US English trigram LM."""
+    pytest.importorskip("kaldi_decoder")
     from benchmarks.wfstbench import synthetic_batch
 
     g = realistic_graph

@@ -86,6 +86,14 @@ class StreamResult:
     text_equal_offline: float
     text_equal_offline_chunked: float
     texts: list[str] = field(default_factory=list)
+    #: the lag did not grow (every last chunk answered within 2 chunks); ``held`` also needs
+    #: step p99 <= ``p99_target_ms``
+    lag_held: bool = True
+    p99_target_ms: float = 0.0
+    batch_wait_ms: float = 0.0
+    graph_replays: int = 0
+    graph_captures_during_run: int = 0
+    pool: dict = field(default_factory=dict)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -225,6 +233,19 @@ def stream_audio(i: int, seconds: float, sr: int = 16000) -> np.ndarray:
 
 
 # -- one run ---------------------------------------------------------------------------------------
+def latency_target_ms(chunk_ms: float) -> float:
+    """Issue #20's p99 step-latency targets: 100 ms at 640 ms chunks, 50 ms at 160 ms (and any
+    chunk shorter than 640 ms)."""
+    return 100.0 if chunk_ms >= 639 else 50.0
+
+
+def history_frames(model, seconds: float, left_chunks: int) -> int:
+    """Attention history a stream of ``seconds`` reaches (encoder frames)."""
+    if left_chunks >= 0:
+        return model.chunk_size * left_chunks
+    return int(seconds / model.frame_shift) + model.chunk_size
+
+
 def run_streams(
     model,
     n: int,
@@ -236,7 +257,12 @@ def run_streams(
     beam: int = 1,
     aligned: bool = False,
     keep_texts: bool = False,
+    batch_wait_ms: float = 0.0,
+    target_ms: float | None = None,
+    check_texts: int = 8,
 ) -> StreamResult:
+    import heapq
+
     from oasr.engine import ASREngine
     from oasr.types import DecodingOptions, EngineConfig
 
@@ -247,6 +273,8 @@ def run_streams(
         ),
         model=model,
     )
+    sched = engine.streaming
+    sched.max_batch_wait_s = batch_wait_ms / 1000.0
     options = DecodingOptions(beam_size=beam)
     audios = [stream_audio(i, seconds, sr) for i in range(n)]
     csz = int(round(chunk_ms * sr / 1000))
@@ -257,6 +285,7 @@ def run_streams(
     rids = [engine.add_streaming_request(options, request_id=f"s{i}") for i in range(n)]
     nxt = [0] * n  # next chunk to release
     covered = [0] * n  # chunks whose latency is recorded
+    k_ready = [0] * n  # first chunk whose end reaches the consumed audio
     rel: list[list[float]] = [[0.0] * len(e) for e in ends]
     chunk_lat: list[float] = []
     step_lat: list[float] = []
@@ -264,29 +293,34 @@ def run_streams(
     finals: list[str | None] = [None] * n
     batch_sizes: list[int] = []
     busy = 0.0
+    graphs = getattr(model, "_stream_graphs", lambda: None)() if device.startswith("cuda") else None
+    replays0 = graphs.stats["replays"] if graphs is not None else 0
+    captures0 = graphs.stats["captures"] if graphs is not None else 0
+    peak_pool: dict = {}
     t0 = time.perf_counter() + 0.01
-    while any(f is None for f in finals):
+    due_heap = [(t0 + phase[i] + ends[i][0] / sr, i) for i in range(n)]
+    heapq.heapify(due_heap)
+    left = n
+    while left:
         now = time.perf_counter()
-        for i in range(n):
-            while nxt[i] < len(ends[i]):
-                k = nxt[i]
-                due = t0 + phase[i] + ends[i][k] / sr
-                if due > now:
-                    break
-                lo = ends[i][k - 1] if k else 0
-                last = k == len(ends[i]) - 1
-                engine.feed_chunk(rids[i], audios[i][lo : ends[i][k]], is_last=last)
-                rel[i][k] = due
-                nxt[i] += 1
+        while due_heap and due_heap[0][0] <= now:
+            due, i = heapq.heappop(due_heap)
+            k = nxt[i]
+            lo = ends[i][k - 1] if k else 0
+            last = k == len(ends[i]) - 1
+            engine.feed_chunk(rids[i], audios[i][lo : ends[i][k]], is_last=last)
+            rel[i][k] = due
+            nxt[i] += 1
+            if not last:
+                heapq.heappush(due_heap, (t0 + phase[i] + ends[i][k + 1] / sr, i))
         ts = time.perf_counter()
         outs = engine.step()
         te = time.perf_counter()
         if not outs:
-            pending = [
-                t0 + phase[i] + ends[i][nxt[i]] / sr for i in range(n) if nxt[i] < len(ends[i])
-            ]
-            if pending:
-                time.sleep(max(0.0, min(min(pending) - time.perf_counter(), 0.005)))
+            wait = sched.hold_remaining()
+            pending = due_heap[0][0] - time.perf_counter() if due_heap else 0.005
+            pause = min(pending, wait) if wait > 0 else pending
+            time.sleep(max(0.0, min(pause, 0.005)))
             continue
         busy += te - ts
         batch_sizes.append(len(outs))
@@ -296,29 +330,40 @@ def run_streams(
                 consumed = len(audios[i])
                 finals[i] = o.text
                 last_lat[i] = te - rel[i][-1]
+                left -= 1
             else:
-                info = engine.streaming.info(o.request_id)
+                info = sched.info(o.request_id)
                 consumed = info.samples_in - info.buffered_samples
             # the chunk that made the stream ready: the first whose end reaches the consumed audio
-            k_ready = next((k for k in range(nxt[i]) if ends[i][k] >= consumed), nxt[i] - 1)
-            step_lat.append(te - rel[i][k_ready])
+            while k_ready[i] < nxt[i] - 1 and ends[i][k_ready[i]] < consumed:
+                k_ready[i] += 1
+            step_lat.append(te - rel[i][k_ready[i]])
             while covered[i] < nxt[i] and ends[i][covered[i]] <= consumed:
                 chunk_lat.append(te - rel[i][covered[i]])
                 covered[i] += 1
+        if len(batch_sizes) % 64 == 1:
+            occ = sched.occupancy()
+            if occ.get("pool_blocks_used", 0) >= peak_pool.get("pool_blocks_used", -1):
+                peak_pool = occ
     wall = time.perf_counter() - t0
     for rid in rids:
-        engine.streaming.release(rid)
+        sched.release(rid)
 
-    # offline references: full attention (the model's default) and the stream's chunk mask
-    offline = [t.text for t in model.transcribe(audios, options)]
+    # offline references (the first ``check_texts`` streams): full attention (the model's
+    # default) and the stream's chunk mask
+    m = min(n, check_texts)
+    offline = [t.text for t in model.transcribe(audios[:m], options)]
     saved = (model.offline_chunk_size, model.offline_left_chunks)
     model.offline_chunk_size, model.offline_left_chunks = model.chunk_size, model.num_left_chunks
     try:
-        chunked = [t.text for t in model.transcribe(audios, options)]
+        chunked = [t.text for t in model.transcribe(audios[:m], options)]
     finally:
         model.offline_chunk_size, model.offline_left_chunks = saved
     texts = [f or "" for f in finals]
     ms = 1000.0
+    p99 = _pct(step_lat, 99) * ms
+    target = latency_target_ms(d * 1000) if target_ms is None else target_ms
+    lag_held = bool(np.max(last_lat) < 2 * d)
     return StreamResult(
         streams=n, seconds=seconds, chunk_ms=d * 1000, wall_s=wall, busy_s=busy,
         rtf=busy / (n * seconds), load=busy / seconds, steps=len(batch_sizes),
@@ -326,13 +371,17 @@ def run_streams(
         chunk_latency_p50_ms=_pct(chunk_lat, 50) * ms, chunk_latency_p90_ms=_pct(chunk_lat, 90) * ms,
         chunk_latency_p99_ms=_pct(chunk_lat, 99) * ms,
         step_latency_p50_ms=_pct(step_lat, 50) * ms, step_latency_p90_ms=_pct(step_lat, 90) * ms,
-        step_latency_p99_ms=_pct(step_lat, 99) * ms,
+        step_latency_p99_ms=p99,
         last_latency_max_ms=float(np.max(last_lat)) * ms,
-        held=bool(np.max(last_lat) < 2 * d),
+        held=lag_held and p99 <= target,
         finished=sum(f is not None for f in finals),
-        text_equal_offline=float(np.mean([a == b for a, b in zip(texts, offline, strict=True)])),
-        text_equal_offline_chunked=float(np.mean([a == b for a, b in zip(texts, chunked, strict=True)])),
+        text_equal_offline=float(np.mean([a == b for a, b in zip(texts[:m], offline, strict=True)])),
+        text_equal_offline_chunked=float(np.mean([a == b for a, b in zip(texts[:m], chunked, strict=True)])),
         texts=texts if keep_texts else [],
+        lag_held=lag_held, p99_target_ms=target, batch_wait_ms=batch_wait_ms,
+        graph_replays=(graphs.stats["replays"] - replays0) if graphs is not None else 0,
+        graph_captures_during_run=(graphs.stats["captures"] - captures0) if graphs is not None else 0,
+        pool=peak_pool,
     )  # fmt: skip
 
 
@@ -349,9 +398,12 @@ def run_streaming(
     beam: int = 1,
     left_chunks: int = -1,
     find_max: bool = False,
-    max_streams: int = 1024,
+    max_streams: int = 2048,
     aligned: bool = False,
     keep_texts: bool = False,
+    batch_wait_ms: float | None = None,
+    target_ms: float | None = None,
+    refine: int = 2,
 ) -> dict:
     import torch
 
@@ -364,60 +416,92 @@ def run_streaming(
     frames = max(1, round(chunk_ms / frame_ms))
     model.chunk_size, model.num_left_chunks = frames, left_chunks
     chunk_ms = frames * frame_ms
+    cuda = device.startswith("cuda")
+    if batch_wait_ms is None:  # hold a step a few ms to fill it where a step has a fixed cost
+        batch_wait_ms = 5.0 if cuda else 0.0
+    target = latency_target_ms(chunk_ms) if target_ms is None else target_ms
+    t_start = time.perf_counter()
+    capture_s = 0.0
+
+    def prepare(n: int) -> None:
+        """Capture the CUDA graphs and grow the cache pool for n streams before measuring."""
+        nonlocal capture_s
+        capture = getattr(model, "capture_stream_graphs", None)
+        if cuda and capture is not None:
+            t = time.perf_counter()
+            capture(max_batch=n, chunk_size=frames, max_history=history_frames(model, seconds, left_chunks),
+                    streams=n)  # fmt: skip
+            torch.cuda.synchronize()
+            capture_s += time.perf_counter() - t
+
     # warm-up: one short stream through the same path
-    run_streams(
-        model,
-        1,
-        min(seconds, 2 * chunk_ms / 1000 + 0.2),
-        chunk_ms,
-        device=device,
-        threads=threads,
-        beam=beam,
-    )
+    prepare(1)
+    run_streams(model, 1, min(seconds, 2 * chunk_ms / 1000 + 0.2), chunk_ms, device=device,
+                threads=threads, beam=beam, batch_wait_ms=batch_wait_ms)  # fmt: skip
     results: list[StreamResult] = []
     max_held = None
     print(HEADER, flush=True)
 
     def measure(n: int) -> StreamResult:
+        prepare(n)
         r = run_streams(model, n, seconds, chunk_ms, device=device, threads=threads, beam=beam,
-                        aligned=aligned, keep_texts=keep_texts)  # fmt: skip
+                        aligned=aligned, keep_texts=keep_texts, batch_wait_ms=batch_wait_ms,
+                        target_ms=target)  # fmt: skip
         results.append(r)
         _print_row(r)
         return r
 
     if find_max:
-        n = 1
+        # doubling from the first --streams count, then ``refine`` bisection steps between the
+        # largest count held and the smallest not held
+        n = max(1, streams[0]) if streams else 1
+        failed = None
         while n <= max_streams:
-            r = measure(n)
-            if not r.held:
+            if measure(n).held:
+                max_held = n
+                n *= 2
+            else:
+                failed = n
                 break
-            max_held = n
-            n *= 2
+        lo = max_held
+        for _ in range(refine if failed is not None and lo is not None else 0):
+            mid = (lo + failed) // 2
+            if mid <= lo or mid >= failed:
+                break
+            if measure(mid).held:
+                lo = max_held = max(max_held, mid)
+            else:
+                failed = mid
     else:
         for n in streams:
             measure(n)
         held = [r.streams for r in results if r.held]
         max_held = max(held) if held else None
     params = sum(p.numel() for p in model.net.parameters())
+    graphs = getattr(model, "_stream_graphs", lambda: None)() if cuda else None
     return {
         "workload": "streaming", "model": model.name, "shape": "ckpt" if ckpt_dir else shape,
         "ckpt_dir": str(ckpt_dir or (DEFAULT_CKPT if shape == "small" else "")), "params": params,
         "device": device, "dtype": str(model.net.dtype).replace("torch.", ""), "threads": threads,
         "chunk_ms": chunk_ms, "chunk_frames": frames, "left_chunks": left_chunks, "seconds": seconds,
         "beam_size": beam, "sample_rate": sr, "aligned": aligned, "find_max": find_max,
+        "batch_wait_ms": batch_wait_ms, "p99_target_ms": target,
+        "cuda_graphs": graphs is not None, "graph_capture_s": capture_s,
+        "graph_captures": graphs.stats["captures"] if graphs is not None else 0,
+        "total_s": time.perf_counter() - t_start,
         "max_streams_held": max_held, "results": [asdict(r) for r in results],
     }  # fmt: skip
 
 
 HEADER = (
-    f"{'N':>4} {'chunk p50':>9} {'p90':>7} {'p99':>7} {'step p50':>9} {'p99':>7} {'last max':>9} "
+    f"{'N':>5} {'chunk p50':>9} {'p90':>7} {'p99':>7} {'step p50':>9} {'p99':>7} {'last max':>9} "
     f"{'RTF':>6} {'load':>6} {'batch':>6} {'held':>5} {'=off':>5} {'=chunk':>6}"
 )
 
 
 def _print_row(r: StreamResult) -> None:
     print(
-        f"{r.streams:4d} {r.chunk_latency_p50_ms:9.0f} {r.chunk_latency_p90_ms:7.0f} "
+        f"{r.streams:5d} {r.chunk_latency_p50_ms:9.0f} {r.chunk_latency_p90_ms:7.0f} "
         f"{r.chunk_latency_p99_ms:7.0f} {r.step_latency_p50_ms:9.1f} {r.step_latency_p99_ms:7.1f} "
         f"{r.last_latency_max_ms:9.0f} {r.rtf:6.3f} {r.load:6.2f} {r.mean_batch:6.2f} "
         f"{'yes' if r.held else 'NO':>5} {r.text_equal_offline:5.2f} {r.text_equal_offline_chunked:6.2f}",
@@ -434,7 +518,10 @@ def print_table(report: dict) -> None:
     print(HEADER)
     for r in report["results"]:
         _print_row(StreamResult(**r))
-    print(f"max streams held at real time: {report['max_streams_held']}")
+    print(f"max streams held at real time (lag bounded, step p99 <= {report['p99_target_ms']:.0f} ms): "
+          f"{report['max_streams_held']}  [batch wait {report['batch_wait_ms']:.0f} ms, CUDA graphs "
+          f"{'on' if report['cuda_graphs'] else 'off'} ({report['graph_captures']} captured in "
+          f"{report['graph_capture_s']:.1f} s), whole run {report['total_s']:.0f} s]")
 
 
 def main_streaming(args) -> dict:  # noqa: ANN001 - argparse namespace from asrbench
@@ -445,8 +532,40 @@ def main_streaming(args) -> dict:  # noqa: ANN001 - argparse namespace from asrb
         chunk_ms=args.chunk_ms, seconds=args.seconds or (3.0 if smoke else 10.0), device=args.device,
         dtype=args.dtype, threads=args.threads, beam=args.beam, left_chunks=args.left_chunks,
         find_max=args.find_max, aligned=args.aligned, keep_texts=smoke,
+        batch_wait_ms=getattr(args, "batch_wait_ms", None), target_ms=getattr(args, "p99_target_ms", None),
     )  # fmt: skip
     print_table(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
     return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``python -m benchmarks.streambench``: the streaming workload with its own flags (the same as
+    ``asrbench --workload streaming`` plus ``--batch-wait-ms`` and ``--p99-target-ms``)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default=None)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--shape", default=None, help="small | medium")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--streams", default=None, help="stream counts; with --find-max the first is the start")
+    p.add_argument("--chunk-ms", type=float, default=640.0)
+    p.add_argument("--seconds", type=float, default=None)
+    p.add_argument("--find-max", action="store_true")
+    p.add_argument("--beam", type=int, default=1)
+    p.add_argument("--left-chunks", type=int, default=-1)
+    p.add_argument("--aligned", action="store_true")
+    p.add_argument("--batch-wait-ms", type=float, default=None,
+                   help="StreamingScheduler.max_batch_wait_s in ms (default 5 on CUDA, 0 on CPU)")
+    p.add_argument("--p99-target-ms", type=float, default=None,
+                   help="step p99 a held count must meet (default 100 ms at >= 640 ms chunks, else 50)")
+    p.add_argument("--json", default=None)
+    return main_streaming(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

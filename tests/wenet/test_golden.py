@@ -20,9 +20,8 @@ def _encode_run(model, g: Golden, run: dict) -> list[torch.Tensor]:
     f0, f1 = g.feats
     if run["simulate_streaming"]:
         st = model.new_stream(None, chunk_size=run["chunk"], num_left_chunks=run["left"])
-        st.feats = f0.clone()
-        for w in model._windows(st, True):
-            model._encode_chunks([st], [w])
+        st.keep_encoder_output = True
+        model.stream_features(st, f0.clone())
         return [torch.cat(st.enc)]
     feats = torch.nn.utils.rnn.pad_sequence([f0, f1], batch_first=True)
     enc, lens = model.encode_features(feats, torch.tensor([len(f0), len(f1)]), run["chunk"], run["left"])

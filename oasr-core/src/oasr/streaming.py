@@ -3,15 +3,29 @@
 The scheduler owns each stream's buffered audio and its model state
 (:class:`oasr.model.StreamState`). A stream is *ready* when it has buffered at least
 ``state.samples_needed`` samples, or when its last audio arrived (then everything left is handed
-over with ``is_last=True``). :meth:`step` takes the ready chunk of up to ``max_batch_size``
-streams (oldest waiting first) and calls ``model.stream_step`` once for all of them. Models
-promise results that do not depend on which streams share a batch, so batching is invisible to
-callers.
+over with ``is_last=True``). :meth:`step` takes the ready chunks of up to ``max_batch_size``
+streams and calls ``model.stream_step`` once for all of them. Models promise results that do not
+depend on which streams share a batch, so batching is invisible to callers.
+
+**Policy** (docs/scheduler.md, "Streaming"): ready streams are served first come, first served
+by the time their chunk became ready (then by arrival), so a stream is never overtaken by one
+that became ready after it and waits at most ``ceil(ready before it / max_batch_size)`` steps:
+starvation-free. With ``max_batch_wait_s > 0`` a step may *hold* to fill its batch: while fewer
+than ``max_batch_size`` streams are ready, some live stream may still become ready, and the
+oldest ready chunk has waited less than ``max_batch_wait_s``, :meth:`step` returns nothing and
+:meth:`hold_remaining` says how long the hold lasts (the caller sleeps that long or until new
+audio comes). A hold never outlasts ``max_batch_wait_s`` from the oldest ready chunk, which bounds
+the latency it adds. :meth:`run` never holds.
+
+**Memory**: a model with ``release_stream(state)`` (WeNet: its caches live in a
+:class:`oasr.stream_cache.StreamCachePool`) gets every state back when its stream finishes, is
+aborted or fails; :meth:`occupancy` reports live streams and the model's pool.
 
 Thread-safety: every public method may be called from any thread. Feeding and aborting only touch
 bookkeeping under a short lock; the model call runs under a separate step lock, so only one step
 runs at a time and ``feed_chunk`` never waits for the model. A stream aborted while its chunk is
-in the model is dropped when the step returns (no update is reported for it).
+in the model is dropped when the step returns (no update is reported for it) and its state is
+released then.
 
 No torch import here; numpy only.
 """
@@ -20,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +62,8 @@ class _Stream:
     finished: bool = False
     aborted: bool = False
     waiting_since: int = 0
+    #: monotonic time the stream's current chunk became ready (FIFO key)
+    ready_since: float = 0.0
     text: str = ""
     transcript: Transcript | None = None
     samples_in: int = 0
@@ -74,7 +91,8 @@ class StreamingScheduler:
 
     def __init__(self, model: StreamingASRModel, *, max_batch_size: int = 16,
                  max_streams: int | None = None,
-                 new_state: Callable[[DecodingOptions], Any] | None = None) -> None:
+                 new_state: Callable[[DecodingOptions], Any] | None = None,
+                 max_batch_wait_s: float = 0.0) -> None:  # fmt: skip
         from oasr.model import StreamingASRModel
 
         if not isinstance(model, StreamingASRModel) or not model.capabilities.streaming:
@@ -83,16 +101,24 @@ class StreamingScheduler:
             )
         if max_batch_size < 1:
             raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        if max_batch_wait_s < 0:
+            raise InvalidRequestError("max_batch_wait_s must be >= 0", param="max_batch_wait_s")
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_streams = max_streams
+        #: longest a step holds to fill its batch, from the oldest ready chunk (0: never holds)
+        self.max_batch_wait_s = max_batch_wait_s
         self._new_state = new_state or model.new_stream
+        self._release_state = getattr(model, "release_stream", None)
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count(1)
         self._seq = itertools.count()
         self._clock = 0
+        self._hold_until = 0.0
+        #: steps run, streams advanced, holds, most streams in one step
+        self.stats: dict[str, int] = {"steps": 0, "stream_updates": 0, "holds": 0, "max_batch": 0}
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, options: DecodingOptions | None = None, request_id: str | None = None) -> str:
@@ -125,12 +151,15 @@ class StreamingScheduler:
             s = self._get(rid)
             if s.last_received:
                 raise InvalidRequestError(f"stream {rid!r} already received its last chunk", param="audio")
+            was_ready = self._ready(s)
             if a.size:
                 s.chunks.append(a.copy())
                 s.buffered += a.size
                 s.samples_in += a.size
             if is_last:
                 s.last_received = True
+            if not was_ready and self._ready(s):
+                s.ready_since = time.monotonic()
 
     def abort(self, rid: str) -> bool:
         """Drop stream ``rid`` and its state. Returns False if it was unknown or already done."""
@@ -139,7 +168,17 @@ class StreamingScheduler:
             if s is None:
                 return False
             s.aborted = True
-            return not s.finished
+            release = not s.in_flight and not s.finished  # in flight: released when the step returns
+        if release:
+            self._release(s)
+        return not s.finished
+
+    def _release(self, s: _Stream) -> None:
+        if self._release_state is not None:
+            try:
+                self._release_state(s.state)
+            except Exception:  # noqa: BLE001 - freeing never fails a caller
+                pass
 
     def _get(self, rid: str) -> _Stream:
         s = self._streams.get(rid)
@@ -176,12 +215,33 @@ class StreamingScheduler:
 
     def step(self) -> list[tuple[str, StreamingUpdate]]:
         """Run one batched model call over the ready streams (up to ``max_batch_size``, those
-        waiting longest first). Returns ``(rid, StreamingUpdate)`` for each stream advanced;
-        an empty list when nothing was ready."""
+        whose chunk became ready first). Returns ``(rid, StreamingUpdate)`` for each stream
+        advanced; an empty list when nothing was ready or the step holds to fill its batch
+        (:meth:`hold_remaining`)."""
+        return self._step(hold=True)
+
+    def hold_remaining(self) -> float:
+        """Seconds the current hold lasts (0 when the last step did not hold)."""
+        return max(0.0, self._hold_until - time.monotonic())
+
+    def _step(self, hold: bool) -> list[tuple[str, StreamingUpdate]]:
         with self._step_lock:
             with self._lock:
                 ready = [s for s in self._streams.values() if self._ready(s)]
-                ready.sort(key=lambda s: (s.waiting_since, s.seq))
+                if not ready:
+                    self._hold_until = 0.0
+                    return []
+                if hold and self.max_batch_wait_s > 0 and len(ready) < self.max_batch_size:
+                    oldest = min(s.ready_since for s in ready)
+                    until = oldest + self.max_batch_wait_s
+                    if time.monotonic() < until and len(ready) < sum(
+                        1 for s in self._streams.values() if not s.finished and not s.in_flight
+                    ):
+                        self._hold_until = until
+                        self.stats["holds"] += 1
+                        return []
+                self._hold_until = 0.0
+                ready.sort(key=lambda s: (s.ready_since, s.seq))
                 batch = ready[: self.max_batch_size]
                 work = []
                 for s in batch:
@@ -189,8 +249,6 @@ class StreamingScheduler:
                     s.in_flight = True
                     work.append((s, chunk, last))
                 self._clock += 1
-            if not work:
-                return []
             try:
                 updates = self.model.stream_step(
                     [s.state for s, _, _ in work], [c for _, c, _ in work], [lst for _, _, lst in work]
@@ -201,19 +259,34 @@ class StreamingScheduler:
                         s.in_flight = False
                         s.finished = True
                         self._streams.pop(s.rid, None)
+                for s, _, _ in work:
+                    self._release(s)
                 raise
             out: list[tuple[str, StreamingUpdate]] = []
+            dropped = []
             with self._lock:
+                now = time.monotonic()
                 for (s, _, last), upd in zip(work, updates, strict=True):
                     s.in_flight = False
                     s.waiting_since = self._clock
                     if s.aborted:
+                        dropped.append(s)
                         continue
                     s.text = upd.text
                     if upd.is_final or last:
                         s.finished = True
                         s.transcript = upd.transcript
+                    elif self._ready(s):  # more audio was buffered: ready again from now
+                        s.ready_since = now
                     out.append((s.rid, upd))
+                self.stats["steps"] += 1
+                self.stats["stream_updates"] += len(out)
+                self.stats["max_batch"] = max(self.stats["max_batch"], len(work))
+            for s in dropped:
+                self._release(s)
+            for (s, _, last), upd in zip(work, updates, strict=True):
+                if not s.aborted and (upd.is_final or last):
+                    self._release(s)  # idempotent: models release finished states themselves
             return out
 
     def run(self, callback: Callable[[str, StreamingUpdate], None] | None = None,
@@ -223,7 +296,7 @@ class StreamingScheduler:
         this call, by id; ``callback(rid, update)`` sees every update as it happens."""
         finals: dict[str, Transcript | None] = {}
         while True:
-            updates = self.step()
+            updates = self._step(hold=False)
             if not updates:
                 break
             for rid, upd in updates:
@@ -251,6 +324,18 @@ class StreamingScheduler:
             if s is None:
                 raise InvalidRequestError(f"unknown stream {rid!r}", param="request_id")
             return StreamInfo(rid, s.buffered, s.samples_in, s.last_received, s.finished, s.text)
+
+    def occupancy(self) -> dict[str, float]:
+        """Gauges for metrics: live and ready streams, and the model's streaming cache pool
+        (``pool_*``: streams, slots, blocks used / allocated, bytes) where it has one."""
+        with self._lock:
+            live = sum(1 for s in self._streams.values() if not s.finished)
+            ready = sum(1 for s in self._streams.values() if self._ready(s))
+        out: dict[str, float] = {"streams": live, "ready": ready}
+        gauges = getattr(self.model, "stream_occupancy", None)
+        if gauges is not None:
+            out.update({f"pool_{k}": v for k, v in gauges().items()})
+        return out
 
     @property
     def num_active(self) -> int:

@@ -38,6 +38,7 @@ from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionE
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.options import ResolvedOptions
+from oasr.stream_cache import BATCH_BUCKETS, GraphSteps, StreamCachePool, StreamContext, bucket
 from oasr.types import (
     DecodingOptions,
     EngineConfig,
@@ -48,7 +49,7 @@ from oasr.types import (
     Word,
 )
 from oasr_models_wenet.config import WenetConfig
-from oasr_models_wenet.nn import ChunkCaches, WenetNet, build_network
+from oasr_models_wenet.nn import WenetNet, build_network
 from oasr_models_wenet.options import WenetOptions
 from oasr_models_wenet.plugin import CAPABILITIES
 
@@ -87,27 +88,28 @@ class Units:
 @dataclass
 class WenetStreamState:
     """Per-stream state (see the module docstring). ``samples_needed``: samples of new audio
-    the next chunk needs."""
+    the next chunk needs. The stream's attention history and convolution caches live in the
+    model's :class:`~oasr.stream_cache.StreamCachePool` under ``cache`` (its slot)."""
 
     options: ResolvedOptions  # common + WeNet options of this stream
     chunk_size: int
     num_left_chunks: int
-    fbank_stream: Any
     window: int  # feature frames of one chunk's input
     stride: int  # feature frames between chunk starts
     win_length: int
     hop_length: int
     search: Any
-    feats: torch.Tensor  # (n, F) feature frames not yet consumed (raw fbank)
+    cache: StreamContext | None = None
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # from frame frames_consumed
     samples_received: int = 0
-    frames_consumed: int = 0  # feature frames dropped from the front of ``feats``
+    frames_consumed: int = 0  # feature frames before the next chunk's first
     offset: int = 0  # encoder frames emitted
-    k: list[torch.Tensor] = field(default_factory=list)  # per layer (H, Tc, D)
-    v: list[torch.Tensor] = field(default_factory=list)
-    cnn: list[torch.Tensor | None] = field(default_factory=list)  # per layer (C, lorder)
+    keep_encoder_output: bool = False  # collect ``enc`` (attention rescoring, tests, VAD)
+    return_encoder_output: bool = False  # keep ``enc`` after the final update (tests, VAD)
     enc: list[torch.Tensor] = field(default_factory=list)  # encoder output chunks (T, d)
     finished: bool = False
     text: str = ""
+    tokens_seen: int = 0  # hypothesis length when ``text`` was last decoded
 
     @property
     def samples_needed(self) -> int:
@@ -116,6 +118,12 @@ class WenetStreamState:
         frames = self.frames_consumed + self.window
         total = self.win_length + (frames - 1) * self.hop_length
         return max(1, total - self.samples_received)
+
+    @property
+    def frames_available(self) -> int:
+        """Feature frames the received audio holds (Kaldi framing, ``snip_edges``)."""
+        n = self.samples_received
+        return 0 if n < self.win_length else 1 + (n - self.win_length) // self.hop_length
 
 
 class WenetASR:
@@ -426,11 +434,36 @@ class WenetASR:
         return [r for r in results if r is not None]
 
     # ------------------------------------------------------------------ streaming
+    #: streams run their steady-state chunk as CUDA-graph replays on CUDA (per batch and
+    #: history-length bucket); False: always eager
+    stream_cuda_graphs = True
+    #: the most attention-history frames a stream keeps when its ``num_left_chunks`` is < 0
+    #: (4096 frames = 164 s at 40 ms); older frames are dropped
+    stream_max_history = 4096
+
+    @property
+    def stream_pool(self) -> StreamCachePool:
+        """The streaming caches of all live streams (created with the first stream)."""
+        pool = self.__dict__.get("_stream_pool")
+        if pool is None:
+            enc = self.net.encoder
+            conv = enc.conv_cache_shape
+            pool = StreamCachePool(
+                slots={"cnn": (conv, self.net.dtype)} if conv is not None else {},
+                frame_shape=enc.history_shape, frame_dtype=self.net.dtype, block_size=16,
+                max_frames=self.stream_max_history, max_chunk_frames=512, device=self.net.device,
+            )  # fmt: skip
+            self.__dict__["_stream_pool"] = pool
+        return pool
+
     def new_stream(self, options: DecodingOptions | None = None, *, chunk_size: int | None = None,
-                   num_left_chunks: int | None = None, force: bool = False) -> WenetStreamState:
+                   num_left_chunks: int | None = None, force: bool = False,
+                   keep_encoder_output: bool | None = None) -> WenetStreamState:
         """A new stream. ``chunk_size`` / ``num_left_chunks`` default to the model's
         attributes; ``force=True`` streams a model trained without chunk masks anyway (the
-        ``ctc_blank`` VAD does; recognition quality is then not what the model was trained for)."""
+        ``ctc_blank`` VAD does; recognition quality is then not what the model was trained for).
+        ``keep_encoder_output``: collect the encoder output in ``state.enc`` (default: the
+        model's ``keep_encoder_output``; always when attention rescoring needs it)."""
         options = self._check(options or DecodingOptions())
         if not self.capabilities.streaming and not force:
             raise UnsupportedOptionError(
@@ -443,6 +476,9 @@ class WenetASR:
         if c <= 0:
             raise InvalidRequestError("streaming needs chunk_size > 0 (encoder frames per chunk)",
                                       param="chunk_size")
+        if c > self.stream_pool.max_chunk_frames:
+            raise InvalidRequestError(f"chunk_size is at most {self.stream_pool.max_chunk_frames} "
+                                      "encoder frames", param="chunk_size")  # fmt: skip
         sub = self.net.encoder.subsampling_rate
         context = self.net.encoder.right_context + 1
         method = self._method(options)
@@ -454,107 +490,262 @@ class WenetASR:
             )
         search = (CTCGreedySearch(self.config.blank_id) if method == "ctc_greedy_search"
                   else CTCPrefixBeamSearch(options.beam_size, self.config.blank_id))
-        net = self.net
-        return WenetStreamState(
-            options=options, chunk_size=c, num_left_chunks=left,
-            fbank_stream=self.fbank.stream(), window=(c - 1) * sub + context, stride=c * sub,
-            win_length=self.feature_spec.win_length, hop_length=self.feature_spec.hop_length,
-            search=search, feats=torch.zeros(0, self.fbank.dim),
-            k=[torch.zeros(0) for _ in net.encoder.encoders], v=[torch.zeros(0) for _ in net.encoder.encoders],
-            cnn=[None for _ in net.encoder.encoders],
-        )
+        keep = self.keep_encoder_output if keep_encoder_output is None else keep_encoder_output
+        st = WenetStreamState(
+            options=options, chunk_size=c, num_left_chunks=left, window=(c - 1) * sub + context,
+            stride=c * sub, win_length=self.feature_spec.win_length,
+            hop_length=self.feature_spec.hop_length, search=search,
+            keep_encoder_output=bool(keep) or method == "attention_rescoring",
+            return_encoder_output=bool(keep),
+        )  # fmt: skip
+        st.cache = self.stream_pool.open(owner=st)
+        return st
 
-    def _windows(self, st: WenetStreamState, last: bool) -> list[torch.Tensor]:
+    def release_stream(self, st: WenetStreamState) -> None:
+        """Return the stream's caches to the pool (finish, abort, disconnect; idempotent)."""
+        if st.cache is not None:
+            self.stream_pool.release(st.cache)
+
+    def stream_occupancy(self) -> dict[str, float]:
+        """The streaming cache pool's gauges (streams, slots, blocks used / allocated, bytes);
+        empty before the first stream."""
+        pool = self.__dict__.get("_stream_pool")
+        return {} if pool is None else pool.occupancy()
+
+    def _plan(self, st: WenetStreamState, last: bool) -> list[tuple[int, int]]:
+        """The chunk windows the stream's audio allows now: (first feature frame, frames)."""
         out = []
-        context = self.net.encoder.right_context + 1
-        while st.feats.shape[0] >= st.window:
-            out.append(st.feats[: st.window])
-            st.feats = st.feats[st.stride :]
-            st.frames_consumed += st.stride
-        if last:
-            if st.feats.shape[0] >= context:
-                out.append(st.feats)
-            st.feats = st.feats[:0]
+        avail = st.frames_available
+        f0 = st.frames_consumed
+        while avail - f0 >= st.window:
+            out.append((f0, st.window))
+            f0 += st.stride
+        if last and avail - f0 >= self.net.encoder.right_context + 1:
+            out.append((f0, avail - f0))
         return out
 
     def stream_step(self, states: Sequence[WenetStreamState], chunks: Sequence[np.ndarray],
                     is_last: Sequence[bool]) -> list[StreamingUpdate]:
         if not (len(states) == len(chunks) == len(is_last)):
             raise InvalidRequestError("states, chunks and is_last must have the same length")
-        pending: list[list[torch.Tensor]] = []
+        plans: list[list[tuple[int, int]]] = []
         for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
             if st.finished:
                 raise InvalidRequestError("this stream already finished; start a new one")
-            a = self._wave(chunk, k) if chunk is not None and len(chunk) else np.zeros(0, np.float32)
-            if len(a):
+            a = None
+            if chunk is not None and len(chunk):
+                # the engine hands over checked float32 mono arrays: no second conversion
+                ok = isinstance(chunk, np.ndarray) and chunk.dtype == np.float32 and chunk.ndim == 1
+                a = chunk if ok else self._wave(chunk, k)
+            if a is not None and len(a):
                 st.samples_received += len(a)
-                new = st.fbank_stream.accept(torch.from_numpy(a)).cpu()
-                if new.shape[0]:
-                    st.feats = torch.cat([st.feats, new.to(st.feats.dtype)])
-            pending.append(self._windows(st, bool(last)))
-        rounds = max((len(p) for p in pending), default=0)
-        for r in range(rounds):
-            rows = [i for i, p in enumerate(pending) if len(p) > r]
-            self._encode_chunks([states[i] for i in rows], [pending[i][r] for i in rows])
+                st.audio = np.concatenate([st.audio, a]) if st.audio.size else a
+            plans.append(self._plan(st, bool(last)))
+        self._run_plans(states, plans)
         updates = []
         for st, last in zip(states, is_last, strict=True):
             if last:
                 updates.append(self._finish(st))
-            else:
-                hyp = st.search.best() if isinstance(st.search, CTCPrefixBeamSearch) else st.search.result()
+                continue
+            hyp = st.search.hyp if isinstance(st.search, CTCGreedySearch) else st.search.best()
+            if isinstance(st.search, CTCPrefixBeamSearch) or len(hyp.tokens) != st.tokens_seen:
                 st.text = self.units.decode(hyp.tokens)
-                updates.append(StreamingUpdate(text=st.text, is_final=False))
+                st.tokens_seen = len(hyp.tokens)
+            updates.append(StreamingUpdate(text=st.text, is_final=False))
         return updates
 
-    def _encode_chunks(self, states: list[WenetStreamState], windows: list[torch.Tensor]) -> None:
-        net = self.net
-        enc = net.encoder
-        dev, dt = net.device, net.dtype
+    def flush_stream(self, st: WenetStreamState) -> None:
+        """Encode what is left of the stream's audio (its partial last chunk) without finishing
+        it (the ``ctc_blank`` VAD's final call)."""
+        self._run_plans([st], [self._plan(st, True)])
+
+    def _run_plans(self, states: Sequence[WenetStreamState], plans: list[list[tuple[int, int]]]) -> None:
+        """Every planned window, the r-th windows of all streams as one batched step."""
+        rounds = max((len(p) for p in plans), default=0)
+        for r in range(rounds):
+            rows = [i for i, p in enumerate(plans) if len(p) > r]
+            self._encode_chunks([states[i] for i in rows], [plans[i][r] for i in rows])
+
+    # one batched chunk step -------------------------------------------------------------------
+    def stream_features(self, st: WenetStreamState, feats: torch.Tensor) -> None:
+        """Run a whole (n, F) fbank sequence through the stream chunk by chunk, as its audio
+        would be (WeNet's ``simulate_streaming``; the parity tests feed WeNet's own features)."""
+        windows, f0, n = [], 0, feats.shape[0]
+        while n - f0 >= st.window:
+            windows.append((f0, st.window))
+            f0 += st.stride
+        if n - f0 >= self.net.encoder.right_context + 1:
+            windows.append((f0, n - f0))
+        for f0, nf in windows:
+            self._encode_chunks([st], [(f0, nf)], feats=[feats[f0 : f0 + nf]])
+
+    def _encode_chunks(self, states: list[WenetStreamState], windows: list[tuple[int, int]],
+                       feats: list[torch.Tensor] | None = None) -> None:
+        """One chunk of each stream in one encoder call: features from the streams' audio (one
+        batched fbank), history gathered from the pool by index, this chunk's keys/values and
+        convolution caches written back by index, CTC log-probabilities; then each stream's
+        search advances on the host (one device-to-host copy for the batch)."""
+        import torch
+
+        net, enc, pool = self.net, self.net.encoder, self.stream_pool
+        hop, win = self.feature_spec.hop_length, self.feature_spec.win_length
         b = len(states)
-        w = max(x.shape[0] for x in windows)
-        feats = torch.zeros(b, w, windows[0].shape[1])
-        for i, x in enumerate(windows):
-            feats[i, : x.shape[0]] = x
-        flens = torch.tensor([x.shape[0] for x in windows])
-        offsets = torch.tensor([st.offset for st in states])
-        caches = enc.new_caches(b, dev, dt)
-        tc = max(st.k[0].shape[1] if st.k[0].dim() == 3 else 0 for st in states) if enc.encoders else 0
-        cache_lens = torch.tensor([st.k[0].shape[1] if st.k and st.k[0].dim() == 3 else 0 for st in states])
-        if tc:
-            for li in range(len(enc.encoders)):
-                kk = caches.k[li].new_zeros(b, caches.k[li].shape[1], tc, caches.k[li].shape[3])
-                vv = kk.clone()
-                for i, st in enumerate(states):
-                    n = int(cache_lens[i])
-                    if n:
-                        kk[i, :, :n] = st.k[li]
-                        vv[i, :, :n] = st.v[li]
-                caches.k[li], caches.v[li] = kk, vv
-        caches.lengths = cache_lens.to(dev)
-        for li in range(len(enc.encoders)):
-            if caches.cnn[li] is not None:
-                for i, st in enumerate(states):
-                    if st.cnn[li] is not None:
-                        caches.cnn[li][i] = st.cnn[li]
+        ctxs = [st.cache for st in states]
+        flen = np.fromiter((w[1] for w in windows), np.int64, b)
+        new = flen.copy()
+        for k, stride in enc.embed.layers:  # the subsampling's output frames, vectorised
+            new = (new - k) // stride + 1
+        new = new.clip(min=0)
+        offsets = np.fromiter((st.offset for st in states), np.int64, b)
+        pool.reserve(ctxs, new)
+        hist_lens = np.fromiter((c.cached for c in ctxs), np.int64, b)
+        # padded to the full window (a batch of last, partial chunks replays the same graph);
+        # not with centred convolutions: they would see the padding's GLU output at the edge
+        w_max = int(flen.max())
+        if feats is None and not self._centred_conv:
+            w_max = max(w_max, max(st.window for st in states))
+        t_max = int(enc.embed.output_length(w_max))
+        graphs = self._stream_graphs() if self.net.device.type == "cuda" and feats is None else None
+        if graphs is not None:
+            rows = bucket(b, BATCH_BUCKETS)
+            s_max = _history_bucket(int(hist_lens.max()))
+        else:
+            rows, s_max = b, int(hist_lens.max())
+        read, _ = pool.read_index(ctxs, s_max)
+        write = pool.write_index(ctxs, new, t_max)
+        if feats is None:  # the audio of each window, (rows, samples), one host -> device copy
+            n_samp = (w_max - 1) * hop + win
+            audio = np.zeros((rows, n_samp), np.float32)
+            for i, (st, (f0, nf)) in enumerate(zip(states, windows, strict=True)):
+                lo = (f0 - st.frames_consumed) * hop
+                seg = st.audio[lo : lo + (nf - 1) * hop + win]
+                audio[i, : seg.size] = seg
+        ints = np.zeros((rows, 4 + s_max + t_max), np.int64)
+        ints[:b, 0], ints[:b, 1], ints[:b, 2], ints[:b, 3] = flen, offsets, hist_lens, pool.slot_ids(ctxs)
+        ints[:b, 4 : 4 + s_max] = read
+        ints[:b, 4 + s_max :] = write
+        if rows > b:  # padded rows: scratch slot 0, scratch block rows
+            ints[b:, 4 + s_max :] = np.arange(t_max) % pool.block_size
+        enc.ensure_positions(int(offsets.max()) + s_max + t_max + 1)
+        dev = net.device
+        ints_t = torch.from_numpy(ints).to(dev, non_blocking=True)
         with torch.no_grad():
-            out, out_lens, new = enc.forward_chunk(feats.to(dev, dt), flens.to(dev), offsets.to(dev), caches)
-            logp = net.ctc_log_probs(out).cpu()
+            if feats is not None:
+                f = torch.nn.utils.rnn.pad_sequence([x.float() for x in feats], batch_first=True)
+                out, logp, best = self._chunk_core(f.to(dev), ints_t)
+            elif graphs is not None:
+                audio_t = torch.from_numpy(audio).to(dev, non_blocking=True)
+                key = (rows, w_max, s_max)
+                generation = (pool.generation, enc.pos_enc.pe.data_ptr())
+                out, logp, best = graphs.run(key, generation, audio_t, ints_t)
+            else:
+                out, logp, best = self._chunk_compute(torch.from_numpy(audio).to(dev), ints_t)
+            host = best[:b].cpu()  # (b, 2, T): best log-probability, token
+            beam_rows = [i for i, st in enumerate(states) if isinstance(st.search, CTCPrefixBeamSearch)]
+            beam_lp = logp[beam_rows].cpu() if beam_rows else None
+            keep_rows = [i for i, st in enumerate(states) if st.keep_encoder_output]
+            kept = out[keep_rows].clone() if keep_rows else None
+        keep_hist = np.fromiter(
+            (-1 if st.num_left_chunks < 0 else st.chunk_size * st.num_left_chunks for st in states), np.int64, b)
+        pool.advance(ctxs, new, keep_hist)
         for i, st in enumerate(states):
-            n = int(out_lens[i])
-            c_len = int(cache_lens[i])
-            keep = -1 if st.num_left_chunks < 0 else st.chunk_size * st.num_left_chunks
-            for li in range(len(enc.encoders)):
-                # valid keys of row i: cache [0, c_len) then chunk frames [tc, tc + n)
-                kf = torch.cat([new.k[li][i, :, :c_len], new.k[li][i, :, tc : tc + n]], dim=1)
-                vf = torch.cat([new.v[li][i, :, :c_len], new.v[li][i, :, tc : tc + n]], dim=1)
-                if keep >= 0:
-                    kf, vf = kf[:, kf.shape[1] - min(keep, kf.shape[1]) :], vf[:, vf.shape[1] - min(keep, vf.shape[1]) :]
-                st.k[li], st.v[li] = kf, vf
-                if new.cnn[li] is not None:
-                    st.cnn[li] = new.cnn[li][i]
-            st.enc.append(out[i, :n])
-            st.offset += n
-            st.search.step(logp[i, :n])
+            st.offset += int(new[i])
+            full = windows[i][1] == st.window
+            st.audio = st.audio[st.stride * hop :] if full else st.audio[:0]
+            st.frames_consumed += st.stride if full else windows[i][1]
+        greedy = [i for i, st in enumerate(states) if isinstance(st.search, CTCGreedySearch)]
+        if greedy:
+            host_np = host.numpy()
+            _greedy_advance([states[i].search for i in greedy], host_np[greedy, 0].astype(np.float64),
+                            host_np[greedy, 1].astype(np.int64), new[greedy], self.config.blank_id)
+        for j, i in enumerate(beam_rows):
+            states[i].search.step(beam_lp[j, : int(new[i])])
+        for j, i in enumerate(keep_rows):
+            states[i].enc.append(kept[j, : int(new[i])])
+
+    def _chunk_compute(self, audio: torch.Tensor, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The device half of a chunk step (captured as a CUDA graph on CUDA): fbank of every
+        row's window, history gather, encoder, K/V and convolution-cache scatter, CTC."""
+        hop, win = self.feature_spec.hop_length, self.feature_spec.win_length
+        fbank = self.fbank
+        x = audio * fbank.opts.scale if fbank.opts.scale != 1.0 else audio
+        return self._chunk_core(fbank.compute_frames(x.unfold(-1, win, hop)), ints)  # (rows, W, F)
+
+    def _chunk_core(self, feats: torch.Tensor, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`_chunk_compute` from features (rows, W, F)."""
+        import torch
+
+        net, enc, pool = self.net, self.net.encoder, self.stream_pool
+        rows = feats.shape[0]
+        t_max = int(enc.embed.output_length(feats.shape[1]))
+        s_max = ints.shape[1] - 4 - t_max
+        flen, offsets, hist_lens, slots = ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3]
+        shape = enc.history_shape
+        hist = pool.frames.index_select(0, ints[:, 4 : 4 + s_max].reshape(-1)).view(rows, s_max, *shape)
+        cnn_pool = pool.slot_tensors.get("cnn")
+        cnn = cnn_pool.index_select(0, slots) if cnn_pool is not None else None
+        out, _, kv, cnn_out = enc.forward_chunk(feats.to(net.dtype), flen, offsets, hist, hist_lens, cnn)
+        pool.frames.index_copy_(0, ints[:, 4 + s_max :].reshape(-1), kv.reshape(-1, *shape))
+        if cnn_pool is not None:
+            cnn_pool.index_copy_(0, slots, cnn_out)
+        logp = net.ctc_log_probs(out)
+        best, idx = logp.max(dim=-1)
+        return out, logp, torch.stack([best, idx.to(best.dtype)], dim=1)
+
+    @functools.cached_property
+    def _centred_conv(self) -> bool:
+        return any(layer.conv_module is not None and layer.conv_module.lorder == 0
+                   for layer in self.net.encoder.encoders)  # fmt: skip
+
+    def capture_stream_graphs(self, max_batch: int, chunk_size: int, max_history: int,
+                              streams: int | None = None) -> int:
+        """Capture now the CUDA graphs a run of up to ``max_batch`` streams per step with
+        ``chunk_size``-frame chunks and up to ``max_history`` history frames will replay (every
+        batch bucket <= ``max_batch`` x history bucket), after growing the cache pool to
+        ``streams`` (default ``max_batch``) streams of that history, so that no capture or growth
+        happens while streams are served. Inputs are scratch rows only. Returns the number of
+        graphs captured (0 off CUDA or with graphs off)."""
+        import torch
+
+        graphs = self._stream_graphs() if self.net.device.type == "cuda" else None
+        if graphs is None:
+            return 0
+        enc, pool = self.net.encoder, self.stream_pool
+        pool.ensure(streams or max_batch, max_history + chunk_size)
+        sub, context = enc.subsampling_rate, enc.right_context + 1
+        w = (chunk_size - 1) * sub + context
+        enc.ensure_positions(max(enc.pos_enc.pe.shape[0], 8 * (max_history + chunk_size)))
+        generation = (pool.generation, enc.pos_enc.pe.data_ptr())
+        before = graphs.stats["captures"]
+        top = _history_bucket(max_history)
+        s_buckets = [0] + [s for s in (16 << k for k in range(16)) if s <= top]
+        with torch.no_grad():
+            for rows in (r for r in BATCH_BUCKETS if r <= bucket(max_batch, BATCH_BUCKETS)):
+                for s_max in s_buckets:
+                    graphs.capture((rows, w, s_max), generation)
+        return graphs.stats["captures"] - before
+
+    def _graph_inputs(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs of a captured step's shapes that touch only scratch rows: no audio, slot 0,
+        history and new frames in the scratch block."""
+        import torch
+
+        rows, w, s_max = key
+        hop, win = self.feature_spec.hop_length, self.feature_spec.win_length
+        t = int(self.net.encoder.embed.output_length(w))
+        dev = self.net.device
+        audio = torch.zeros(rows, (w - 1) * hop + win, device=dev)
+        ints = torch.zeros(rows, 4 + s_max + t, dtype=torch.long, device=dev)
+        ints[:, 4 + s_max :] = torch.arange(t, device=dev) % self.stream_pool.block_size
+        return audio, ints
+
+    def _stream_graphs(self) -> GraphSteps | None:
+        if not self.stream_cuda_graphs:
+            return None
+        graphs = self.__dict__.get("_graphs")
+        if graphs is None:
+            graphs = self.__dict__["_graphs"] = GraphSteps(self._chunk_compute, self._graph_inputs)
+        return graphs
 
     def _finish(self, st: WenetStreamState) -> StreamingUpdate:
         st.finished = True
@@ -573,9 +764,10 @@ class WenetASR:
         tr = self._transcript(hyp, duration, st.options, confidences=conf, num_frames=n)
         st.text = tr.text
         # release the caches (the encoder output is kept only when asked: tests, VAD)
-        st.k = st.v = []
-        st.cnn = []
-        st.enc = [torch.cat(st.enc)] if (self.keep_encoder_output and st.enc) else []
+        keep = [torch.cat(st.enc)] if (st.return_encoder_output and st.enc) else []
+        self.release_stream(st)
+        st.enc = keep
+        st.audio = st.audio[:0]
         return StreamingUpdate(text=tr.text, is_final=True, transcript=tr)
 
     # ------------------------------------------------------------------ VAD support
@@ -590,4 +782,42 @@ class WenetASR:
         return logp.exp().cpu().numpy().astype(np.float32)
 
 
-__all__ = ["ChunkCaches", "Units", "WenetASR", "WenetStreamState"]
+def _greedy_advance(searches: list[CTCGreedySearch], vals: np.ndarray, toks: np.ndarray,
+                    lens: np.ndarray, blank: int) -> None:
+    """:meth:`CTCGreedySearch._advance` for a batch at once: ``vals`` / ``toks`` (B, T) each
+    frame's best log-probability and token, ``lens`` (B,) valid frames. Same hypotheses, scores
+    summed in the same order; Python runs only where a token starts or extends its run."""
+    b, t = toks.shape
+    valid = np.arange(t)[None, :] < lens[:, None]
+    prev = np.fromiter((s.prev for s in searches), np.int64, b)
+    before = np.concatenate([prev[:, None], toks[:, :-1]], axis=1)
+    speech = valid & (toks != blank)
+    emit = speech & (toks != before)
+    extend = speech & (toks == before)
+    # sequential float64 sums, as the one-row search adds its frames
+    score = np.cumsum(np.concatenate([np.fromiter((s.hyp.score for s in searches), np.float64, b)[:, None],
+                                      np.where(valid, vals, 0.0)], axis=1), axis=1)[:, -1]
+    for r, j in zip(*np.nonzero(emit | extend), strict=True):
+        h, f, v = searches[r].hyp, int(j), float(vals[r, j])
+        if emit[r, j]:
+            h.tokens.append(int(toks[r, j]))
+            h.times.append(searches[r].frame + f)
+            h.token_logprobs.append(v)
+        elif v > h.token_logprobs[-1]:
+            h.token_logprobs[-1] = v
+    for r, s in enumerate(searches):
+        n = int(lens[r])
+        if n:
+            s.hyp.score = float(score[r])
+            s.prev = int(toks[r, n - 1])
+            s.frame += n
+
+
+def _history_bucket(n: int) -> int:
+    """History frames gathered by a captured step: 0, then powers of two from 16."""
+    if n <= 0:
+        return 0
+    return max(16, 1 << (n - 1).bit_length())
+
+
+__all__ = ["Units", "WenetASR", "WenetStreamState"]

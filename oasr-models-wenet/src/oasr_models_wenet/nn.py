@@ -1,5 +1,5 @@
 """The WeNet U2/U2++ network on ``oasr.layers``: Conformer encoder (offline with an optional
-chunk mask, or chunk-by-chunk with per-row K/V and convolution caches), CTC head, left-to-right
+chunk mask, or chunk-by-chunk over the history and convolution caches of streams of any ages), CTC head, left-to-right
 and right-to-left Transformer decoders.
 
 Parameter names (OASR's, used by the native format) follow WeNet's except: the subsampling
@@ -12,7 +12,6 @@ maps a WeNet state dict to these names.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -116,17 +115,6 @@ def chunk_mask(size: int, chunk: int, left_chunks: int, device) -> torch.Tensor:
     return (j >= start[:, None]) & (j < end[:, None])
 
 
-@dataclass
-class ChunkCaches:
-    """Batched encoder caches of one chunk call: per layer K, V (B, H, Tc, D) right-padded to
-    the longest row with ``lengths`` (B,) valid positions; convolution caches (B, C, lorder)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    lengths: torch.Tensor
-    cnn: list[torch.Tensor | None]
-
-
 class ConformerEncoder(nn.Module):
     def __init__(self, c: WenetConfig) -> None:
         super().__init__()
@@ -165,48 +153,66 @@ class ConformerEncoder(nn.Module):
             x = self.after_norm(x)
         return x, out_lens
 
-    def new_caches(self, batch: int, device, dtype) -> ChunkCaches:
+    @property
+    def history_shape(self) -> tuple[int, int, int, int]:
+        """One frame of attention history: (layers, 2 (key, value), heads, head_dim)."""
         c = self.config
-        h, dk = c.attention_heads, c.output_size // c.attention_heads
-        k = [torch.zeros(batch, h, 0, dk, device=device, dtype=dtype) for _ in self.encoders]
-        v = [torch.zeros(batch, h, 0, dk, device=device, dtype=dtype) for _ in self.encoders]
-        cnn = [
-            (torch.zeros(batch, c.output_size, layer.conv_module.lorder, device=device, dtype=dtype)
-             if layer.conv_module is not None and layer.conv_module.lorder > 0 else None)
-            for layer in self.encoders
-        ]
-        return ChunkCaches(k, v, torch.zeros(batch, dtype=torch.long, device=device), cnn)
+        return (len(self.encoders), 2, c.attention_heads, c.output_size // c.attention_heads)
+
+    @property
+    def conv_cache_shape(self) -> tuple[int, int, int] | None:
+        """Convolution caches of one stream, (layers, channels, lorder); None without causal
+        convolutions."""
+        lorders = {layer.conv_module.lorder for layer in self.encoders if layer.conv_module is not None}
+        if not lorders or lorders == {0}:
+            return None
+        return (len(self.encoders), self.config.output_size, max(lorders))
+
+    def ensure_positions(self, n: int) -> None:
+        """Grow the position table to ``n`` rows (host side, before a step that reads them)."""
+        self.pos_enc._ensure(n)
 
     def forward_chunk(self, feats: torch.Tensor, feat_lens: torch.Tensor, offsets: torch.Tensor,
-                      caches: ChunkCaches) -> tuple[torch.Tensor, torch.Tensor, ChunkCaches]:
-        """One chunk for each of B streams: ``feats`` (B, W, F) with ``feat_lens`` valid frames,
-        ``offsets`` (B,) encoder frames already emitted by each stream, ``caches`` from the
-        previous chunk. Returns (output (B, T, d), valid output frames (B,), caches that include
-        this chunk (not yet trimmed to the left-context budget))."""
+                      hist: torch.Tensor, hist_lens: torch.Tensor, cnn: torch.Tensor | None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One chunk for each of B streams of any ages, no host synchronisation (CUDA-graph safe).
+
+        ``feats`` (B, W, F) with ``feat_lens`` valid frames; ``offsets`` (B,) encoder frames each
+        stream emitted before; ``hist`` (B, S, layers, 2, H, D) each stream's attention history,
+        left-aligned, ``hist_lens`` (B,) valid frames of it (the frames just before ``offsets``);
+        ``cnn`` (B, layers, C, lorder) convolution caches. The position table must hold
+        ``max(offsets) + S + T`` rows (:meth:`ensure_positions`). Returns (output (B, T, d),
+        valid output frames (B,), this chunk's keys/values (B, T, layers, 2, H, D), new
+        convolution caches)."""
         x = self.embed(self.global_cmvn(feats))
         b, t, _ = x.shape
+        s = hist.shape[1]
         dev = x.device
-        out_lens = self.embed.output_length(feat_lens.to(dev))
+        out_lens = self.embed.output_length(feat_lens)
         x = self.pos_enc.scale(x)
-        tc = caches.k[0].shape[2] if caches.k else 0
-        cache_lens = caches.lengths.to(dev)
-        # keys: [cache slots 0..tc-1 (valid < cache_len)] + [chunk frames 0..t-1 (valid < out_len)]
-        slot = torch.arange(tc, device=dev)[None, :]
-        cache_pos = offsets.to(dev)[:, None] - cache_lens[:, None] + slot
-        chunk_pos = offsets.to(dev)[:, None] + torch.arange(t, device=dev)[None, :]
-        pos = self.pos_enc.gather(torch.cat([cache_pos, chunk_pos], dim=1)).to(x.dtype)  # (B, S, d)
+        slot = torch.arange(s, device=dev)[None, :]
+        cache_pos = offsets[:, None] - hist_lens[:, None] + slot
+        chunk_pos = offsets[:, None] + torch.arange(t, device=dev)[None, :]
+        positions = torch.cat([cache_pos, chunk_pos], dim=1).clamp_min(0)  # masked keys may be < 0
+        pos = torch.nn.functional.embedding(positions, self.pos_enc.pe).to(x.dtype)  # (B, S + T, d)
         valid = torch.arange(t, device=dev)[None, :] < out_lens[:, None]
-        key_valid = torch.cat([slot < cache_lens[:, None], valid], dim=1)  # (B, S)
-        mask = key_valid[:, None, :].expand(b, t, tc + t)
-        new_k, new_v, new_cnn = [], [], []
+        key_valid = torch.cat([slot < hist_lens[:, None], valid], dim=1)  # (B, S + T)
+        mask = key_valid[:, None, :].expand(b, t, s + t)
+        new_kv, new_cnn = [], []
         for i, layer in enumerate(self.encoders):
-            x, (k, v), cnn = layer(x, pos, mask, valid, (caches.k[i], caches.v[i]), caches.cnn[i], out_lens)
-            new_k.append(k)
-            new_v.append(v)
-            new_cnn.append(cnn)
+            cache = (hist[:, :, i, 0].transpose(1, 2), hist[:, :, i, 1].transpose(1, 2))
+            conv = None if cnn is None or layer.conv_module is None or layer.conv_module.lorder == 0 \
+                else cnn[:, i, :, : layer.conv_module.lorder]
+            x, (k, v), c = layer(x, pos, mask, valid, cache, conv, out_lens)
+            new_kv.append(torch.stack([k[:, :, s:], v[:, :, s:]], dim=1))  # (B, 2, H, T, D)
+            new_cnn.append(c)
         if self.config.normalize_before:
             x = self.after_norm(x)
-        return x, out_lens, ChunkCaches(new_k, new_v, cache_lens, new_cnn)
+        kv = torch.stack(new_kv, dim=1).permute(0, 4, 1, 2, 3, 5)  # (B, T, layers, 2, H, D)
+        cnn_out = None
+        if cnn is not None:
+            cnn_out = torch.stack([c if c is not None else cnn[:, i] for i, c in enumerate(new_cnn)], dim=1)
+        return x, out_lens, kv, cnn_out
 
 
 class DecoderLayer(nn.Module):

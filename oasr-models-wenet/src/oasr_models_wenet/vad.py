@@ -55,7 +55,8 @@ class CTCBlankVAD:
 
         self._check_rate(sample_rate)
         st = self.model.new_stream(DecodingOptions(), chunk_size=self.chunk_size,
-                                  num_left_chunks=self.num_left_chunks, force=True)
+                                  num_left_chunks=self.num_left_chunks, force=True,
+                                  keep_encoder_output=True)
         return {"stream": st, "emitted": 0, "samples": 0, "done": False}
 
     def step(self, state: dict[str, Any], chunk: Any, *, final: bool = False) -> np.ndarray:
@@ -69,10 +70,11 @@ class CTCBlankVAD:
         self.model.stream_step([st], [a], [False])
         if final:
             # flush the partial last chunk (no rescoring: only the posteriors are needed)
-            for w in self.model._windows(st, True):
-                self.model._encode_chunks([st], [w])
+            self.model.flush_stream(st)
             state["done"] = True
         new, st.enc = st.enc, []  # the VAD keeps no encoder history
+        if final:
+            self.model.release_stream(st)  # its caches go back to the model's pool
         if new:
             with torch.no_grad():
                 logp = self.model.net.ctc_log_probs(torch.cat(new))[:, self.model.config.blank_id]

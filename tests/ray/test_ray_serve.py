@@ -35,6 +35,22 @@ SERVED = "tiny.en"
 # -- cluster-free ------------------------------------------------------------------------------
 
 
+def test_server_and_cli_do_not_import_ray() -> None:
+    """Ray is an optional extra: only ``--ray`` (or ``oasr_server.ray_serve``'s functions) load it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, oasr_server, oasr_server.app, oasr_server.cli, oasr_server.ray_serve\n"
+        "from oasr.cli.main import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--ray-replicas" in done.stdout
+
+
 def test_plan_layout_one_replica_per_gpu_and_cpu_fallback() -> None:
     from oasr.errors import InvalidRequestError
     from oasr_server.ray_serve import RayOptions, plan_layout
@@ -62,6 +78,23 @@ def test_plan_layout_one_replica_per_gpu_and_cpu_fallback() -> None:
         RayOptions(min_replicas=3, max_replicas=2)
     with pytest.raises(InvalidRequestError):
         RayOptions(replicas=0)
+
+
+def test_build_app_arguments_as_serve_run_passes_them() -> None:
+    """``serve run oasr_server.ray_serve:build_app key=value ...`` passes text."""
+    from oasr.errors import InvalidRequestError
+    from oasr_server.ray_serve import _parse_args
+
+    server, engine, options, grpc = _parse_args({
+        "ckpt_dir": "/models/x", "replicas": "3", "gpus_per_replica": "0.5", "device": "cuda",
+        "max_batch_size": "8", "max_queue": "9", "warmup": "false", "grpc_bind": ":50051",
+    })  # fmt: skip
+    assert (options.replicas, options.gpus_per_replica) == (3, 0.5)
+    assert (engine.ckpt_dir, engine.device, engine.max_batch_size) == ("/models/x", "cuda", 8)
+    assert (server.max_queue, server.warmup, server.max_batch_size) == (9, False, 8)
+    assert server.model_aliases == ("whisper-1", "/models/x") and grpc == ":50051"
+    with pytest.raises(InvalidRequestError, match="unknown build_app arguments: nope"):
+        _parse_args({"ckpt_dir": "/m", "nope": "1"})
 
 
 def test_merge_metrics_labels_every_sample_with_its_replica() -> None:

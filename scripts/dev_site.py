@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = [
     "oasr-core", "oasr-models-whisper", "oasr-models-wenet", "oasr-models-icefall",
     "oasr-models-nemo", "oasr-models-funasr", "oasr-models-qwen", "oasr-vad-silero", "oasr-kernels",
-    "oasr-server",
+    "oasr-server", "oasr-decoders-wfst",
 ]  # fmt: skip
 
 

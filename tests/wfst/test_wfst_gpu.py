@@ -44,6 +44,7 @@ def _kaldi_check(graph, lp, lengths, opts, hyps):
                                   WfstSearchOptions(beam=7.0, max_active=30, min_active=2, acoustic_scale=0.7)],
                          ids=["default", "max_active"])  # fmt: skip
 def test_toy_graph_cuda_equals_cpu_and_kaldi(opts):
+    pytest.importorskip("kaldifst")
     graph = build_tlg(TOY_LEXICON, read_arpa(TOY_ARPA.splitlines()))
     lp, lengths = _inputs(graph, 16, 80, seed=11, peaky=True)
     cpu = WfstDecoder(graph, "cpu", opts).decode(lp, lengths)

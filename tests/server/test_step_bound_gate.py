@@ -108,3 +108,53 @@ def test_gate_scan_is_bounded_fair_and_exact(whole_batch: bool) -> None:
     assert rounds["short_speech"] == rounds["short_noise"] == rounds["empty"] == 1
     assert rounds["speech_then_silence"] == 1  # speech found: the 30 s of silence not scanned
     assert rounds["long_noise_a"] >= 60 * SR // budget  # the long scan spread over steps
+
+
+@pytest.mark.gpu
+def test_gate_scan_on_cuda_equals_the_cpu_decisions() -> None:
+    """On the device: a full batch (64 inputs of up to 35 s, speech and noise) is decided in one
+    advance of the CUDA default budget with one batched forward, as the former whole-batch
+    gate; a budget of 60 s spreads it over steps through the stateful step. Decisions equal
+    ``has_speech`` on the CPU."""
+    import time
+
+    import torch
+
+    from oasr.audio import load_audio
+    from oasr.vad import default_detector
+    from oasr_models_whisper.engine_adapter import GATE_SECONDS_CUDA
+    from oasr_models_whisper.speech_gate import GateScan, has_speech
+    from oasr_models_whisper.vad_longform import detector_for
+    from tests.server.test_realtime import FIRST
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    clip = load_audio(str(FIRST), SR)
+    rng = np.random.default_rng(0)
+    inputs = []
+    for k in range(64):
+        pad = np.zeros(int(rng.integers(0, 33 * SR)), np.float32)
+        noise = (0.003 * rng.standard_normal(len(pad) + len(clip))).astype(np.float32)
+        inputs.append(np.concatenate([pad, clip]) if k % 3 == 0 else noise)
+    want = [has_speech(a, default_detector()) for a in inputs]
+    gpu = Counting(detector_for("cuda"))
+    calls = []
+    gpu.speech_probs_batch = lambda audios, rate=SR: calls.append(len(audios)) or (  # noqa: E731
+        Counting.speech_probs_batch(gpu, audios, rate))
+    for seconds in (GATE_SECONDS_CUDA, 60.0):
+        gate = GateScan(gpu, int(seconds * SR))
+        for k, a in enumerate(inputs):
+            gate.add(k, a)
+        got: dict = {}
+        steps = 0
+        t0 = time.perf_counter()
+        while len(gate):
+            got.update(gate.advance())
+            steps += 1
+        took = time.perf_counter() - t0
+        print(f"budget {seconds:g} s: {steps} steps, {took * 1000:.1f} ms")
+        assert [got[k] for k in range(64)] == want
+        if seconds == GATE_SECONDS_CUDA:
+            assert steps == 1 and calls == [64]
+        else:
+            assert steps > 1

@@ -70,8 +70,9 @@ def test_engine_refuses_bad_options_at_submit(speech) -> None:
         with pytest.raises(InvalidRequestError) as info:
             engine.submit(speech[CLIP], DecodingOptions.build(ctc_weight=-1))
         assert info.value.param == "ctc_weight"
-        with pytest.raises(UnsupportedOptionError, match="hotwords"):
-            engine.submit(speech[CLIP], DecodingOptions(hotwords=("北京",)))
+        with pytest.raises(UnsupportedOptionError, match="hotwords"):  # greedy cannot bias
+            engine.submit(speech[CLIP], DecodingOptions.build(hotwords=("北京",),
+                                                              decoding_method="ctc_greedy_search"))
         assert engine.scheduler is None or engine.scheduler.step_count == 0  # no work started
     finally:
         engine.shutdown()

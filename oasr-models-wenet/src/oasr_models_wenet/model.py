@@ -16,6 +16,7 @@ attention rescoring over the whole utterance's encoder output.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from oasr.audio import as_mono_waveform
+from oasr.decoders.context_graph import ContextGraph, PieceEncoder, context_graph_for
 from oasr.decoders.ctc import (
     CTCGreedySearch,
     CTCHypothesis,
@@ -34,6 +36,7 @@ from oasr.decoders.ctc import (
     group_words,
     token_timestamps,
 )
+from oasr.decoders.ctc_gpu import ctc_prefix_beam_search_gpu
 from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
@@ -145,6 +148,7 @@ class WenetASR:
         self.name = name
         self.source_format = source_format
         self.source_path = source_path
+        self._hotword_encoder: PieceEncoder | None = None  # spells hotwords; made on first use
         # WeNet streams only models trained with chunk masks (dynamic or static); a full-context
         # model would see a context it was never trained on
         trained_chunked = config.use_dynamic_chunk or config.static_chunk_size > 0
@@ -333,16 +337,38 @@ class WenetASR:
     def _method(self, options: ResolvedOptions) -> str:
         m = options.decoding_method
         if m == "auto":
+            if options.hotwords and options.beam_size == 1:  # hotwords need a beam
+                return "ctc_prefix_beam_search"
             return "attention_rescoring" if options.beam_size > 1 else "ctc_greedy_search"
         return m
+
+    @staticmethod
+    def _beam(options: ResolvedOptions) -> int:
+        """The prefix beam's width: ``beam_size``, or 4 where hotwords turned greedy into beam."""
+        return options.beam_size if options.beam_size > 1 else (4 if options.hotwords else 1)
+
+    def _context_graph(self, options: ResolvedOptions) -> ContextGraph | None:
+        """The request's hotwords as a context graph, spelled with the unit table."""
+        if not options.hotwords:
+            return None
+        if self._hotword_encoder is None:
+            self._hotword_encoder = PieceEncoder(self.units.pieces)
+        return context_graph_for(options.hotwords, self._hotword_encoder, options.hotwords_score)
 
     def decode_encoded(self, enc: torch.Tensor, lens: torch.Tensor, options: DecodingOptions | ResolvedOptions,
                        durations: Sequence[float]) -> list[Transcript]:
         options = self._check(options)
         method = self._method(options)
-        beam = max(1, options.beam_size)
+        beam = self._beam(options)
+        graph = self._context_graph(options)
         with torch.no_grad():
-            logp = self.net.ctc_log_probs(enc).cpu()
+            logp = self.net.ctc_log_probs(enc)
+        device_nbest = None
+        if logp.is_cuda and method in ("ctc_prefix_beam_search", "attention_rescoring"):
+            # on CUDA the prefix beam search runs as batched tensor operations
+            device_nbest = ctc_prefix_beam_search_gpu(logp, [int(n) for n in lens], beam,
+                                                      self.config.blank_id, [graph] * enc.shape[0])
+        logp = logp.cpu()
         att = self.attention_beam_search(enc, lens, beam) if method == "attention" else None
         out = []
         for b in range(enc.shape[0]):
@@ -351,9 +377,12 @@ class WenetASR:
             if att is not None:
                 hyp = CTCHypothesis(att[b])  # no alignment: no times, no words
             elif method in ("ctc_prefix_beam_search", "attention_rescoring"):
-                search = CTCPrefixBeamSearch(beam, self.config.blank_id)
-                search.step(logp[b, :n])
-                nbest = search.nbest()
+                if device_nbest is not None:
+                    nbest = device_nbest[b]
+                else:
+                    search = CTCPrefixBeamSearch(beam, self.config.blank_id, graph)
+                    search.step(logp[b, :n])
+                    nbest = search.nbest()
                 hyp = nbest[0]
                 if method == "attention_rescoring" and (nbest[0].tokens or len(nbest) > 1):
                     hyp, conf = self._rescore(enc[b, :n], nbest, options.ctc_weight, options.reverse_weight)
@@ -489,7 +518,8 @@ class WenetASR:
                 param="decoding_method",
             )
         search = (CTCGreedySearch(self.config.blank_id) if method == "ctc_greedy_search"
-                  else CTCPrefixBeamSearch(options.beam_size, self.config.blank_id))
+                  else CTCPrefixBeamSearch(self._beam(options), self.config.blank_id,
+                                           self._context_graph(options)))
         keep = self.keep_encoder_output if keep_encoder_output is None else keep_encoder_output
         st = WenetStreamState(
             options=options, chunk_size=c, num_left_chunks=left, window=(c - 1) * sub + context,
@@ -510,7 +540,11 @@ class WenetASR:
         """The streaming cache pool's gauges (streams, slots, blocks used / allocated, bytes);
         empty before the first stream."""
         pool = self.__dict__.get("_stream_pool")
-        return {} if pool is None else pool.occupancy()
+        out = {} if pool is None else pool.occupancy()
+        graphs = self.__dict__.get("_graphs")
+        if graphs is not None:
+            out.update({f"graph_{k}": v for k, v in graphs.stats.items()})
+        return out
 
     def _plan(self, st: WenetStreamState, last: bool) -> list[tuple[int, int]]:
         """The chunk windows the stream's audio allows now: (first feature frame, frames)."""
@@ -637,7 +671,17 @@ class WenetASR:
                 audio_t = torch.from_numpy(audio).to(dev, non_blocking=True)
                 key = (rows, w_max, s_max)
                 generation = (pool.generation, enc.pos_enc.pe.data_ptr())
-                out, logp, best = graphs.run(key, generation, audio_t, ints_t)
+                try:
+                    graphs.capture(key, generation)
+                except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run eagerly
+                    warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); "
+                                  "the chunk step runs eagerly from now on", RuntimeWarning, stacklevel=2)
+                    self.stream_cuda_graphs = False
+                    audio_t = audio_t[:b]
+                    ints_t = ints_t[:b, : 4 + s_max + t_max]
+                    out, logp, best = self._chunk_compute(audio_t, ints_t)
+                else:
+                    out, logp, best = graphs.run(key, generation, audio_t, ints_t)
             else:
                 out, logp, best = self._chunk_compute(torch.from_numpy(audio).to(dev), ints_t)
             host = best[:b].cpu()  # (b, 2, T): best log-probability, token

@@ -9,10 +9,10 @@ them. The names follow WeNet's ``decode.py`` flags.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from oasr.errors import InvalidRequestError
-from oasr.options import ModelOptions, option
+from oasr.errors import InvalidRequestError, UnsupportedOptionError
+from oasr.options import ModelOptions, ResolvedOptions, option
 
 DecodingMethod = Literal[
     "auto", "ctc_greedy_search", "ctc_prefix_beam_search", "attention_rescoring", "attention"
@@ -56,6 +56,11 @@ class WenetOptions(ModelOptions):
     num_decoding_left_chunks: int = option(
         -1, ge=-1, doc="Offline with decoding_chunk_size > 0: chunks of left context; -1: all."
     )
+    hotwords_score: float = option(
+        1.5, gt=0, le=100,
+        doc="Hotwords: bonus per matched token in the CTC prefix beam search (WeNet's "
+            "context_score); a hotword may carry its own as 'PHRASE :SCORE'.",
+    )  # fmt: skip
 
     def validate(self) -> None:
         if self.decoding_chunk_size == 0:
@@ -63,3 +68,13 @@ class WenetOptions(ModelOptions):
                 "decoding_chunk_size must be -1 (whole input) or a positive chunk size",
                 param="decoding_chunk_size",
             )
+
+    def resolve(self, options: Any) -> ResolvedOptions:
+        resolved = super().resolve(options)
+        method = resolved.decoding_method
+        if resolved.hotwords and method in ("ctc_greedy_search", "attention"):
+            # refused before any work: hotwords bias the CTC prefix beam search
+            raise UnsupportedOptionError(
+                f"hotwords bias the CTC prefix beam search; decoding_method {method} cannot use "
+                "them (use auto, ctc_prefix_beam_search or attention_rescoring)", param="hotwords")
+        return resolved

@@ -17,6 +17,7 @@ CAPABILITIES = ModelCapabilities(
     decode_family=DecodeFamily.CTC,
     offline=True,
     streaming=True,
+    hotwords=True,
     word_timestamps=True,
     translation=False,
     language_detection=False,

@@ -746,21 +746,21 @@ class _DeviceTDT:
         lp = tok_logits.log_softmax(-1).gather(1, token[:, None])[:, 0]
         dlp = dur_logits.log_softmax(-1).gather(1, d_index[:, None])[:, 0]
         skip = self.durations[d_index]
-        self.score.add_(torch.where(active, lp + dlp, torch.zeros_like(lp)))
+        # (kernel count matters here: a step is a few dozen small kernels, replayed ~1000 times)
+        self.score.add_((lp + dlp) * active)
         emit = active & (token != s.blank_id)
         slot = torch.where(emit, self.count, torch.full_like(self.count, self.cap))[:, None]
         values = torch.stack([token, self.time, skip])[:, :, None]
         self.emitted.scatter_(2, slot.unsqueeze(0).expand(3, -1, -1), values)
         self.logps.scatter_(1, slot, lp[:, None])
-        self.count.add_(emit.long())
+        self.count.add_(emit)
+        # tokens emitted at this frame so far: one more on the same frame, else the first
         same_frame = self.last == self.time
-        self.run_length.copy_(torch.where(
-            emit, torch.where(same_frame, self.run_length + 1, torch.ones_like(self.run_length)),
-            self.run_length))
+        self.run_length.copy_(torch.where(emit, self.run_length * same_frame + 1, self.run_length))
         self.last.copy_(torch.where(emit, self.time, self.last))
         advance = torch.where(emit, skip, skip.clamp_min(1))
         stuck = emit & (skip == 0) & (self.run_length >= s.max_symbols_per_frame)
-        self.time.copy_(torch.where(active, self.time + advance + stuck.long(), self.time))
+        self.time.add_((advance + stuck) * active)
         out, new_state = self.network.predict(torch.where(emit, token, self.blank), self.state)
         _tree_copy_(self.state, self.network.merge_state(self.state, new_state, emit))
         self.decoder_out.copy_(torch.where(emit[:, None], out.to(self.decoder_out.dtype),

@@ -136,6 +136,11 @@ class _Csr:
         return owner, arc
 
 
+def state_of(parts: list[tuple[torch.Tensor, ...]], idx: torch.Tensor) -> torch.Tensor:
+    """States of flat token indices ``idx`` over the concatenation of ``parts``."""
+    return torch.cat([p[1] for p in parts])[idx]
+
+
 class WfstDecoder:
     """Beam search over one graph on one device; decode many utterances per call."""
 
@@ -161,14 +166,20 @@ class WfstDecoder:
             self._slot = torch.full((size,), -1, dtype=torch.int64, device=self.device)
             self._scratch_size = size
 
-    def _argmin_by_key(self, key: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
-        """Indices of the cheapest entry per key (the first on ties); scratch left clean."""
+    def _argmin_by_key(self, key: torch.Tensor, cost: torch.Tensor,
+                       finite_only: bool = False) -> torch.Tensor:  # fmt: skip
+        """Indices of the cheapest entry per key (the first on ties); with ``finite_only``
+        keys whose cheapest is ``inf`` have none. Scratch left clean."""
         best, win = self._best, self._win
         best.scatter_reduce_(0, key, cost, "amin")
         idx = torch.arange(key.numel(), device=key.device)
         at_min = cost == best[key]
-        win.scatter_reduce_(0, key[at_min], idx[at_min], "amin")
-        chosen = torch.nonzero(win[key] == idx).squeeze(1)
+        win.scatter_reduce_(0, torch.where(at_min, key, torch.zeros_like(key)),
+                            torch.where(at_min, idx, torch.full_like(idx, INT32_MAX * 4)), "amin")  # fmt: skip
+        chosen_mask = win[key] == idx
+        if finite_only:
+            chosen_mask &= torch.isfinite(cost)
+        chosen = torch.nonzero(chosen_mask).squeeze(1)
         best[key] = math.inf
         win[key] = INT32_MAX * 4
         return chosen
@@ -259,16 +270,16 @@ class WfstDecoder:
         best_new = torch.full((batch,), math.inf, dtype=torch.float64, device=self.device)
         best_new.scatter_reduce_(0, utt, new_cost, "amin")
         next_cutoff = best_new + adaptive
-        keep = torch.nonzero(new_cost < next_cutoff[utt]).squeeze(1)
-        owner, arc, utt, new_cost = owner[keep], arc[keep], utt[keep], new_cost[keep]
+        # candidates at or above the cutoff lose; the cheapest per (utterance, state) wins
+        new_cost = torch.where(new_cost < next_cutoff[utt], new_cost,
+                               torch.full_like(new_cost, math.inf))  # fmt: skip
         dest = self.emit.next[arc]
-        win = self._argmin_by_key(utt * self.num_states + dest, new_cost)
+        win = self._argmin_by_key(utt * self.num_states + dest, new_cost, finite_only=True)
         owner, arc, utt, new_cost, dest = owner[win], arc[win], utt[win], new_cost[win], dest[win]
         rec = live.rec[owner]
         olab = self.emit.olabel[arc]
         with_word = torch.nonzero(olab != 0).squeeze(1)
         if with_word.numel():
-            rec = rec.clone()
             rec[with_word] = self._add_records(st, rec[with_word], olab[with_word],
                                                frame[utt[with_word]])  # fmt: skip
         return _Tokens(utt, dest, new_cost, rec), next_cutoff
@@ -277,58 +288,66 @@ class WfstDecoder:
                          frame: torch.Tensor) -> _Tokens:  # fmt: skip
         """Follow input-epsilon arcs until no (utterance, state) improves; tokens above the
         cutoff are not expanded and candidates above it are dropped (Kaldi's
-        ProcessNonemitting)."""
+        ProcessNonemitting). A token that improves is appended anew and its old entry marked
+        dead (no in-place scatter, so each round costs two host syncs)."""
         if self.eps.num_arcs == 0 or tok.utt.numel() == 0:
             return tok
         S = self.num_states
         slot = self._slot
-        utt, state = tok.utt.clone(), tok.state.clone()
-        cost, rec = tok.cost.clone(), tok.rec.clone()
-        slot[utt * S + state] = torch.arange(utt.numel(), device=self.device)
+        dev = self.device
+        utt, state, cost, rec = tok.utt, tok.state, tok.cost, tok.rec
+        alive = [torch.ones(utt.numel() + 1, dtype=torch.bool, device=dev)]  # + a sentinel
+        parts = [(utt, state, cost, rec)]
+        n_total = utt.numel()
+        slot[utt * S + state] = torch.arange(n_total, device=dev)
+        # all tokens of the current set, as flat tensors (rebuilt lazily after each round)
+        all_cost, all_rec, all_utt = cost, rec, utt
         frontier = torch.nonzero(cost <= cutoff[utt]).squeeze(1)
+        rounds = 0
         while frontier.numel():
-            owner, arc = self.eps.expand(state[frontier])
+            rounds += 1
+            owner, arc = self.eps.expand(state_of(parts, frontier) if rounds > 1 else state[frontier])
             if owner.numel() == 0:
                 break
             src = frontier[owner]
-            c_utt = utt[src]
-            c_cost = cost[src] + self.eps.weight[arc]
-            ok = torch.nonzero(c_cost <= cutoff[c_utt]).squeeze(1)
-            src, arc, c_utt, c_cost = src[ok], arc[ok], c_utt[ok], c_cost[ok]
+            c_utt = all_utt[src]
+            c_cost = all_cost[src] + self.eps.weight[arc]
             dest = self.eps.next[arc]
             key = c_utt * S + dest
-            win = self._argmin_by_key(key, c_cost)
-            src, arc, c_utt, c_cost, dest, key = (x[win] for x in (src, arc, c_utt, c_cost, dest, key))
             existing = slot[key]
-            has = existing >= 0
-            better = torch.where(has, c_cost < cost[existing.clamp(min=0)], torch.ones_like(has))
-            sel = torch.nonzero(better).squeeze(1)
-            if sel.numel() == 0:
+            current = torch.where(existing >= 0, all_cost[existing.clamp(min=0)],
+                                  torch.full_like(c_cost, math.inf))  # fmt: skip
+            ok = (c_cost <= cutoff[c_utt]) & (c_cost < current)
+            c_cost = torch.where(ok, c_cost, torch.full_like(c_cost, math.inf))
+            win = self._argmin_by_key(key, c_cost, finite_only=True)
+            if win.numel() == 0:
                 break
-            src, arc, c_utt, c_cost, dest, key, existing, has = (
-                x[sel] for x in (src, arc, c_utt, c_cost, dest, key, existing, has))
-            c_rec = rec[src]
+            src, arc, c_utt, c_cost, dest, key, existing = (
+                x[win] for x in (src, arc, c_utt, c_cost, dest, key, existing))
+            n_new = win.numel()
             olab = self.eps.olabel[arc]
-            with_word = torch.nonzero(olab != 0).squeeze(1)
-            if with_word.numel():
-                c_rec = c_rec.clone()
-                c_rec[with_word] = self._add_records(st, c_rec[with_word], olab[with_word],
-                                                     frame[c_utt[with_word]])  # fmt: skip
-            # improve existing tokens in place, append new ones
-            upd = torch.nonzero(has).squeeze(1)
-            cost[existing[upd]] = c_cost[upd]
-            rec[existing[upd]] = c_rec[upd]
-            add = torch.nonzero(~has).squeeze(1)
-            n0 = utt.numel()
-            new_idx = torch.arange(n0, n0 + add.numel(), device=self.device)
-            slot[key[add]] = new_idx
-            utt = torch.cat([utt, c_utt[add]])
-            state = torch.cat([state, dest[add]])
-            cost = torch.cat([cost, c_cost[add]])
-            rec = torch.cat([rec, c_rec[add]])
-            frontier = torch.cat([existing[upd], new_idx])
-        slot[utt * S + state] = -1
-        return _Tokens(utt, state, cost, rec)
+            c_rec = all_rec[src]
+            # one record per new token (word 0 = none): no count to read back
+            c_rec = torch.where(olab != 0, self._add_records(st, c_rec, olab, frame[c_utt]), c_rec)
+            # the improved tokens die; the sentinel slot takes the writes of new states
+            dead_at = torch.where(existing >= 0, existing, torch.full_like(existing, n_total))
+            flat_alive = torch.cat(alive)
+            flat_alive[dead_at] = False
+            new_idx = torch.arange(n_total, n_total + n_new, device=dev)
+            slot[key] = new_idx
+            parts.append((c_utt, dest, c_cost, c_rec))
+            alive = [flat_alive[:n_total], torch.ones(n_new + 1, dtype=torch.bool, device=dev)]
+            n_total += n_new
+            all_utt = torch.cat([all_utt, c_utt])
+            all_cost = torch.cat([all_cost, c_cost])
+            all_rec = torch.cat([all_rec, c_rec])
+            frontier = new_idx
+        all_state = torch.cat([p[1] for p in parts])
+        slot[all_utt * S + all_state] = -1
+        if rounds <= 1 and len(parts) == 1:
+            return tok
+        keep = torch.nonzero(torch.cat(alive)[:n_total]).squeeze(1)
+        return _Tokens(all_utt[keep], all_state[keep], all_cost[keep], all_rec[keep])
 
     def advance(self, st: WfstDecodeState, log_probs: torch.Tensor,
                 lengths: Sequence[int] | torch.Tensor | None = None) -> None:  # fmt: skip

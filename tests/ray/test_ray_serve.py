@@ -121,7 +121,9 @@ def test_merge_metrics_labels_every_sample_with_its_replica() -> None:
     assert text.count("# TYPE oasr_requests_total counter") == 1
 
 
-def _run_middleware(inner: Any, body: bytes, **kw: Any) -> tuple[list[dict], int]:
+def _run_middleware(
+    inner: Any, body: bytes, *, client_leaves: bool = False, **kw: Any
+) -> tuple[list[dict], int]:
     from oasr_server.ray_serve import ReplicaFailoverMiddleware
 
     calls = [0]
@@ -138,7 +140,8 @@ def _run_middleware(inner: Any, body: bytes, **kw: Any) -> tuple[list[dict], int
             if chunks:
                 part = chunks.pop(0)
                 return {"type": "http.request", "body": part, "more_body": bool(chunks)}
-            await asyncio.sleep(3600)
+            if not client_leaves:
+                await asyncio.sleep(3600)
             return {"type": "http.disconnect"}
 
         async def send(message: dict) -> None:
@@ -184,6 +187,13 @@ def test_failover_middleware_retries_a_dead_replica_then_answers_503() -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+
+    async def client_left(call: int, receive: Any, send: Any) -> None:
+        await receive()
+        assert (await receive())["type"] == "http.disconnect"  # the proxy gives up: no answer
+
+    sent, calls = _run_middleware(client_left, b"0123456789", client_leaves=True)
+    assert calls == 1 and sent == []  # a client that left is not retried for
 
     sent, calls = _run_middleware(dies_mid_stream, b"0123456789")
     assert calls == 1  # an answer that began is never sent twice

@@ -512,17 +512,20 @@ class ReplicaFailoverMiddleware:
             more = message.get("more_body", False)
             if len(body) > self.max_body:
                 # past what we keep: forward what came and the rest as it comes; one try
-                await self.app(scope, _replay(bytes(body), receive, more), send)
+                await self.app(scope, _Replay(bytes(body), receive, more), send)
                 return
         data = bytes(body)
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * attempt)
             outcome = _Outcome(send, attempt + 1)
-            await self.app(scope, _replay(data, receive, False), outcome.send)
+            replay = _Replay(data, receive, False)
+            await self.app(scope, replay, outcome.send)
             if outcome.started:
                 if not outcome.finished:
                     await outcome.end_short()
+                return
+            if replay.disconnected:  # the client left: nothing to answer, nothing to retry
                 return
             log.warning(
                 "%s %s: no answer from the replica (try %d of %d)",
@@ -537,19 +540,24 @@ class ReplicaFailoverMiddleware:
         )
 
 
-def _replay(data: bytes, receive: Receive, more: bool) -> Receive:
+class _Replay:
     """A ``receive`` that gives ``data`` first, then the client's own messages (the rest of the
-    body when ``more``, else only its disconnect)."""
-    sent = False
+    body when ``more``, else only its disconnect, noted in ``disconnected``)."""
 
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": data, "more_body": more}
-        return await receive()
+    def __init__(self, data: bytes, receive: Receive, more: bool) -> None:
+        self.data: bytes | None = data
+        self.receive = receive
+        self.more = more
+        self.disconnected = False
 
-    return replay
+    async def __call__(self) -> Message:
+        if self.data is not None:
+            data, self.data = self.data, None
+            return {"type": "http.request", "body": data, "more_body": self.more}
+        message = await self.receive()
+        if message["type"] == "http.disconnect":
+            self.disconnected = True
+        return message
 
 
 class _Outcome:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import socket
 import threading
 import time
@@ -265,6 +266,7 @@ def deployment(checkpoint: str) -> Any:
     from oasr_server import ray_serve as rs
 
     port = _free_port()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report attempt from CI
     rs.init_ray(None, num_cpus=2, include_dashboard=False, log_to_driver=False,
                 object_store_memory=78 * 1024 * 1024)  # fmt: skip
     try:

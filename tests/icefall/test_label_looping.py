@@ -49,8 +49,9 @@ def test_device_loop_equals_frame_loop(offline_release, helpers, monkeypatch, ma
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_device_loop_equals_frame_loop(offline_release, helpers) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+def test_cuda_graph_device_loop_equals_frame_loop(offline_release, helpers, monkeypatch) -> None:
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model = load_model(EngineConfig(ckpt_dir=str(offline_release[1]), device="cuda", dtype="float32"))
     feats, lens = model.features(helpers.waves(3) * 3)
     enc, enc_lens = model.encode_features(feats, lens, model._check(DecodingOptions()))

@@ -64,7 +64,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory):
         body += _translate(source) + "\n"
         names += re.findall(r"^OASR_\w+\((oasr_\w+),", source, flags=re.M)
         names += re.findall(r'extern "C" __global__ void (oasr_\w+)\(', source)
-    assert len(names) == 15 + 1 + 6, names
+    assert len(names) == 24 + 3 + 1 + 6, names
     table = ",\n".join(f'{{"{n}", [](void** a) {{ emu_call({n}, a); }}}}' for n in names)
     launcher = f"""
 extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned threads,
@@ -105,7 +105,7 @@ def emulated(emulator, monkeypatch):
         assert all(v.dtype.itemsize in (4, 8) for v in values)
         assert shared_mem <= 48 * 1024 and block[0] % 32 == 0 and block[0] <= 1024
         assert emulator.launch(name.encode(), *grid, block[0], shared_mem, argv) == 0, name
-        launched.append((name, grid, block))
+        launched.append(name)
         return True
 
     monkeypatch.setattr(fused.MODULE, "launch", launch)
@@ -128,11 +128,11 @@ TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 4e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_emulated_add_layer_norm_and_rms_norm(emulated, dtype) -> None:
+@pytest.mark.parametrize("d", [80, 75])  # 16-byte vectors, single elements
+def test_emulated_add_layer_norm_and_rms_norm(emulated, dtype, d) -> None:
     from oasr_kernels import fused
 
     g = torch.Generator().manual_seed(0)
-    d = 80  # not a multiple of the block: some threads hold fewer elements
     x = (torch.randn(3, 2, d, generator=g) * 3).to(dtype)
     r = torch.randn(3, 2, d, generator=g).to(dtype)
     ln = L.LayerNorm(d, dtype=dtype)
@@ -140,6 +140,7 @@ def test_emulated_add_layer_norm_and_rms_norm(emulated, dtype) -> None:
         ln.weight.copy_(torch.randn(d, generator=g))
         ln.bias.copy_(torch.randn(d, generator=g))
     s, y = fused.launch_add_norm("layer", x, r, ln.weight, ln.bias, ln.eps, {"threads": 64})
+    assert emulated[-1].endswith("_v") == (d == 80)
     s_ref, y_ref = native(L.add_norm, x, r, ln)
     assert torch.equal(s, s_ref)
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
@@ -155,13 +156,15 @@ def test_emulated_add_layer_norm_and_rms_norm(emulated, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["gelu", "silu"])
-def test_emulated_bias_act(emulated, dtype, act) -> None:
+@pytest.mark.parametrize("d", [70, 48])  # single elements, 16-byte vectors
+def test_emulated_bias_act(emulated, dtype, act, d) -> None:
     from oasr_kernels import fused
 
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(5, 70, generator=g) * 3).to(dtype)
-    b = torch.randn(70, generator=g).to(dtype)
+    x = (torch.randn(5, d, generator=g) * 3).to(dtype)
+    b = torch.randn(d, generator=g).to(dtype)
     out = fused.launch_bias_act(x, b, act, {"threads": 64, "blocks_per_sm": 1})  # grid-stride: 2 blocks
+    assert emulated[-1].endswith("_v") == (d == 48)
     torch.testing.assert_close(out, native(L.bias_act, x, b, act), **TOL[dtype])
     out = fused.launch_bias_act(x, None, act, {"threads": 32, "blocks_per_sm": 8})
     torch.testing.assert_close(out, native(L.bias_act, x, None, act), **TOL[dtype])

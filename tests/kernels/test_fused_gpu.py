@@ -29,6 +29,12 @@ TOL = {
     torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2},
 }
 
+CONV_TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+    torch.bfloat16: {"atol": 6e-2, "rtol": 3e-2},
+}
+
 
 @pytest.fixture(autouse=True)
 def kernels():
@@ -147,15 +153,27 @@ def test_glu_depthwise_conv1d(dtype, b, c, t, k, padding) -> None:
     ref = native(L.glu_depthwise_conv1d, x, conv)
     out = fused.glu_depthwise_conv1d_cuda(x, conv)
     assert out is not NotImplemented and out.shape == ref.shape
-    torch.testing.assert_close(out, ref, **TOL[dtype])
+    # cuDNN's convolution may sum the K taps in another order (or precision) than the kernel
+    tol = CONV_TOL[dtype]
+    torch.testing.assert_close(out, ref, **tol)
     conv.bias = None
     torch.testing.assert_close(fused.glu_depthwise_conv1d_cuda(x, conv), native(L.glu_depthwise_conv1d, x, conv),
-                               **TOL[dtype])  # fmt: skip
+                               **tol)  # fmt: skip
 
 
 # ------------------------------------------------------------------ log-mel
 @pytest.mark.parametrize("n_mels", [80, 128])
 def test_log_mel_power_and_whisper_frontend(n_mels) -> None:
+    # the native mel matmul in full fp32 (another test may have allowed TF32)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        _check_log_mel(n_mels)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _check_log_mel(n_mels) -> None:
     from oasr.features.whisper import HOP_LENGTH, N_FFT, log_mel_spectrogram, mel_filters
     from oasr_kernels import fused
 

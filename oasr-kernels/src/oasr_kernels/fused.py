@@ -39,6 +39,12 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
+def _vectorizable(d: int, *tensors: torch.Tensor | None) -> bool:
+    """16-byte vector loads: rows of a whole number of vectors, every pointer 16-byte aligned."""
+    per_vec = 16 // tensors[0].element_size()
+    return d % per_vec == 0 and all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
 # ------------------------------------------------------------------ residual add + norm
 def norm_key(mode: str, dtype: torch.dtype, d: int) -> str:
     return f"{mode}:{DTYPE_TAGS[dtype]}:d{d}"
@@ -63,7 +69,8 @@ def launch_add_norm(mode: str, x: torch.Tensor, residual: torch.Tensor | None, w
     threads = int(params["threads"])
     args = (_ptr(x), _ptr(residual), _ptr(weight), _ptr(bias), _ptr(s if residual is not None else None),
             _ptr(out), np.int32(d), np.float32(eps))  # fmt: skip
-    name = f"oasr_add_{mode}_norm_{DTYPE_TAGS[x.dtype]}"
+    vec = "_v" if _vectorizable(d, x, residual, weight, bias, s, out) else ""
+    name = f"oasr_add_{mode}_norm_{DTYPE_TAGS[x.dtype]}{vec}"
     if not MODULE.launch(name, (rows,), (threads,), args, x.device, shared_mem=4 * (d + 32)):
         return None
     return s, out
@@ -126,8 +133,10 @@ def launch_bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str,
         return out
     d = x.shape[-1]
     threads = int(params["threads"])
-    grid = max(1, min(-(-n // threads), _sms(x.device) * int(params["blocks_per_sm"])))
-    name = f"oasr_bias_{'gelu' if act == 'gelu' else 'silu'}_{DTYPE_TAGS[x.dtype]}"
+    vec = _vectorizable(d, x, bias, out)
+    units = n // (16 // x.element_size()) if vec else n
+    grid = max(1, min(-(-units // threads), _sms(x.device) * int(params["blocks_per_sm"])))
+    name = f"oasr_bias_{'gelu' if act == 'gelu' else 'silu'}_{DTYPE_TAGS[x.dtype]}{'_v' if vec else ''}"
     args = (_ptr(x), _ptr(bias), _ptr(out), np.int64(n), np.int32(d))
     if not MODULE.launch(name, (grid,), (threads,), args, x.device):
         return None

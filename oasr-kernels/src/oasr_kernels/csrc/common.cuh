@@ -57,6 +57,66 @@ __device__ __forceinline__ float round_to(float f) {
   return to_float(from_float<T>(f));
 }
 
+// 16-byte vectors: 4 floats or 8 16-bit values. The caller guarantees 16-byte alignment.
+struct alignas(16) Vec16 {
+  unsigned int w[4];
+};
+
+template <typename T>
+struct VecTraits {
+  static constexpr int N = 8;  // f16, bf16
+};
+template <>
+struct VecTraits<float> {
+  static constexpr int N = 4;
+};
+
+__device__ __forceinline__ unsigned short lo16(unsigned int u) { return (unsigned short)(u & 0xffffu); }
+__device__ __forceinline__ unsigned short hi16(unsigned int u) { return (unsigned short)(u >> 16); }
+
+template <typename T>
+__device__ __forceinline__ T bits_to(unsigned short b) {
+  T t;
+  t.bits = b;
+  return t;
+}
+
+// Load VecTraits<T>::N elements at p (16-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* p, float* f) {
+  const Vec16 v = *reinterpret_cast<const Vec16*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = to_float(bits_to<T>(lo16(v.w[i])));
+    f[2 * i + 1] = to_float(bits_to<T>(hi16(v.w[i])));
+  }
+}
+template <>
+__device__ __forceinline__ void load_vec<float>(const float* p, float* f) {
+  const Vec16 v = *reinterpret_cast<const Vec16*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(v.w[i]);
+}
+
+// Store VecTraits<T>::N floats at p (16-byte aligned) as T.
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const float* f) {
+  Vec16 v;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v.w[i] = (unsigned int)from_float<T>(f[2 * i]).bits |
+             ((unsigned int)from_float<T>(f[2 * i + 1]).bits << 16);
+  }
+  *reinterpret_cast<Vec16*>(p) = v;
+}
+template <>
+__device__ __forceinline__ void store_vec<float>(float* p, const float* f) {
+  Vec16 v;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v.w[i] = __float_as_uint(f[i]);
+  *reinterpret_cast<Vec16*>(p) = v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(OASR_FULL_MASK, v, off);

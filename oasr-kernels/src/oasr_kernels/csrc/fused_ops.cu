@@ -14,8 +14,9 @@ namespace oasr {
 // One block per row of D elements: s = x + r (rounded to T, written to sum_out), then
 // layer_norm(s) * w + b (mode 0) or rms_norm(s) * w (mode 1) written to out. The row lives in
 // dynamic shared memory (D floats) between the passes; 32 more floats for the reductions.
-// r == nullptr: no residual (sum_out is not written).
-template <typename T, int MODE>
+// r == nullptr: no residual (sum_out is not written). VEC: every thread moves 16-byte vectors
+// (the launcher checks D % (16 / sizeof(T)) == 0 and 16-byte aligned pointers).
+template <typename T, int MODE, bool VEC>
 __device__ __forceinline__ void add_norm(const T* __restrict__ x, const T* __restrict__ r,
                                          const T* __restrict__ w, const T* __restrict__ b,
                                          T* __restrict__ sum_out, T* __restrict__ out, int D,
@@ -23,16 +24,38 @@ __device__ __forceinline__ void add_norm(const T* __restrict__ x, const T* __res
   extern __shared__ float oasr_fused_smem[];
   float* row = oasr_fused_smem;
   float* red = oasr_fused_smem + D;
+  constexpr int N = VEC ? VecTraits<T>::N : 1;
   const long long base = (long long)blockIdx.x * D;
+  const int units = D / N;
   float acc = 0.f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float s = to_float(x[base + i]);
-    if (r != nullptr) {
-      s = round_to<T>(s + to_float(r[base + i]));
-      sum_out[base + i] = from_float<T>(s);
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    const int i0 = u * N;
+    float s[N];
+    if constexpr (VEC) {
+      load_vec<T>(x + base + i0, s);
+    } else {
+      s[0] = to_float(x[base + i0]);
     }
-    row[i] = s;
-    acc += (MODE == 0) ? s : s * s;
+    if (r != nullptr) {
+      float rv[N];
+      if constexpr (VEC) {
+        load_vec<T>(r + base + i0, rv);
+      } else {
+        rv[0] = to_float(r[base + i0]);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) s[k] = round_to<T>(s[k] + rv[k]);
+      if constexpr (VEC) {
+        store_vec<T>(sum_out + base + i0, s);
+      } else {
+        sum_out[base + i0] = from_float<T>(s[0]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      row[i0 + k] = s[k];
+      acc += (MODE == 0) ? s[k] : s[k] * s[k];
+    }
   }
   const float total = block_sum(acc, red);
   float mean = 0.f, rstd;
@@ -48,35 +71,75 @@ __device__ __forceinline__ void add_norm(const T* __restrict__ x, const T* __res
   } else {
     rstd = rsqrtf(total / D + eps);
   }
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float y;
-    if (MODE == 0) {
-      y = (row[i] - mean) * rstd * to_float(w[i]) + to_float(b[i]);
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    const int i0 = u * N;
+    float wv[N], bv[N], y[N];
+    if constexpr (VEC) {
+      load_vec<T>(w + i0, wv);
+      if (MODE == 0) load_vec<T>(b + i0, bv);
     } else {
-      // the native op normalises in fp32, casts to T, then scales by the weight in T
-      y = to_float(w[i]) * round_to<T>(row[i] * rstd);
+      wv[0] = to_float(w[i0]);
+      if (MODE == 0) bv[0] = to_float(b[i0]);
     }
-    out[base + i] = from_float<T>(y);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if (MODE == 0) {
+        y[k] = (row[i0 + k] - mean) * rstd * wv[k] + bv[k];
+      } else {
+        // the native op normalises in fp32, casts to T, then scales by the weight in T
+        y[k] = wv[k] * round_to<T>(row[i0 + k] * rstd);
+      }
+    }
+    if constexpr (VEC) {
+      store_vec<T>(out + base + i0, y);
+    } else {
+      out[base + i0] = from_float<T>(y[0]);
+    }
   }
 }
 
 // ---------------------------------------------------------------- bias + activation
-// out[i] = act(x[i] + bias[i % D]) over N * D contiguous elements, grid-stride.
-// ACT 0: exact (erf) GELU, 1: SiLU / Swish.
-template <typename T, int ACT>
+// out[i] = act(x[i] + bias[i % D]) over n contiguous elements, grid-stride.
+// ACT 0: exact (erf) GELU, 1: SiLU / Swish. VEC: 16-byte vectors (the launcher checks
+// D % (16 / sizeof(T)) == 0 and alignment; then n is a multiple too).
+template <int ACT>
+__device__ __forceinline__ float activate(float s) {
+  if (ACT == 0) return 0.5f * s * (1.f + erff(s * 0.70710678118654752f));
+  return s / (1.f + expf(-s));
+}
+
+template <typename T, int ACT, bool VEC>
 __device__ __forceinline__ void bias_act(const T* __restrict__ x, const T* __restrict__ bias,
                                          T* __restrict__ out, long long n, int D) {
+  constexpr int N = VEC ? VecTraits<T>::N : 1;
+  const long long units = n / N;
   const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float s = to_float(x[i]);
-    if (bias != nullptr) s = round_to<T>(s + to_float(bias[i % D]));
-    float y;
-    if (ACT == 0) {
-      y = 0.5f * s * (1.f + erff(s * 0.70710678118654752f));
+  for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < units; u += stride) {
+    const long long i0 = u * N;
+    float s[N];
+    if constexpr (VEC) {
+      load_vec<T>(x + i0, s);
     } else {
-      y = s / (1.f + expf(-s));
+      s[0] = to_float(x[i0]);
     }
-    out[i] = from_float<T>(y);
+    if (bias != nullptr) {
+      const int c0 = (int)(i0 % D);
+      float bv[N];
+      if constexpr (VEC) {
+        load_vec<T>(bias + c0, bv);
+      } else {
+        bv[0] = to_float(bias[c0]);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) s[k] = round_to<T>(s[k] + bv[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) s[k] = activate<ACT>(s[k]);
+    if constexpr (VEC) {
+      store_vec<T>(out + i0, s);
+    } else {
+      out[i0] = from_float<T>(s[0]);
+    }
   }
 }
 
@@ -155,14 +218,14 @@ __device__ __forceinline__ void log_mel(const float* __restrict__ spec, long lon
 
 }  // namespace oasr
 
-#define OASR_ADD_NORM(NAME, T, MODE)                                                         \
+#define OASR_ADD_NORM(NAME, T, MODE, VEC)                                                    \
   extern "C" __global__ void NAME(const T* x, const T* r, const T* w, const T* b, T* sum_out, \
                                   T* out, int D, float eps) {                                \
-    oasr::add_norm<T, MODE>(x, r, w, b, sum_out, out, D, eps);                               \
+    oasr::add_norm<T, MODE, VEC>(x, r, w, b, sum_out, out, D, eps);                          \
   }
-#define OASR_BIAS_ACT(NAME, T, ACT)                                                          \
+#define OASR_BIAS_ACT(NAME, T, ACT, VEC)                                                     \
   extern "C" __global__ void NAME(const T* x, const T* bias, T* out, long long n, int D) {   \
-    oasr::bias_act<T, ACT>(x, bias, out, n, D);                                               \
+    oasr::bias_act<T, ACT, VEC>(x, bias, out, n, D);                                          \
   }
 #define OASR_GLU_DWCONV(NAME, T)                                                             \
   extern "C" __global__ void NAME(const T* x, const T* w, const T* bias, T* out, int C,      \
@@ -170,18 +233,30 @@ __device__ __forceinline__ void log_mel(const float* __restrict__ spec, long lon
     oasr::glu_dwconv<T>(x, w, bias, out, C, Tin, Tout, K, P);                                \
   }
 
-OASR_ADD_NORM(oasr_add_layer_norm_f32, float, 0)
-OASR_ADD_NORM(oasr_add_layer_norm_f16, oasr::f16, 0)
-OASR_ADD_NORM(oasr_add_layer_norm_bf16, oasr::bf16, 0)
-OASR_ADD_NORM(oasr_add_rms_norm_f32, float, 1)
-OASR_ADD_NORM(oasr_add_rms_norm_f16, oasr::f16, 1)
-OASR_ADD_NORM(oasr_add_rms_norm_bf16, oasr::bf16, 1)
-OASR_BIAS_ACT(oasr_bias_gelu_f32, float, 0)
-OASR_BIAS_ACT(oasr_bias_gelu_f16, oasr::f16, 0)
-OASR_BIAS_ACT(oasr_bias_gelu_bf16, oasr::bf16, 0)
-OASR_BIAS_ACT(oasr_bias_silu_f32, float, 1)
-OASR_BIAS_ACT(oasr_bias_silu_f16, oasr::f16, 1)
-OASR_BIAS_ACT(oasr_bias_silu_bf16, oasr::bf16, 1)
+OASR_ADD_NORM(oasr_add_layer_norm_f32, float, 0, false)
+OASR_ADD_NORM(oasr_add_layer_norm_f16, oasr::f16, 0, false)
+OASR_ADD_NORM(oasr_add_layer_norm_bf16, oasr::bf16, 0, false)
+OASR_ADD_NORM(oasr_add_rms_norm_f32, float, 1, false)
+OASR_ADD_NORM(oasr_add_rms_norm_f16, oasr::f16, 1, false)
+OASR_ADD_NORM(oasr_add_rms_norm_bf16, oasr::bf16, 1, false)
+OASR_ADD_NORM(oasr_add_layer_norm_f32_v, float, 0, true)
+OASR_ADD_NORM(oasr_add_layer_norm_f16_v, oasr::f16, 0, true)
+OASR_ADD_NORM(oasr_add_layer_norm_bf16_v, oasr::bf16, 0, true)
+OASR_ADD_NORM(oasr_add_rms_norm_f32_v, float, 1, true)
+OASR_ADD_NORM(oasr_add_rms_norm_f16_v, oasr::f16, 1, true)
+OASR_ADD_NORM(oasr_add_rms_norm_bf16_v, oasr::bf16, 1, true)
+OASR_BIAS_ACT(oasr_bias_gelu_f32, float, 0, false)
+OASR_BIAS_ACT(oasr_bias_gelu_f16, oasr::f16, 0, false)
+OASR_BIAS_ACT(oasr_bias_gelu_bf16, oasr::bf16, 0, false)
+OASR_BIAS_ACT(oasr_bias_silu_f32, float, 1, false)
+OASR_BIAS_ACT(oasr_bias_silu_f16, oasr::f16, 1, false)
+OASR_BIAS_ACT(oasr_bias_silu_bf16, oasr::bf16, 1, false)
+OASR_BIAS_ACT(oasr_bias_gelu_f32_v, float, 0, true)
+OASR_BIAS_ACT(oasr_bias_gelu_f16_v, oasr::f16, 0, true)
+OASR_BIAS_ACT(oasr_bias_gelu_bf16_v, oasr::bf16, 0, true)
+OASR_BIAS_ACT(oasr_bias_silu_f32_v, float, 1, true)
+OASR_BIAS_ACT(oasr_bias_silu_f16_v, oasr::f16, 1, true)
+OASR_BIAS_ACT(oasr_bias_silu_bf16_v, oasr::bf16, 1, true)
 OASR_GLU_DWCONV(oasr_glu_dwconv_f32, float)
 OASR_GLU_DWCONV(oasr_glu_dwconv_f16, oasr::f16)
 OASR_GLU_DWCONV(oasr_glu_dwconv_bf16, oasr::bf16)

@@ -183,3 +183,62 @@ def test_gpu_streams_batch_the_tensor_search(causal_release, helpers) -> None:
     audios = [np.concatenate(helpers.waves(2, seed=s)) for s in (5, 6)]
     path = str(causal_release[1])
     assert _stream_finals(path, audios, "cuda", True) == _stream_finals(path, audios, "cuda", False)
+
+
+def test_realtime_session_hotwords(causal_release, helpers) -> None:
+    """The realtime WebSocket session's ``input_audio_transcription.model_options.hotwords``
+    reach the stream: the completed transcript equals the in-process streaming engine's with
+    the same options."""
+    import base64
+
+    import numpy as np
+
+    pytest.importorskip("oasr_server")
+    from starlette.testclient import TestClient
+
+    from oasr.engine import ASREngine
+    from oasr_server.app import create_app
+    from oasr_server.config import ServerConfig
+
+    path = str(causal_release[1])
+    pcm = np.clip(np.round(np.concatenate(helpers.waves(2, seed=7)) * 32768.0), -32768, 32767).astype("<i2")
+    audio = pcm.astype(np.float32) / 32768.0
+    engine = ASREngine(EngineConfig(ckpt_dir=path, service_mode="streaming"))
+
+    def final(**extra) -> str:
+        rid = engine.add_streaming_request(DecodingOptions.build(
+            decoding_method="ctc_prefix_beam_search", beam_size=4, **extra))
+        engine.feed_chunk(rid, audio, is_last=True)
+        return engine.run()[rid].text
+
+    try:
+        plain = final()
+        for piece in engine.model.tokens.pieces[3:15]:  # a hotword that changes this result
+            extra = {"decoding_method": "ctc_prefix_beam_search", "beam_size": 4,
+                     "hotwords": [piece.lstrip("\u2581") + " :8"]}
+            expected = final(hotwords=extra["hotwords"])
+            if expected != plain:
+                break
+        else:
+            pytest.fail("no hotword changed the stream's result")
+    finally:
+        engine.shutdown()
+    app = create_app(ServerConfig(warmup=False),
+                     engine_config=EngineConfig(ckpt_dir=path, service_mode="streaming"))
+    with TestClient(app) as client:
+        assert app.state.oasr.wait_loaded(30), app.state.oasr.load_error
+        with client.websocket_connect("/v1/realtime?intent=transcription") as ws:
+            assert ws.receive_json()["type"] == "session.created"
+            ws.send_json({"type": "session.update", "session": {
+                "input_audio_sample_rate": 16000, "turn_detection": None,
+                "input_audio_transcription": {"model_options": extra}}})
+            assert ws.receive_json()["type"] == "session.updated"
+            ws.send_json({"type": "input_audio_buffer.append",
+                          "audio": base64.b64encode(pcm.tobytes()).decode()})
+            ws.send_json({"type": "input_audio_buffer.commit"})
+            while True:
+                event = ws.receive_json()
+                assert event["type"] != "error", event
+                if event["type"] == "conversation.item.input_audio_transcription.completed":
+                    break
+    assert event["transcript"] == expected

@@ -50,7 +50,7 @@ def test_encoder_graphs_equal_eager(dtype) -> None:
     from oasr_models_whisper.encoder_graphs import EncoderGraphs
 
     net = _net(dtype)
-    graphs = EncoderGraphs(net, buckets=(1, 4))
+    graphs = EncoderGraphs(net, buckets=(1, 4), capture_after=1)
     # a padded batch may get other GEMM / convolution algorithms than the eager batch (another
     # row count), so rows are compared exactly with the eager run of the padded batch, and
     # closely with the eager run of the batch itself
@@ -77,8 +77,10 @@ def test_encoder_graphs_with_kernels(kernels) -> None:
     net = _net(torch.float16)
     mel = torch.randn(2, 80, 3000, device="cuda")
     eager = net.encode(mel)  # compiles the kernels
-    graphs = EncoderGraphs(net, buckets=(2,))
-    torch.testing.assert_close(graphs(mel), eager, atol=0, rtol=0)
+    graphs = EncoderGraphs(net, buckets=(2,))  # captured on the second call
+    for _ in range(3):
+        torch.testing.assert_close(graphs(mel), eager, atol=0, rtol=0)
+    assert graphs.stats == {"captures": 1, "replays": 2, "eager": 1}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -112,4 +114,5 @@ def test_step_model_encodes_through_graphs(kernels) -> None:
     assert step.encoder_graphs is not None
     mel = torch.randn(4, 80, 3000, device="cuda")  # a whole bucket: the same kernels as eager
     torch.testing.assert_close(step.encode(mel), net.encode(mel), atol=0, rtol=0)
-    assert step.encoder_graphs.stats["replays"] == 1
+    torch.testing.assert_close(step.encode(mel), net.encode(mel), atol=0, rtol=0)
+    assert step.encoder_graphs.stats["replays"] == 1 and step.encoder_graphs.stats["eager"] == 1

@@ -4,9 +4,11 @@ Every Whisper window is 3000 mel frames, so the encoder's shapes depend only on 
 batch of ``n`` windows runs in the graph of the smallest bucket ``>= n``: the mels are copied
 into the bucket's static input (rows past ``n`` keep zeros; rows never mix in the encoder), the
 graph is replayed, and the first ``n`` rows of its static output are returned as a copy (the
-next replay overwrites the static output). A bucket is captured the first time it is needed:
-one eager warm-up pass on a side stream (kernels compile, cuDNN plans), then the capture. All
-buckets share one memory pool: replays never overlap, and each graph's output stays allocated.
+next replay overwrites the static output). A bucket is captured the ``capture_after``-th time it
+is needed (default the second: a batch size seen once, such as the last partial batch of a run,
+never pays for a capture), the calls before run eagerly; the capture is one eager warm-up pass
+on a side stream (kernels compile, cuDNN plans), then the capture itself. All buckets share one
+memory pool: replays never overlap, and each graph's output stays allocated.
 
 A batch larger than the largest bucket, a CPU network, or ``OASR_ENCODER_GRAPHS=0`` runs the
 encoder eagerly. Outputs equal the eager encoder's (same kernels, same order).
@@ -40,9 +42,11 @@ class _Captured:
 class EncoderGraphs:
     """``graphs(mel)`` == ``net.encode(mel)`` for (B, n_mels, 3000) mels, from CUDA graphs."""
 
-    def __init__(self, net: Any, buckets: tuple[int, ...] = BUCKETS) -> None:
+    def __init__(self, net: Any, buckets: tuple[int, ...] = BUCKETS, capture_after: int = 2) -> None:
         self.net = net
         self.buckets = tuple(sorted(buckets))
+        self.capture_after = max(1, int(capture_after))
+        self._uses: dict[tuple[int, torch.dtype], int] = {}
         self._graphs: dict[tuple[int, torch.dtype], _Captured] = {}
         self._pool: Any = None
         self._lock = threading.Lock()
@@ -83,6 +87,10 @@ class EncoderGraphs:
         with self._lock:
             g = self._graphs.get(key)
             if g is None:
+                uses = self._uses[key] = self._uses.get(key, 0) + 1
+                if uses < self.capture_after:
+                    self.stats["eager"] += 1
+                    return net.encode(mel)
                 g = self._graphs[key] = self._capture(b, mel.dtype, mel)
             if g.mel.shape[1:] != mel.shape[1:]:
                 self.stats["eager"] += 1

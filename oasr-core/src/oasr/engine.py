@@ -132,6 +132,10 @@ class ASREngine:
         self._decode_pool: Any = None
         self._pool_lock = threading.Lock()
         self.scheduler_config = scheduler_config or SchedulerConfig(max_batch_size=config.max_batch_size)
+        if config.kv_cache_dtype is not None and self.scheduler_config.kv_cache_dtype is None:
+            import dataclasses
+
+            self.scheduler_config = dataclasses.replace(self.scheduler_config, kv_cache_dtype=config.kv_cache_dtype)
         self._scheduler: Scheduler | None = None
         self._sched_lock = threading.Lock()
         self.streaming = None

@@ -12,6 +12,9 @@ construction (``num_blocks``), so admission control is a matter of counting free
   :meth:`~PagedKVCache.write` scatters new K/V by flat slot index and :meth:`~PagedKVCache.gather`
   returns a dense ``(B, heads, n_blocks * block_size, head_dim)`` view for attention. Block 0 is a
   scratch block never handed out: padded rows of a static (CUDA-graph) batch write there.
+  With ``kv_dtype="fp8"`` the pools hold float8 e4m3 values (as bytes) and ``k_scale`` /
+  ``v_scale`` one float32 scale per (slot, head): each written key/value vector is scaled by
+  its own max / 448 (docs/quantization.md).
 
 The shapes touched per step depend only on (batch size, number of gathered blocks), so a decoder
 step over this cache can be captured once per shape bucket and replayed.
@@ -69,22 +72,35 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
                  head_dim: int, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, zero_on_allocate: bool = False) -> None:  # fmt: skip
+                 dtype: torch.dtype | None = None, zero_on_allocate: bool = False,
+                 kv_dtype: str | None = None) -> None:  # fmt: skip
         import torch
 
+        if kv_dtype not in (None, "fp8"):
+            raise InvalidRequestError(f"kv_cache_dtype {kv_dtype!r}: use None or 'fp8'", param="kv_cache_dtype")
+        #: "fp8": float8 e4m3 pools (stored as uint8) with per-(slot, head) float32 scales
+        self.fp8 = kv_dtype == "fp8"
+        #: the dtype attention reads (the fp8 pools are dequantized to it)
+        self.compute_dtype = dtype or torch.float32
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_heads = num_heads
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_heads, head_dim)
-        kw = {"device": device, "dtype": dtype or torch.float32}
+        kw = {"device": device, "dtype": torch.uint8 if self.fp8 else self.compute_dtype}
         #: blocks are zeroed when handed out (:meth:`allocate`), not all at once here: on CPU
         #: the pages of blocks never used are then never touched (tiny.en, 16 rows: 88 MB)
         self.zero_on_allocate = zero_on_allocate
         alloc = torch.empty if zero_on_allocate else torch.zeros
         self.k = [alloc(shape, **kw) for _ in range(num_layers)]
         self.v = [alloc(shape, **kw) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor] = []
+        self.v_scale: list[torch.Tensor] = []
+        if self.fp8:
+            skw = {"device": device, "dtype": torch.float32}
+            self.k_scale = [alloc(shape[:3], **skw) for _ in range(num_layers)]
+            self.v_scale = [alloc(shape[:3], **skw) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks)
         if zero_on_allocate:
             self.clear([0])  # the scratch block: padding reads it
@@ -99,29 +115,61 @@ class PagedKVCache:
     def clear(self, blocks: Sequence[int]) -> None:
         """Zero ``blocks`` in every layer's K and V (positions past a row's length are read and
         masked: they must hold finite values)."""
-        for t in (*self.k, *self.v):
+        for t in (*self.k, *self.v, *self.k_scale, *self.v_scale):
             for b in blocks:
                 t[b].zero_()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_heads: int, head_dim: int,
-                        element_size: int) -> int:  # fmt: skip
+                        element_size: int, kv_dtype: str | None = None) -> int:  # fmt: skip
+        if kv_dtype == "fp8":  # one byte per element plus a float32 scale per (slot, head)
+            return 2 * num_layers * block_size * num_heads * (head_dim + 4)
         return 2 * num_layers * block_size * num_heads * head_dim * element_size
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.k_scale, *self.v_scale))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (N, heads, head_dim) at flat slot indices ``slots`` (N,)
-        (``block_id * block_size + offset``)."""
+        (``block_id * block_size + offset``); quantized per (slot, head) in an fp8 cache."""
+        if self.fp8:
+            from oasr.quantization.numerics import quantize_kv
+
+            for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                q, s = quantize_kv(x)
+                pool[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, q)
+                scales[layer].view(-1, self.num_heads).index_copy_(0, slots, s)
+            return
         self.k[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, k)
         self.v[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def dequantized_blocks(self, layer: int, block_tables: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """An fp8 cache's blocks of ``block_tables`` (B, n), dequantized to ``compute_dtype``:
+        K and V pools (B * n, block_size, heads, head_dim) and the tables into them (B, n)."""
+        import torch
+
+        from oasr.quantization.numerics import dequantize_kv
+
+        b, n = block_tables.shape
+        flat = block_tables.reshape(-1)
+        k = dequantize_kv(self.k[layer].index_select(0, flat), self.k_scale[layer].index_select(0, flat),
+                          self.compute_dtype)  # fmt: skip
+        v = dequantize_kv(self.v[layer].index_select(0, flat), self.v_scale[layer].index_select(0, flat),
+                          self.compute_dtype)  # fmt: skip
+        tables = torch.arange(b * n, device=block_tables.device, dtype=block_tables.dtype).view(b, n)
+        return k, v, tables
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V (B, heads, n * block_size, head_dim) for ``block_tables`` (B, n)."""
         b, n = block_tables.shape
-        flat = block_tables.reshape(-1)
-        k = self.k[layer].index_select(0, flat).view(b, n * self.block_size, self.num_heads, self.head_dim)
-        v = self.v[layer].index_select(0, flat).view(b, n * self.block_size, self.num_heads, self.head_dim)
+        if self.fp8:
+            k, v, _ = self.dequantized_blocks(layer, block_tables)
+        else:
+            flat = block_tables.reshape(-1)
+            k = self.k[layer].index_select(0, flat)
+            v = self.v[layer].index_select(0, flat)
+        k = k.view(b, n * self.block_size, self.num_heads, self.head_dim)
+        v = v.view(b, n * self.block_size, self.num_heads, self.head_dim)
         return k.transpose(1, 2), v.transpose(1, 2)

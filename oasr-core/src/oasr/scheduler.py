@@ -81,6 +81,9 @@ class SchedulerConfig:
     block_size: int = 16
     #: CUDA-graph capture of the decoder step (None: on when the model runs on CUDA)
     cuda_graphs: bool | None = None
+    #: the autoregressive executor's self-attention KV cache: None (the model's dtype) or
+    #: "fp8" (float8 e4m3 with a scale per key/value vector; EngineConfig.kv_cache_dtype)
+    kv_cache_dtype: str | None = None
     #: most windows per encoder call (None: max_batch_size)
     max_encoder_batch: int | None = None
     #: continuous executors: while requests run, admit new ones only when this many rows are

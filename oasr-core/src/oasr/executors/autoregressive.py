@@ -45,6 +45,7 @@ import torch
 from oasr.errors import InvalidRequestError
 from oasr.kv_cache import PagedKVCache, blocks_for
 from oasr.layers import install_kernel_providers, paged_decode_attention, paged_prefill_attention
+from oasr.layers.quantized import paged_decode_attention_fp8
 
 if TYPE_CHECKING:
     from oasr.scheduler import Request, SchedulerConfig
@@ -242,6 +243,12 @@ class AttentionContext:
         b, t = self.positions.shape
         cache.write(layer, self.slots, k.reshape(b * t, cache.num_heads, cache.head_dim),
                     v.reshape(b * t, cache.num_heads, cache.head_dim))  # fmt: skip
+        if cache.fp8:  # fp8 KV cache (EngineConfig.kv_cache_dtype): the pools hold e4m3 bytes
+            if t == 1:
+                return paged_decode_attention_fp8(q, cache.k[layer], cache.v[layer], cache.k_scale[layer],
+                                                  cache.v_scale[layer], self.tables, self.lengths)  # fmt: skip
+            k_pool, v_pool, tables = cache.dequantized_blocks(layer, self.tables)
+            return paged_prefill_attention(q, k_pool, v_pool, tables, self.lengths)
         if t == 1:
             return paged_decode_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
         # the new tokens are each row's last t (a prefill: positions 0 .. t - 1, lengths t)
@@ -300,8 +307,10 @@ class AutoregressiveExecutor:
         if sm.cross_shape is not None:
             frames, width = sm.cross_shape
             cross_bytes = 2 * sm.num_layers * frames * width * esize
+        #: "fp8": the self-attention pools in float8 e4m3 (SchedulerConfig.kv_cache_dtype)
+        self.kv_cache_dtype = config.kv_cache_dtype
         block_bytes = PagedKVCache.bytes_per_block(sm.num_layers, self.block_size, sm.num_kv_heads,
-                                                   sm.head_dim, esize)  # fmt: skip
+                                                   sm.head_dim, esize, self.kv_cache_dtype)  # fmt: skip
         self.max_blocks = blocks_for(sm.max_positions, self.block_size)
         full_seq = self.max_blocks * block_bytes
         rows = config.max_batch_size
@@ -340,7 +349,8 @@ class AutoregressiveExecutor:
         self._holding = False
         self.cache = PagedKVCache(sm.num_layers, int(num_blocks), self.block_size, sm.num_kv_heads,
                                   sm.head_dim, device=self.device, dtype=self.dtype,
-                                  zero_on_allocate=self.device.type == "cpu")  # fmt: skip
+                                  zero_on_allocate=self.device.type == "cpu",
+                                  kv_dtype=self.kv_cache_dtype)  # fmt: skip
         self.cross_k: list[torch.Tensor] = []
         self.cross_v: list[torch.Tensor] = []
         if sm.cross_shape is not None:

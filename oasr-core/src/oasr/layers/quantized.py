@@ -224,3 +224,44 @@ def _scaled_mm_out_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
         break
     _SCALED_MM_OUT[key] = got
     return got
+
+
+# --------------------------------------------------------------------------- fp8 KV cache
+_PAGED_DECODE_FP8 = declare_op("paged_decode_attention_fp8")
+
+
+def paged_decode_attention_fp8(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`oasr.layers.paged_decode_attention` over an fp8 KV cache
+    (:class:`oasr.kv_cache.PagedKVCache` with ``kv_dtype="fp8"``): ``k_pool`` / ``v_pool``
+    (num_blocks, block_size, H, D) hold e4m3 bytes (uint8), ``k_scale`` / ``v_scale``
+    (num_blocks, block_size, H) one float32 scale per key/value vector. Returns (B, H, 1, D) in
+    ``q``'s dtype. Overridable op ``"paged_decode_attention_fp8"``; the native code dequantizes
+    the rows' blocks to ``q``'s dtype and runs ``paged_decode_attention`` over them (no
+    synchronisation, static shapes: capturable in a CUDA graph)."""
+    from oasr.layers._dispatch import call_op
+
+    return call_op(_PAGED_DECODE_FP8, q.device.type, _paged_decode_fp8_native, q, k_pool, v_pool,
+                   k_scale, v_scale, block_tables, lengths, scale)  # fmt: skip
+
+
+def _paged_decode_fp8_native(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                             k_scale: torch.Tensor, v_scale: torch.Tensor, block_tables: torch.Tensor,
+                             lengths: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
+    from oasr.layers.attention import paged_decode_attention
+    from oasr.quantization.numerics import dequantize_kv
+
+    b, n = block_tables.shape
+    flat = block_tables.reshape(-1)
+    k = dequantize_kv(k_pool.index_select(0, flat), k_scale.index_select(0, flat), q.dtype)
+    v = dequantize_kv(v_pool.index_select(0, flat), v_scale.index_select(0, flat), q.dtype)
+    tables = torch.arange(b * n, device=block_tables.device, dtype=block_tables.dtype).view(b, n)
+    return paged_decode_attention(q, k, v, tables, lengths, scale)

@@ -23,6 +23,8 @@ import torch
 
 __all__ = [
     "FP8_DTYPE",
+    "dequantize_kv",
+    "quantize_kv",
     "FP8_MAX",
     "INT8_MAX",
     "dequantize_weight",
@@ -100,3 +102,18 @@ def reference_linear(
     if bias is not None:
         y = y + bias.double()
     return y.reshape(*shape[:-1], wq.shape[0])
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 KV cache's format: ``x`` (N, heads, head_dim) -> (e4m3 bytes as uint8 (N, heads,
+    head_dim), float32 scales (N, heads)), one scale per key/value vector (its max / 448)."""
+    xf = x.float()
+    scale = (torch.linalg.vector_norm(xf, float("inf"), dim=-1) / FP8_MAX).clamp_min_(_TINY)
+    q = torch.div(xf, scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(torch.uint8), scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_kv`: (..., heads, head_dim) uint8 bytes and (..., heads)
+    scales -> ``dtype`` values."""
+    return (q.view(FP8_DTYPE).to(torch.float32) * scale[..., None]).to(dtype)

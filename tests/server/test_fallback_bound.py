@@ -3,9 +3,12 @@
 The server cuts a request's temperature schedule to ``1 + --max-fallback-rounds`` temperatures
 (default 2) and gives short clips a token budget per window (``--max-tokens-per-second``), so a
 window costs at most ``(1 + rounds) x budget`` sampled tokens. Checked with the real tiny.en on
-the worst input that passes the speech gate: 1 s of loud noise decoded ungated, with a prompt and
-sixteen temperatures of 1.0 (every round falls back: sampled noise text is never confident).
-Before the cap the same request could sample 16 x 64 tokens (and 16 x 224 without the budget)."""
+the worst input that passes the speech gate: 1 s of loud noise decoded ungated, with a prompt:
+sixteen temperatures of 1.0 sample at most 3 x 64 tokens, and sixteen greedy rounds (each one
+repeats the same failing window, the most work a schedule can ask) sample exactly three times
+one round's tokens. Before the cap those could sample 16 x 64 tokens (16 x 224 without the
+budget; the default six-round schedule without either sampled 702 tokens here, 138 with both).
+"""
 
 from __future__ import annotations
 
@@ -44,13 +47,22 @@ def test_fallback_rounds_are_capped_by_the_server() -> None:
         assert state.bounded_options(DecodingOptions(temperature=(0.0, 0.5)), noise).temperatures == (0.0, 0.5)
 
         executor = engine.scheduler.executor
-        before = executor.stats["tokens"]
-        t0 = time.monotonic()
-        (out,) = engine.transcribe_arrays([noise], bounded)
-        took = time.monotonic() - t0
-        sampled = executor.stats["tokens"] - before
+
+        def sampled(options: DecodingOptions) -> tuple[int, float]:
+            before, t0 = executor.stats["tokens"], time.monotonic()
+            engine.transcribe_arrays([noise], options)
+            return executor.stats["tokens"] - before, time.monotonic() - t0
+
+        hot, took = sampled(bounded)
+        # the worst case: a schedule of greedy rounds repeats the same failing window each round
+        greedy = DecodingOptions.build(temperature=0.0, prompt=asked.prompt, vad_gate=False)
+        one, _ = sampled(state.bounded_options(greedy, noise))
+        zeros = state.bounded_options(DecodingOptions.build(
+            temperature=(0.0,) * 16, prompt=asked.prompt, vad_gate=False), noise)  # fmt: skip
+        assert zeros.temperatures == (0.0,) * 3
+        cold, took_cold = sampled(zeros)
     finally:
         engine.shutdown()
-    assert out.duration == pytest.approx(1.0)
-    assert 0 < sampled <= 3 * 64, sampled  # three rounds at most, each within its budget
-    assert took < 30, took
+    assert 0 < hot <= 3 * 64, hot  # three rounds at most, each within its budget
+    assert 0 < one <= 64 and cold == 3 * one, (one, cold)  # every round ran, and only three
+    assert took < 30 and took_cold < 30, (took, took_cold)

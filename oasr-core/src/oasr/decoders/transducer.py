@@ -171,6 +171,30 @@ def _copy(h: Hypothesis) -> Hypothesis:
 GRAPH_MIN_FRAMES = 32
 
 
+def _capture(fn: Any) -> Any:
+    """A CUDA graph of ``fn()`` (warmed up by the caller). ``torch.cuda.graph`` without its
+    device synchronisation and cache flush on entry: captured per call, the flush would make the
+    encoder allocate its memory afresh on every next call."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            fn()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture was invalidated; the first error is the one to report
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
 def _tree_clone(state: Any) -> Any:
     if isinstance(state, (tuple, list)):
         return type(state)(_tree_clone(x) for x in state)
@@ -238,9 +262,7 @@ class _DeviceGreedy:
         with torch.cuda.stream(side):  # warm-up: libraries set up outside the capture
             self.frame()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.frame()
+        graph = _capture(self.frame)
         # the warm-up advanced the buffers (the capture did not run): start again
         _tree_copy_(self.state, state0)
         self.decoder_out.copy_(out0)
@@ -789,10 +811,7 @@ class _DeviceTDT:
             with torch.cuda.stream(side):
                 self.steps()
             torch.cuda.current_stream().wait_stream(side)
-            graph_ = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph_):
-                self.steps()
-            self.graph = graph_
+            self.graph = _capture(self.steps)
 
     def _grow(self) -> None:
         import torch

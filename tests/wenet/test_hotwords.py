@@ -24,15 +24,10 @@ def _log_probs(model, audio):
         return model.net.ctc_log_probs(enc).float().cpu()[0, : int(lens[0])]
 
 
-def test_biased_prefix_beam_is_the_reference_search(speech) -> None:
-    from oasr.engine import ASREngine
-
-    model = load("u2pp_conformer")
-    assert model.capabilities.hotwords
-    lp = _log_probs(model, speech[CLIP])
-    plain = ctc_prefix_beam_search(lp, beam_size=8)[0]
-    best = plain[0].tokens
-    # a runner-up character of some frame that the plain result lacks, boosted into it
+def _runner_up_hotword(model, lp):
+    """A runner-up character of some frame that the plain result lacks and that a boost of 6
+    brings into it: (the character, its graph, the biased n-best at beam 8)."""
+    best = ctc_prefix_beam_search(lp, beam_size=8)[0][0].tokens
     top_v, top_i = lp.topk(3, dim=-1)
     runners = sorted({(float(v), int(u)) for vs, us in zip(top_v[:, 1:], top_i[:, 1:], strict=True)
                       for v, u in zip(vs, us, strict=True) if int(u) not in best and int(u) != 0},
@@ -43,10 +38,18 @@ def test_biased_prefix_beam_is_the_reference_search(speech) -> None:
         graph = ContextGraph([encode(word)], 6.0)
         want = ctc_prefix_beam_search(lp, beam_size=8, context_graphs=[graph])[0]
         if extra in want[0].tokens:
-            break
-    else:
-        pytest.fail("no runner-up character wins with a boost of 6")
-    assert want[0].tokens != best
+            return word, graph, want
+    pytest.fail("no runner-up character wins with a boost of 6")
+
+
+def test_biased_prefix_beam_is_the_reference_search(speech) -> None:
+    from oasr.engine import ASREngine
+
+    model = load("u2pp_conformer")
+    assert model.capabilities.hotwords
+    lp = _log_probs(model, speech[CLIP])
+    word, graph, want = _runner_up_hotword(model, lp)
+    assert want[0].tokens != ctc_prefix_beam_search(lp, beam_size=8)[0][0].tokens
     engine = ASREngine(EngineConfig(), model=model)
     try:
         opts = DecodingOptions.build(beam_size=8, decoding_method="ctc_prefix_beam_search",
@@ -80,9 +83,9 @@ def test_gpu_prefix_beam_with_hotwords_matches_host(speech) -> None:
     model = load_model(EngineConfig(ckpt_dir=str(DATA / "u2pp_conformer"), device="cuda",
                                     dtype="float32"))
     lp = _log_probs(model, speech[CLIP])
-    for hotwords in (None, ("北京",)):
-        graph = None if hotwords is None else ContextGraph([PieceEncoder(model.units.pieces)("北京")], 1.5)
-        want = ctc_prefix_beam_search(lp, beam_size=8, context_graphs=[graph])[0][0]
+    word, graph, _ = _runner_up_hotword(model, lp)
+    for hotwords, g in ((None, None), ((word + " :6",), graph)):
+        want = ctc_prefix_beam_search(lp, beam_size=8, context_graphs=[g])[0][0]
         got = model.transcribe([speech[CLIP]], DecodingOptions.build(
             beam_size=8, decoding_method="ctc_prefix_beam_search", hotwords=hotwords))[0]
         assert got.segments[0].tokens == want.tokens

@@ -227,9 +227,11 @@ def _configs(ckpt: str) -> tuple[Any, Any]:
     from oasr_server.config import ServerConfig
 
     server = ServerConfig(served_model_name=SERVED, model_aliases=("whisper-1", ckpt),
-                          max_batch_size=4, decode_processes=0, demo=False,
+                          max_batch_size=1, decode_processes=0, demo=False,
                           warmup=False)  # fmt: skip
-    engine = EngineConfig(ckpt_dir=ckpt, device="cpu", max_batch_size=4, num_threads=1)
+    # one request at a time per replica: a replica holding several is busy for seconds, so the
+    # kill below lands while it has work even on a fast machine
+    engine = EngineConfig(ckpt_dir=ckpt, device="cpu", max_batch_size=1, num_threads=1)
     return server, engine
 
 
@@ -393,7 +395,8 @@ def test_grpc_on_each_replica_port(cluster: str, reference: dict) -> None:
 
 
 def _busy_replica(base: str, replicas: list[dict], timeout: float) -> dict:
-    """The first of ``replicas`` whose last report shows requests in its engine or queue."""
+    """The first of ``replicas`` whose last report shows two or more requests in its engine or
+    queue (one running, at least one waiting)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -406,7 +409,7 @@ def _busy_replica(base: str, replicas: list[dict], timeout: float) -> dict:
                 for s in family.samples:
                     busy[s.labels["replica"]] = busy.get(s.labels["replica"], 0) + s.value
         for r in replicas:
-            if busy.get(r["replica"], 0) >= 1:
+            if busy.get(r["replica"], 0) >= 2:
                 return r
         time.sleep(0.2)
     raise AssertionError("no replica reported work in flight")

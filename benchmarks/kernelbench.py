@@ -126,7 +126,6 @@ def _cases(dev: torch.device) -> list[tuple[str, str, dict, Callable[[], Any], C
 
 def _whisper_encoder(dev: torch.device, repeats: int, batch: int) -> list[dict]:
     """The large-v3 encoder (random weights) with the kernels off / on / in a CUDA graph."""
-    import oasr.layers as L
     from oasr_models_whisper.network import WhisperDims
     from oasr_models_whisper.nn import WhisperNet
 
@@ -156,7 +155,6 @@ def _whisper_encoder(dev: torch.device, repeats: int, batch: int) -> list[dict]:
     rows.append({"op": "whisper_encoder_graph", "case": "large-v3 encoder, CUDA graph vs eager (kernels on)",
                  "shape": shape, "dtype": "float16", "native_us": round(kernel_us, 1), "kernel_us": round(graph_us, 1),
                  "ratio": round(kernel_us / graph_us, 3), "max_abs_diff": diff})  # fmt: skip
-    del L
     return rows
 
 

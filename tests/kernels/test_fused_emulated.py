@@ -200,6 +200,8 @@ def test_emulated_log_mel(emulated) -> None:
     ref = native(L.log_mel_power, stft, filt, frames)
     assert out.shape == ref.shape == (2, 80, frames)
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
+    one = fused.launch_log_mel(stft[1], filt, frames, {"frames_per_block": 32, "threads": 128})  # a (F, T') view
+    torch.testing.assert_close(one, ref[1], atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -225,7 +225,8 @@ def launch_log_mel(stft: torch.Tensor, filters: torch.Tensor, frames: int,
                    params: dict[str, int] | None = None) -> torch.Tensor | None:  # fmt: skip
     m, f = filters.shape
     lead = stft.shape[:-2]
-    spec = torch.view_as_real(stft.reshape(-1, *stft.shape[-2:]) if stft.dim() != 3 else stft)
+    # (F, T') -> (1, F, T') is a view whatever the strides; more leading axes need contiguity
+    spec = torch.view_as_real(stft.unsqueeze(0) if stft.dim() == 2 else stft.reshape(-1, *stft.shape[-2:]))
     b = spec.shape[0]
     if params is None:
         params = tuned_params("log_mel_power", mel_key(m, f), stft.device, _MEL_DEFAULT)
@@ -255,7 +256,7 @@ def log_mel_power_cuda(stft: torch.Tensor, filters: torch.Tensor, frames: int) -
         return NotImplemented
     if not 0 <= frames <= stft.shape[-1] or 4 * filters.shape[1] > _SMEM_LIMIT:
         return NotImplemented
-    if stft.dim() != 3 and not stft.is_contiguous():
+    if stft.dim() > 3 and not stft.is_contiguous():
         return NotImplemented
     out = launch_log_mel(stft, filters, frames)
     return NotImplemented if out is None else out

@@ -94,6 +94,7 @@ def _engine_texts(asr, audios, opts, graphs, kv=None):
     assert all(o.ok for o in outs), [o.error for o in outs]
     ex = eng.scheduler.executor
     assert (ex.stats["graph_replays"] > 0) == graphs
+    assert ex.cache.fp8 == (kv == "fp8")
     eng.shutdown()
     return [[t for s in o.transcript.segments for t in s.tokens] for o in outs]
 
@@ -122,6 +123,63 @@ def test_engine_quantized_with_cuda_graphs(method):
     pairs = [(a, b) for x, y in zip(graphs, eager, strict=True) for a, b in zip(x, y, strict=False)]
     same = sum(a == b for a, b in pairs) / max(1, len(pairs))
     assert graphs[0][:5] == eager[0][:5] and same >= 0.9, same
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_paged_decode_attention_fp8_cuda(dtype):
+    """The fp8 KV cache on the GPU: the paged attention over fp8 pools (an oasr-kernels
+    override when installed, else the native dequantize-then-attend) against softmax(q k^T) v
+    in float64 over the same stored (dequantized) keys and values."""
+    from oasr.kv_cache import PagedKVCache
+    from oasr.layers.quantized import paged_decode_attention_fp8
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, d, bs = 4, 64, 16
+    cache = PagedKVCache(1, 40, bs, h, d, device="cuda", dtype=dt, kv_dtype="fp8")
+    lengths = torch.tensor([1, 37, 200, 95], device="cuda")
+    tables = torch.stack([torch.randperm(39, device="cuda")[:13] + 1 for _ in range(4)])
+    for row, n in enumerate(lengths.tolist()):
+        pos = torch.arange(n, device="cuda")
+        slots = tables[row, pos // bs] * bs + pos % bs
+        cache.write(0, slots, torch.randn(n, h, d, device="cuda", generator=g, dtype=dt) * 2,
+                    torch.randn(n, h, d, device="cuda", generator=g, dtype=dt))  # fmt: skip
+    q = torch.randn(4, h, 1, d, device="cuda", generator=g, dtype=dt)
+    out = paged_decode_attention_fp8(q, cache.k[0], cache.v[0], cache.k_scale[0], cache.v_scale[0],
+                                     tables, lengths)  # fmt: skip
+    kk, vv, tt = cache.dequantized_blocks(0, tables)
+    for row, n in enumerate(lengths.tolist()):
+        k = kk[tt[row]].reshape(-1, h, d)[:n].double()
+        v = vv[tt[row]].reshape(-1, h, d)[:n].double()
+        scores = torch.einsum("hd,nhd->hn", q[row, :, 0].double(), k) * d**-0.5
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+        assert rel_err(out[row, :, 0], want) < 1e-2  # the output is rounded to fp16 / bf16
+
+
+@pytest.mark.parametrize("method", [None, *_methods()])
+def test_engine_fp8_kv_cache_with_cuda_graphs(method):
+    """fp8 KV cache (with fp16, int8 or fp8 linears) through the engine: captured decode steps
+    give the eager steps' tokens, and the cache pools are fp8."""
+    import numpy as np
+
+    from benchmarks.synthetic import build_models
+    from oasr.quantization import quantize_model
+    from oasr.types import DecodingOptions
+
+    _, asr = build_models("tiny", "cuda", "float16", 8, seed=4)
+    if method:
+        quantize_model(asr, method)
+    tok = asr.tokenizer
+    rng = np.random.default_rng(1)
+    audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (30, 9, 21)]
+    opts = DecodingOptions.build(language="en", max_new_tokens=30, suppress_tokens=(tok.eot,),
+                                 no_speech_threshold=None, logprob_threshold=None,
+                                 compression_ratio_threshold=None)  # fmt: skip
+    eager = _engine_texts(asr, audios, opts, graphs=False, kv="fp8")
+    graphs = _engine_texts(asr, audios, opts, graphs=True, kv="fp8")
+    pairs = [(a, b) for x, y in zip(graphs, eager, strict=True) for a, b in zip(x, y, strict=False)]
+    same = sum(a == b for a, b in pairs) / max(1, len(pairs))
+    assert len(pairs) > 20 and same >= 0.9, same
 
 
 # --------------------------------------------------------------------------- real tiny.en

@@ -1,0 +1,301 @@
+"""Quantization benchmark (issue #22): quantized OASR beside float OASR and the reference
+implementations, in one call.
+
+    python -m benchmarks.quantbench cpu                     # int8 vs faster-whisper int8
+    python -m benchmarks.quantbench cpu --repeats 3 --threads 2 --json out.json
+    python -m benchmarks.quantbench device                  # large-v3 shapes, batch 64, H200
+    python -m benchmarks.quantbench device --shape tiny --requests 16 --batch 8   # a quick look
+
+``cpu``: the whole ``oasr transcribe`` process (``--compute-type int8``: int8_w8a8 linears) and
+the whole faster-whisper process (``compute_type="int8"``), in turn, on the same CTranslate2
+tiny.en weights (the CLI's default model), the same nine English files (benchmarks/cpubench.py's
+``short`` set), the same thread count, greedy decoding with each tool's defaults otherwise.
+Optionally the float sides too (``--float``). The report gives median wall seconds, CPU seconds
+of the process tree, peak RSS, corpus WER (Whisper's English normaliser) and the ratios OASR /
+faster-whisper.
+
+``device``: random weights of Whisper's shapes (``--shape``, default large-v3), ``--requests``
+30-second inputs decoded greedily to exactly ``--tokens`` tokens each (benchmarks/synthetic.py's
+forced decode), through the continuous-batching engine at ``--batch`` rows:
+
+  oasr_fp16        fp16 weights and KV cache
+  oasr_fp8         fp8_w8a8 linears (weights and activations) and the fp8 KV cache
+  oasr_fp8_w       fp8_w8a8 linears, fp16 KV cache (what the KV cache adds)
+  oasr_int8        int8_w8a8 linears, fp16 KV cache
+  transformers     WhisperForConditionalGeneration fp16 (sdpa), generate() in batches of --batch
+
+Targets (issue #22): oasr_fp8 >= 1.4x oasr_fp16 and >= 4x transformers in throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- CPU
+def fw_worker(argv: list[str]) -> None:
+    """faster-whisper in its own process: load, transcribe each file, print the texts (JSON)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--compute-type", default="int8")
+    parser.add_argument("files", nargs="+")
+    args = parser.parse_args(argv)
+    from faster_whisper import WhisperModel
+
+    model = WhisperModel(args.ckpt, device="cpu", compute_type=args.compute_type, cpu_threads=args.threads)
+    texts = []
+    for f in args.files:
+        segments, _ = model.transcribe(f, beam_size=1)
+        texts.append("".join(s.text for s in segments).strip())
+    print(json.dumps(texts))
+
+
+def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.asrbench import corpus_wer, english_normalizer
+    from benchmarks.cpubench import input_set, measure, oasr_cmd
+    from oasr.defaults import default_checkpoint
+
+    ckpt = args.ckpt_dir or str(default_checkpoint())
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    sides: dict[str, Any] = {
+        "oasr_int8": ("oasr", ["--compute-type", "int8", *threads]),
+        "faster_whisper_int8": ("fw", "int8"),
+    }
+    if args.float:
+        sides["oasr_float32"] = ("oasr", threads)
+        sides["faster_whisper_float32"] = ("fw", "float32")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        files, refs, audio_s = input_set("short", tmp)
+        for _ in range(args.repeats):
+            for name, (kind, extra) in sides.items():
+                if kind == "oasr":
+                    out = Path(tempfile.mkdtemp(dir=tmp))
+                    wall, cpu, peak, _ = measure(oasr_cmd(files, out, list(extra)))
+                    texts = [(out / f"{f.stem}.txt").read_text().strip() for f in files]
+                else:
+                    cmd = [sys.executable, "-m", "benchmarks.quantbench", "fw-worker", "--ckpt", ckpt,
+                           "--threads", str(args.threads), "--compute-type", extra, *map(str, files)]  # fmt: skip
+                    wall, cpu, peak, stdout = measure(cmd)
+                    texts = json.loads(stdout.strip().splitlines()[-1])
+                runs[name].append({"wall_s": wall, "cpu_s": cpu, "peak_mb": peak, "texts": texts})
+    table = {}
+    for name, rs in runs.items():
+        table[name] = {k: round(statistics.median(r[k] for r in rs), 3) for k in ("wall_s", "cpu_s", "peak_mb")}
+        table[name]["wer"] = round(corpus_wer(refs, rs[-1]["texts"]), 2)
+    ratio = {k: round(table["oasr_int8"][k] / table["faster_whisper_int8"][k], 3)
+             for k in ("wall_s", "cpu_s", "peak_mb")}  # fmt: skip
+    report = {
+        "workload": "quant-cpu", "files": len(files), "audio_s": round(audio_s, 2),
+        "repeats": args.repeats, "threads": args.threads or "default", "cpus": os.cpu_count(),
+        "normalizer": english_normalizer()[1], "loadavg_after": os.getloadavg(),
+        "results": table, "ratio_oasr_int8_over_faster_whisper_int8": ratio,
+        "texts": {name: rs[-1]["texts"] for name, rs in runs.items()},
+    }  # fmt: skip
+    print(f"quant cpu: {len(files)} English files, {audio_s:.1f} s of audio, {args.repeats} run(s) each, "
+          f"threads {args.threads or 'default'}")  # fmt: skip
+    print(f"{'side':<24}{'wall s':>9}{'cpu s':>9}{'peak MB':>9}{'WER %':>8}")
+    for name, row in table.items():
+        print(f"{name:<24}{row['wall_s']:>9.2f}{row['cpu_s']:>9.2f}{row['peak_mb']:>9.0f}{row['wer']:>8.2f}")
+    print(f"oasr int8 / faster-whisper int8: wall {ratio['wall_s']:.2f}x  cpu {ratio['cpu_s']:.2f}x  "
+          f"memory {ratio['peak_mb']:.2f}x (target: wall <= 1.0x, WER no worse)")  # fmt: skip
+    return report
+
+
+# --------------------------------------------------------------------------- device
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _engine_run(asr: Any, audios: list, options: Any, batch: int, kv: str | None, warm: int,
+                device: str = "cuda") -> dict[str, Any]:  # fmt: skip
+
+    from oasr.engine import ASREngine
+    from oasr.scheduler import SchedulerConfig
+    from oasr.types import EngineConfig
+
+    sc = SchedulerConfig(max_batch_size=batch, max_wait_steps=10**6, kv_cache_dtype=kv)
+    engine = ASREngine(EngineConfig(device=device, dtype=str(asr.network.dtype).replace("torch.", ""),
+                                    max_batch_size=batch, kv_cache_dtype=kv),
+                       model=asr, scheduler_config=sc)  # fmt: skip
+    try:
+        for _ in range(warm):  # every CUDA-graph bucket this workload meets
+            [f.result() for f in [engine.submit(a, options) for a in audios]]
+        _sync(device)
+        ex = engine.scheduler.executor
+        before = ex.stats.get("tokens", 0)
+        t0 = time.perf_counter()
+        outs = [f.result() for f in [engine.submit(a, options) for a in audios]]
+        _sync(device)
+        wall = time.perf_counter() - t0
+        tokens = ex.stats.get("tokens", 0) - before
+        mem = ex.memory_bytes / 2**30
+    finally:
+        engine.shutdown()
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "kv_and_cross_gib": round(mem, 2),
+            "texts": [o.text for o in outs]}  # fmt: skip
+
+
+def _hf_run(hf: Any, asr: Any, audios: list, tokens: int, batch: int) -> dict[str, Any]:
+    import torch
+    from transformers import GenerationConfig, WhisperFeatureExtractor
+    from transformers.generation.utils import GenerationMixin
+
+    from oasr_models_whisper.decoding import resolve_suppress_tokens
+
+    tok = asr.tokenizer
+    fe = WhisperFeatureExtractor(feature_size=asr.network.dims.n_mels)
+    init = [*tok.sot_sequence("en", "transcribe", multilingual=True), tok.no_timestamps]
+    hf.generation_config = GenerationConfig(
+        max_new_tokens=tokens, do_sample=False, num_beams=1,
+        suppress_tokens=list(resolve_suppress_tokens(tok, (tok.eot,), None)),
+        eos_token_id=tok.eot, pad_token_id=tok.eot, decoder_start_token_id=tok.sot, use_cache=True,
+    )  # fmt: skip
+
+    def run(xs: list) -> tuple[list[str], int]:
+        texts, n = [], 0
+        for k in range(0, len(xs), batch):
+            chunk = xs[k : k + batch]
+            feats = fe(chunk, sampling_rate=16000, return_tensors="pt", device="cuda").input_features
+            feats = feats.to(device="cuda", dtype=hf.dtype)
+            dec = torch.tensor([init] * len(chunk), device="cuda")
+            with torch.inference_mode():
+                out = GenerationMixin.generate(hf, input_features=feats, decoder_input_ids=dec,
+                                               decoder_attention_mask=torch.ones_like(dec),
+                                               generation_config=hf.generation_config)  # fmt: skip
+            for row in out[:, len(init) :].tolist():
+                body = row[: row.index(tok.eot)] if tok.eot in row else row
+                n += len(body)
+                texts.append(tok.decode(body).strip())
+        return texts, n
+
+    run(audios[:batch])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    texts, n = run(audios)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": n, "tokens_per_s": n / wall, "texts": texts}
+
+
+def bench_device(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from benchmarks.synthetic import build_models
+    from oasr.quantization import quantize_model
+    from oasr.types import DecodingOptions
+
+    device = args.device
+    dtype = "float16" if device.startswith("cuda") else "float32"
+    hf, asr = build_models(args.shape, device, dtype, args.batch, seed=0)
+    tok = asr.tokenizer
+    rng = np.random.default_rng(0)
+    audios = [(0.1 * rng.standard_normal(30 * 16000)).astype(np.float32) for _ in range(args.requests)]
+    options = DecodingOptions.build(
+        language="en", without_timestamps=True, max_new_tokens=args.tokens, suppress_tokens=(tok.eot,),
+        suppress_blank=False, no_speech_threshold=None, logprob_threshold=None,
+        compression_ratio_threshold=None, condition_on_previous_text=False, temperature=0.0,
+        vad_gate=False,
+    )  # fmt: skip
+    sides = [s for s in args.sides.split(",") if s]
+    results: dict[str, dict[str, Any]] = {}
+    float_net = copy.deepcopy(asr.network) if any(s.startswith("oasr_int8") for s in sides) else None
+    for side in sides:
+        if side == "transformers":
+            results[side] = _hf_run(hf, asr, audios, args.tokens, args.batch)
+        elif side == "oasr_fp16":
+            results[side] = _engine_run(asr, audios, options, args.batch, None, args.warmup, device)
+        elif side in ("oasr_fp8", "oasr_fp8_w"):
+            if getattr(asr, "quantization", None) is None:
+                quantize_model(asr, "fp8_w8a8")
+            results[side] = _engine_run(asr, audios, options, args.batch, "fp8" if side == "oasr_fp8" else None,
+                                        args.warmup, device)  # fmt: skip
+        elif side == "oasr_int8":
+            q = copy.copy(asr)
+            q.network = copy.deepcopy(float_net)
+            q.quantization = None
+            quantize_model(q, "int8_w8a8")
+            results[side] = _engine_run(q, audios, options, args.batch, None, args.warmup, device)
+        else:
+            raise SystemExit(f"unknown side {side!r}")
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        r = results[side]
+        print(f"{side:<14} {r['wall_s']:8.2f} s  {r['tokens_per_s']:9.1f} tokens/s", flush=True)
+    base = results.get("oasr_fp16")
+    ref = results.get("transformers")
+    speed: dict[str, float] = {}
+    for side, r in results.items():
+        if base and side != "oasr_fp16":
+            speed[f"{side}_over_oasr_fp16"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+        if ref and side != "transformers":
+            speed[f"{side}_over_transformers"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
+    agree = {}
+    if base:
+        for side, r in results.items():
+            if side != "oasr_fp16":
+                agree[side] = round(sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
+                                    / max(1, len(base["texts"])), 3)  # fmt: skip
+    report = {
+        "workload": "quant-device", "shape": args.shape, "batch": args.batch, "requests": args.requests,
+        "tokens_each": args.tokens, "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "results": {s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "texts"}
+                    for s, r in results.items()},
+        "speedups": speed, "text_agreement_with_oasr_fp16": agree,
+    }  # fmt: skip
+    print(json.dumps({"speedups": speed, "text_agreement_with_oasr_fp16": agree}, indent=2))
+    print("targets: oasr_fp8 >= 1.4x oasr_fp16, >= 4x transformers")
+    return report
+
+
+# --------------------------------------------------------------------------- command line
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fw-worker"]:
+        fw_worker(argv[1:])
+        return None
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quantbench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = parser.add_subparsers(dest="where", required=True)
+    cpu = sub.add_parser("cpu", help="oasr int8 vs faster-whisper int8 on the English clips")
+    cpu.add_argument("--ckpt-dir", default=None, help="CTranslate2 Whisper (default: the CLI's tiny.en)")
+    cpu.add_argument("--threads", type=int, default=2, help="both sides' threads (0: each one's default)")
+    cpu.add_argument("--repeats", type=int, default=1)
+    cpu.add_argument("--float", action="store_true", help="also both float32 sides")
+    dev = sub.add_parser("device", help="fp8/int8 vs fp16 vs transformers on a CUDA GPU")
+    dev.add_argument("--shape", default="large-v3", help="benchmarks/synthetic.py SHAPES key")
+    dev.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run of the OASR sides)")
+    dev.add_argument("--batch", type=int, default=64)
+    dev.add_argument("--requests", type=int, default=128)
+    dev.add_argument("--tokens", type=int, default=64)
+    dev.add_argument("--warmup", type=int, default=1)
+    dev.add_argument("--sides", default="oasr_fp16,oasr_int8,oasr_fp8_w,oasr_fp8,transformers")
+    for p in (cpu, dev):
+        p.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    report = bench_cpu(args) if args.where == "cpu" else bench_device(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -50,8 +50,12 @@ def norm_key(mode: str, dtype: torch.dtype, d: int) -> str:
     return f"{mode}:{DTYPE_TAGS[dtype]}:d{d}"
 
 
-def _norm_default(d: int) -> dict[str, int]:
-    return {"threads": 128 if d <= 512 else 256}
+def _norm_default(d: int, dtype: torch.dtype = torch.float16) -> dict[str, int]:
+    """One thread per 16-byte vector of the row (per element when rows are not whole vectors),
+    in whole warps, 32 to 1024."""
+    per_vec = 16 // torch.empty((), dtype=dtype).element_size()
+    units = d // per_vec if d % per_vec == 0 else d
+    return {"threads": min(1024, max(32, -(-units // 32) * 32))}
 
 
 def launch_add_norm(mode: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -61,7 +65,7 @@ def launch_add_norm(mode: str, x: torch.Tensor, residual: torch.Tensor | None, w
     d = x.shape[-1]
     rows = x.numel() // d if d else 0
     if params is None:
-        params = tuned_params("add_norm", norm_key(mode, x.dtype, d), x.device, _norm_default(d))
+        params = tuned_params("add_norm", norm_key(mode, x.dtype, d), x.device, _norm_default(d, x.dtype))
     out = torch.empty_like(x)
     s = torch.empty_like(x) if residual is not None else x
     if rows == 0:
@@ -274,7 +278,8 @@ def _norm_tunable(mode: str) -> Tunable:
     return Tunable(
         op="add_norm",
         key=lambda shape, dtype: norm_key(mode, dtype, int(shape["dim"])),
-        candidates=lambda shape: [{"threads": t} for t in (64, 128, 256, 512, 1024)],
+        candidates=lambda shape: [{"threads": t} for t in sorted({64, 128, 256, 512, 1024,
+                                                                  _norm_default(int(shape["dim"]))["threads"]})],  # fmt: skip
         make=make,
         default=lambda shape: _norm_default(int(shape["dim"])),
         shapes=[{"rows": 96000, "dim": 1280}, {"rows": 64, "dim": 1280}, {"rows": 24000, "dim": 512},

@@ -287,7 +287,7 @@ def test_autotune_writes_cache_that_launches_read(tmp_path, monkeypatch) -> None
     data = json.loads(path.read_text())
     assert data["arch"].startswith("sm") and report["path"] == str(path)
     entry = data["entries"]["add_norm"]["layer:f16:d1280"]
-    assert entry["params"]["threads"] in (64, 128, 256, 512, 1024) and entry["us"] > 0
+    assert entry["params"]["threads"] in (64, 128, 160, 256, 512, 1024) and entry["us"] > 0
     assert "f16:k15" in data["entries"]["glu_depthwise_conv1d"]
     assert "f16:d64" in data["entries"]["paged_prefill_attention"]
     # a launch reads the winner

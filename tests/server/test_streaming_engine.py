@@ -131,6 +131,7 @@ def wait_released(get_metrics: Callable[[], str], app: Any, api: str) -> str:
             metric(text, "oasr_engine_streams") == 0
             and metric(text, "oasr_streams_active", api=api) == 0
             and engine_holds(app) == 0
+            and metric(text, "oasr_stream_cache", kind="streams") == 0  # cache slots freed
         ):
             return text
         assert time.monotonic() < deadline, text

@@ -113,6 +113,9 @@ class StreamingScheduler:
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
+        #: ready streams (kept up to date by feed, step and abort: a step never scans them all)
+        self._ready_set: dict[str, _Stream] = {}
+        self._live = 0  # streams not finished
         self._ids = itertools.count(1)
         self._seq = itertools.count()
         self._clock = 0
@@ -129,7 +132,7 @@ class StreamingScheduler:
         options = options or DecodingOptions()
         state = self._new_state(options)
         with self._lock:
-            live = sum(1 for s in self._streams.values() if not s.finished)
+            live = self._live
             if self.max_streams is not None and live >= self.max_streams:
                 raise InvalidRequestError(
                     f"too many live streams ({live}); this engine accepts {self.max_streams}",
@@ -139,6 +142,7 @@ class StreamingScheduler:
             if rid in self._streams:
                 raise InvalidRequestError(f"stream id {rid!r} is already in use", param="request_id")
             self._streams[rid] = _Stream(rid, state, next(self._seq), waiting_since=self._clock)
+            self._live += 1
         return rid
 
     def feed_chunk(self, rid: str, audio: Any = None, is_last: bool = False) -> None:
@@ -151,15 +155,13 @@ class StreamingScheduler:
             s = self._get(rid)
             if s.last_received:
                 raise InvalidRequestError(f"stream {rid!r} already received its last chunk", param="audio")
-            was_ready = self._ready(s)
             if a.size:
                 s.chunks.append(a.copy())
                 s.buffered += a.size
                 s.samples_in += a.size
             if is_last:
                 s.last_received = True
-            if not was_ready and self._ready(s):
-                s.ready_since = time.monotonic()
+            self._update_ready(s, time.monotonic())
 
     def abort(self, rid: str) -> bool:
         """Drop stream ``rid`` and its state. Returns False if it was unknown or already done."""
@@ -168,6 +170,9 @@ class StreamingScheduler:
             if s is None:
                 return False
             s.aborted = True
+            self._ready_set.pop(rid, None)
+            if not s.finished and not s.in_flight:
+                self._live -= 1
             release = not s.in_flight and not s.finished  # in flight: released when the step returns
         if release:
             self._release(s)
@@ -189,6 +194,16 @@ class StreamingScheduler:
         return s
 
     # -- stepping ------------------------------------------------------------------------------
+    def _update_ready(self, s: _Stream, now: float) -> None:
+        """Keep ``_ready_set`` true for ``s`` (lock held); a stream that becomes ready now gets
+        ``ready_since = now``."""
+        if self._ready(s):
+            if s.rid not in self._ready_set:
+                s.ready_since = now
+                self._ready_set[s.rid] = s
+        else:
+            self._ready_set.pop(s.rid, None)
+
     def _ready(self, s: _Stream) -> bool:
         if s.finished or s.in_flight or s.aborted:
             return False
@@ -227,16 +242,14 @@ class StreamingScheduler:
     def _step(self, hold: bool) -> list[tuple[str, StreamingUpdate]]:
         with self._step_lock:
             with self._lock:
-                ready = [s for s in self._streams.values() if self._ready(s)]
+                ready = list(self._ready_set.values())
                 if not ready:
                     self._hold_until = 0.0
                     return []
                 if hold and self.max_batch_wait_s > 0 and len(ready) < self.max_batch_size:
                     oldest = min(s.ready_since for s in ready)
                     until = oldest + self.max_batch_wait_s
-                    if time.monotonic() < until and len(ready) < sum(
-                        1 for s in self._streams.values() if not s.finished and not s.in_flight
-                    ):
+                    if time.monotonic() < until and len(ready) < self._live:
                         self._hold_until = until
                         self.stats["holds"] += 1
                         return []
@@ -245,6 +258,7 @@ class StreamingScheduler:
                 batch = ready[: self.max_batch_size]
                 work = []
                 for s in batch:
+                    del self._ready_set[s.rid]
                     chunk, last = self._take(s)
                     s.in_flight = True
                     work.append((s, chunk, last))
@@ -257,6 +271,7 @@ class StreamingScheduler:
                 with self._lock:
                     for s, _, _ in work:  # the states may be inconsistent: end these streams
                         s.in_flight = False
+                        self._live -= 1  # live and in flight (an abort meanwhile left it counted)
                         s.finished = True
                         self._streams.pop(s.rid, None)
                 for s, _, _ in work:
@@ -270,14 +285,16 @@ class StreamingScheduler:
                     s.in_flight = False
                     s.waiting_since = self._clock
                     if s.aborted:
+                        self._live -= 1
                         dropped.append(s)
                         continue
                     s.text = upd.text
                     if upd.is_final or last:
                         s.finished = True
+                        self._live -= 1
                         s.transcript = upd.transcript
-                    elif self._ready(s):  # more audio was buffered: ready again from now
-                        s.ready_since = now
+                    else:  # more audio was buffered: ready again from now
+                        self._update_ready(s, now)
                     out.append((s.rid, upd))
                 self.stats["steps"] += 1
                 self.stats["stream_updates"] += len(out)
@@ -314,9 +331,16 @@ class StreamingScheduler:
             return None if s is None else s.transcript
 
     def release(self, rid: str) -> None:
-        """Forget a finished stream (its transcript included)."""
+        """Forget a finished stream (its transcript included); a live one is aborted."""
         with self._lock:
-            self._streams.pop(rid, None)
+            s = self._streams.get(rid)
+            if s is None or not s.finished:
+                live = s is not None
+            else:
+                self._streams.pop(rid, None)
+                live = False
+        if live:
+            self.abort(rid)
 
     def info(self, rid: str) -> StreamInfo:
         with self._lock:
@@ -329,8 +353,7 @@ class StreamingScheduler:
         """Gauges for metrics: live and ready streams, and the model's streaming cache pool
         (``pool_*``: streams, slots, blocks used / allocated, bytes) where it has one."""
         with self._lock:
-            live = sum(1 for s in self._streams.values() if not s.finished)
-            ready = sum(1 for s in self._streams.values() if self._ready(s))
+            live, ready = self._live, len(self._ready_set)
         out: dict[str, float] = {"streams": live, "ready": ready}
         gauges = getattr(self.model, "stream_occupancy", None)
         if gauges is not None:
@@ -340,8 +363,8 @@ class StreamingScheduler:
     @property
     def num_active(self) -> int:
         with self._lock:
-            return sum(1 for s in self._streams.values() if not s.finished)
+            return self._live
 
     def has_ready(self) -> bool:
         with self._lock:
-            return any(self._ready(s) for s in self._streams.values())
+            return bool(self._ready_set)

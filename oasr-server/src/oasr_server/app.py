@@ -304,6 +304,8 @@ class ServerState:
             self.metrics.bind_gpu(str(device))
             if stream_engine is not None:
                 self.metrics.bind_engine_streams(lambda: stream_engine.open_streams)
+                if getattr(stream_engine.engine, "streaming", None) is not None:
+                    self.metrics.bind_stream_cache(stream_engine.engine.streaming.occupancy)
             self.metrics.ready.set(1)
             for listener in listeners:
                 listener()

@@ -180,6 +180,13 @@ class ServerMetrics:
             "recognised).",
             registry=r,
         )
+        self.stream_cache = Gauge(
+            "oasr_stream_cache",
+            "Streaming cache pool of the engine's model (--service-mode streaming): live streams, "
+            "slots, blocks_used, blocks (allocated), bytes.",
+            ["kind"],
+            registry=r,
+        )
         self.stream_turns = Counter(
             "oasr_stream_turns",
             "Turns (utterances) committed on streams, by API.",
@@ -213,6 +220,14 @@ class ServerMetrics:
 
     def bind_engine_streams(self, count: Callable[[], float]) -> None:
         self.engine_streams.set_function(count)
+
+    def bind_stream_cache(self, occupancy: Callable[[], dict]) -> None:
+        """``occupancy()``: the streaming scheduler's gauges (``pool_*`` keys, see
+        docs/cache_manager.md); models without a pool report zeros."""
+        for kind in ("streams", "slots", "blocks_used", "blocks", "bytes"):
+            self.stream_cache.labels(kind).set_function(
+                lambda kind=kind: float(occupancy().get(f"pool_{kind}", 0))
+            )
 
     def on_transcribed(self, audio_seconds: float, engine_seconds: float) -> None:
         """A request's result came back from the engine queue after ``engine_seconds``."""

@@ -341,6 +341,10 @@ def test_openai_sdk_on_two_replicas_matches_plain_server(cluster: str, reference
     entry = _models(cluster)
     assert entry["ready"] and entry["oasr"]["name"] == "whisper tiny.en"
     assert len({r["replica"] for r in entry["oasr"]["replicas"]}) == 2
+    one = httpx.get(f"{cluster}/v1/models/whisper-1").json()  # retrieve: by an alias
+    assert one["id"] == SERVED and len(one["oasr"]["replicas"]) == 2
+    missing = httpx.get(f"{cluster}/v1/models/gpt-9")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     ready = httpx.get(f"{cluster}/readyz").json()
     assert ready == {"status": "ready", "model": SERVED, "replicas": 2, "ready": 2}
     text = httpx.get(f"{cluster}/metrics").text

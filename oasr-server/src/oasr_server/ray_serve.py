@@ -246,9 +246,12 @@ def aggregate_models(served: str, entries: list[dict[str, Any]]) -> dict[str, An
     return base
 
 
-def _add_aggregate_routes(app: FastAPI, served: str, entries: Callable[[], Any]) -> None:
-    """``/v1/models``, ``/healthz``, ``/readyz`` and ``/metrics`` over all replicas, placed in
-    front of the replica's own routes of the same paths (FastAPI answers the first match)."""
+def _add_aggregate_routes(
+    app: FastAPI, served: str, entries: Callable[[], Any], check_model: Callable[[str], None]
+) -> None:
+    """``/v1/models`` (and ``/v1/models/{id}``), ``/healthz``, ``/readyz`` and ``/metrics`` over
+    all replicas, placed in front of the replica's own routes of the same paths (FastAPI
+    answers the first match)."""
     from fastapi.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -256,6 +259,10 @@ def _add_aggregate_routes(app: FastAPI, served: str, entries: Callable[[], Any])
 
     async def models(request: Any) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [aggregate_models(served, await entries())]})
+
+    async def retrieve_model(request: Any) -> JSONResponse:
+        check_model(request.path_params["model_id"] or "?")  # 404 model_not_found otherwise
+        return JSONResponse(aggregate_models(served, await entries()))
 
     async def healthz(request: Any) -> JSONResponse:
         found = await entries()
@@ -281,6 +288,7 @@ def _add_aggregate_routes(app: FastAPI, served: str, entries: Callable[[], Any])
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -370,7 +378,9 @@ class OASRServer:
         self._own_models = next(
             r.endpoint for r in app.router.routes if getattr(r, "path", None) == "/v1/models"
         )
-        _add_aggregate_routes(app, self.server_config.served_model_name, self._entries)
+        _add_aggregate_routes(
+            app, self.server_config.served_model_name, self._entries, state.check_model
+        )
         return app
 
     async def _entries(self) -> list[dict[str, Any]]:

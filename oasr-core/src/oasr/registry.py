@@ -143,6 +143,7 @@ KNOWN_PLUGINS: dict[str, dict[str, KnownPlugin]] = {
     },
     "vad_detector": {"silero": KnownPlugin("oasr-vad-silero", (), "Silero VAD")},
     "kernel_provider": {"cuda": KnownPlugin("oasr-kernels", (), "CUDA kernels")},
+    "decoder": {"wfst": KnownPlugin("oasr-decoders-wfst", (), "WFST (TLG) graph search for CTC models")},
 }
 
 

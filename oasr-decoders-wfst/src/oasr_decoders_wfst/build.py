@@ -151,7 +151,7 @@ def _grammar_text(lm: ArpaLM, word_ids: dict[str, int], backoff_label: int) -> t
             for ws in keep:
                 if ws[-1] != "</s>":
                     state.setdefault(ws, len(state))
-    if ("<s>",) not in state:
+    if ("<s>",) not in kept[0]:
         raise InvalidRequestError("the ARPA model has no <s> unigram")
 
     def dest(hist: tuple[str, ...]) -> int:
@@ -181,7 +181,7 @@ def _grammar_text(lm: ArpaLM, word_ids: dict[str, int], backoff_label: int) -> t
             dst.append(dest(hist[1:]))
             lab.append(backoff_label)
             wts.append(-bo * LN10)
-    start = state[("<s>",)]
+    start = state.get(("<s>",), 0)  # a unigram model starts at its only history
     lab_a = np.asarray(lab)
     out = np.where(lab_a == backoff_label, 0, lab_a)
     # OpenFst text: the source of the first line is the start state

@@ -11,7 +11,8 @@ from oasr.hookspecs import Register
 
 @hookimpl
 def register_decoders(register: Register) -> None:
-    register("wfst", "oasr_decoders_wfst.decoder:WfstDecoder", decode_family="ctc",
+    # the call core's oasr.decoders.graph_search makes (model option wfst_graph=...)
+    register("wfst", "oasr_decoders_wfst.search:graph_search", decode_family="ctc",
              description="WFST (TLG) token-passing beam search, batched and streaming, GPU or CPU")  # fmt: skip
 
 

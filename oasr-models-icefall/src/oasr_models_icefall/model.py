@@ -40,6 +40,11 @@ from oasr.decoders import (
 )
 from oasr.decoders.context_graph import ContextGraph, PieceEncoder, context_graph_for
 from oasr.decoders.ctc_gpu import GPUCTCPrefixBeamSearch, ctc_prefix_beam_search_gpu, step_streams
+from oasr.decoders.graph_search import (
+    graph_search_requested,
+    graph_transcripts,
+    refuse_graph_search_streaming,
+)
 from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.features.kaldi import KaldiFbank
 from oasr.layers import default_dtype, resolve_dtype
@@ -264,6 +269,9 @@ class _IcefallASR:
         if m.startswith("ctc") and not self.cfg.use_ctc:
             raise UnsupportedOptionError(f"{self.name} has no CTC head; use greedy_search or "
                                          f"modified_beam_search", param="decoding_method")
+        if graph_search_requested(o) and not self.cfg.use_ctc:
+            raise UnsupportedOptionError(f"{self.name} has no CTC head to decode over a WFST graph",
+                                         param="wfst_graph")  # fmt: skip
         if not m.startswith("ctc") and not self.cfg.use_transducer:
             raise UnsupportedOptionError(f"{self.name} has no transducer head; use ctc_greedy_search "
                                          f"or ctc_prefix_beam_search", param="decoding_method")
@@ -415,9 +423,17 @@ class _IcefallASR:
         if todo:
             feats, lens = self.features([waves[i] for i in todo])
             enc, enc_lens = self.encode_features(feats, lens, o)
-            hyps = self.decode(enc, enc_lens, o)
-            for row, i in enumerate(todo):
-                out[i] = self._transcript(hyps[row], len(waves[i]) / sr, int(enc_lens[row]), o)
+            if graph_search_requested(o):  # model option wfst_graph: CTC over a WFST graph
+                with torch.no_grad():
+                    lp = self.net.ctc_log_probs(enc)
+                graphed = graph_transcripts(lp, enc_lens.tolist(), o, [len(waves[i]) / sr for i in todo],
+                                            self.frame_shift, self.tokens.language)  # fmt: skip
+                for row, i in enumerate(todo):
+                    out[i] = graphed[row]
+            else:
+                hyps = self.decode(enc, enc_lens, o)
+                for row, i in enumerate(todo):
+                    out[i] = self._transcript(hyps[row], len(waves[i]) / sr, int(enc_lens[row]), o)
         if progress is not None:
             total = sum(len(w) for w in waves) / sr
             progress(total, total)
@@ -426,6 +442,7 @@ class _IcefallASR:
     # -- streaming --------------------------------------------------------------------------
     def new_stream(self, options: DecodingOptions | None = None) -> IcefallStream:
         o = self._check(options or DecodingOptions())
+        refuse_graph_search_streaming(o)
         if not self.cfg.causal:
             raise UnsupportedOptionError(f"{self.name} is not causal (trained without chunks); it "
                                          f"decodes offline only", param="service_mode")

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from oasr.decoders.graph_search import GraphSearchOptions
 from oasr.errors import InvalidRequestError, UnsupportedOptionError
-from oasr.options import ModelOptions, ResolvedOptions, option
+from oasr.options import ResolvedOptions, option
 
 DecodingMethod = Literal[
     "auto", "greedy_search", "modified_beam_search", "ctc_greedy_search", "ctc_prefix_beam_search"
@@ -16,7 +17,7 @@ DecodingMethod = Literal[
 
 
 @dataclass(frozen=True)
-class IcefallOptions(ModelOptions):
+class IcefallOptions(GraphSearchOptions):  # + wfst_graph & co.: CTC over a WFST graph
     family = "icefall"
 
     decoding_method: DecodingMethod = option(

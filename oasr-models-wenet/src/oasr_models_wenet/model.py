@@ -37,6 +37,11 @@ from oasr.decoders.ctc import (
     token_timestamps,
 )
 from oasr.decoders.ctc_gpu import ctc_prefix_beam_search_gpu
+from oasr.decoders.graph_search import (
+    graph_search_requested,
+    graph_transcripts,
+    refuse_graph_search_streaming,
+)
 from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
@@ -363,6 +368,9 @@ class WenetASR:
         graph = self._context_graph(options)
         with torch.no_grad():
             logp = self.net.ctc_log_probs(enc)
+        if graph_search_requested(options):  # model option wfst_graph: CTC over a WFST graph
+            return graph_transcripts(logp, lens.tolist(), options, durations, self.frame_shift,
+                                     self.units.language)  # fmt: skip
         device_nbest = None
         if logp.is_cuda and method in ("ctc_prefix_beam_search", "attention_rescoring"):
             # on CUDA the prefix beam search runs as batched tensor operations
@@ -494,6 +502,7 @@ class WenetASR:
         ``keep_encoder_output``: collect the encoder output in ``state.enc`` (default: the
         model's ``keep_encoder_output``; always when attention rescoring needs it)."""
         options = self._check(options or DecodingOptions())
+        refuse_graph_search_streaming(options)
         if not self.capabilities.streaming and not force:
             raise UnsupportedOptionError(
                 f"{self.name} was trained without chunk masks (use_dynamic_chunk false, "

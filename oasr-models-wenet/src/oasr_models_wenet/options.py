@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from oasr.decoders.graph_search import GraphSearchOptions
 from oasr.errors import InvalidRequestError, UnsupportedOptionError
-from oasr.options import ModelOptions, ResolvedOptions, option
+from oasr.options import ResolvedOptions, option
 
 DecodingMethod = Literal[
     "auto", "ctc_greedy_search", "ctc_prefix_beam_search", "attention_rescoring", "attention"
@@ -20,7 +21,7 @@ DecodingMethod = Literal[
 
 
 @dataclass(frozen=True)
-class WenetOptions(ModelOptions):
+class WenetOptions(GraphSearchOptions):  # + wfst_graph & co.: CTC over a WFST graph
     family = "wenet"
 
     decoding_method: DecodingMethod = option(

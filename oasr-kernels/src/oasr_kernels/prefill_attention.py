@@ -17,13 +17,17 @@ import torch
 from oasr.tune import Tunable, tuned_params
 from oasr_kernels.jit import DTYPE_TAGS, KernelModule
 
-__all__ = ["HEAD_DIMS", "TUNABLES", "paged_prefill_attention_cuda", "unsupported_reason"]
+__all__ = ["HEAD_DIMS", "MAX_TOKENS", "TUNABLES", "launch", "paged_prefill_attention_cuda", "unsupported_reason"]
 
 MODULE = KernelModule("paged_prefill_attention.cu")
 HEAD_DIMS = (64, 128)
 _KEY_TILE = 32
 _QUERIES_PER_WARP = 4
 _SMEM_LIMIT = 48 * 1024
+#: longest block of new tokens the override takes: the kernel computes with fp32 FMAs, so for
+#: long prompts PyTorch's tensor-core attention over the gathered keys wins (the kernel's place
+#: is the short prompts of speech decoders: Whisper's 3-4 start tokens, many rows at once)
+MAX_TOKENS = 64
 
 
 def smem_bytes(nb: int, head_dim: int, warps: int) -> int:
@@ -107,7 +111,10 @@ def launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ta
 def paged_prefill_attention_cuda(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                  block_tables: torch.Tensor, lengths: torch.Tensor,
                                  scale: float | None = None) -> Any:  # fmt: skip
-    """Override of ``paged_prefill_attention`` on "cuda"."""
+    """Override of ``paged_prefill_attention`` on "cuda" (blocks of up to :data:`MAX_TOKENS`
+    new tokens)."""
+    if q.dim() == 4 and q.shape[2] > MAX_TOKENS:
+        return NotImplemented
     if unsupported_reason(q, k_pool, v_pool, block_tables, lengths) is not None:
         return NotImplemented
     out = launch(q, k_pool, v_pool, block_tables, lengths, scale)

@@ -156,6 +156,41 @@ def test_paged_decode_attention_fp8_cuda(dtype):
         assert rel_err(out[row, :, 0], want) < 1e-2  # the output is rounded to fp16 / bf16
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 20, 20), (128, 8, 2)])
+def test_fp8_decode_kernel_matches_native(dtype, head_dim, heads, kv_heads):
+    """oasr-kernels' paged_decode_attention_fp8 kernel (reads the e4m3 bytes itself) against
+    the native op (dequantize the blocks, then attend), grouped heads included."""
+    pytest.importorskip("cupy")
+    import oasr.layers as L
+    from oasr.kv_cache import PagedKVCache
+    from oasr.layers.quantized import paged_decode_attention_fp8
+
+    L.install_kernel_providers("cuda")
+    assert L.get_override("paged_decode_attention_fp8", "cuda") is not None
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    bs, nb = 16, 28
+    cache = PagedKVCache(1, 4 * nb + 1, bs, kv_heads, head_dim, device="cuda", dtype=dt, kv_dtype="fp8")
+    lengths = torch.tensor([1, 17, 448, 230], device="cuda")
+    tables = (torch.arange(4 * nb, device="cuda") + 1).view(4, nb)
+    for row, n in enumerate(lengths.tolist()):
+        pos = torch.arange(n, device="cuda")
+        cache.write(0, tables[row, pos // bs] * bs + pos % bs,
+                    torch.randn(n, kv_heads, head_dim, device="cuda", generator=g, dtype=dt) * 3,
+                    torch.randn(n, kv_heads, head_dim, device="cuda", generator=g, dtype=dt))  # fmt: skip
+    q = torch.randn(4, heads, 1, head_dim, device="cuda", generator=g, dtype=dt)
+    args = (q, cache.k[0], cache.v[0], cache.k_scale[0], cache.v_scale[0], tables, lengths)
+    got = paged_decode_attention_fp8(*args)
+    old = L.set_overrides_enabled(False)
+    try:
+        want = paged_decode_attention_fp8(*args)
+    finally:
+        L.set_overrides_enabled(old)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
+    assert rel_err(got, want) < tol
+
+
 @pytest.mark.parametrize("method", [None, *_methods()])
 def test_engine_fp8_kv_cache_with_cuda_graphs(method):
     """fp8 KV cache (with fp16, int8 or fp8 linears) through the engine: captured decode steps

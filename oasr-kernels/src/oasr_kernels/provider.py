@@ -18,6 +18,7 @@ OPS = (
     "bias_act",
     "glu_depthwise_conv1d",
     "log_mel_power",
+    "paged_decode_attention_fp8",
 )
 
 
@@ -44,6 +45,10 @@ def install(device_type: str = "cuda") -> list[str]:
     register_override("bias_act", "cuda", fused.bias_act_cuda)
     register_override("glu_depthwise_conv1d", "cuda", fused.glu_depthwise_conv1d_cuda)
     register_override("log_mel_power", "cuda", fused.log_mel_power_cuda)
+    import oasr.layers.quantized  # noqa: F401 - declares the fp8 KV cache's op
+    from oasr_kernels.paged_attention_fp8 import paged_decode_attention_fp8_cuda
+
+    register_override("paged_decode_attention_fp8", "cuda", paged_decode_attention_fp8_cuda)
     for tunable in fused.TUNABLES + prefill_attention.TUNABLES:
         register_tunable(tunable)
     return list(OPS)

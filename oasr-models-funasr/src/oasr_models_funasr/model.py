@@ -34,6 +34,7 @@ import torch
 from oasr.audio import as_mono_waveform
 from oasr.decoders.cif import add_tail, cif_cumsum, cif_fires, cif_loop, cif_timestamps
 from oasr.errors import CheckpointError
+from oasr.features._common import padded_batch
 from oasr.features.funasr import FunASRFbankLFR
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback
@@ -241,13 +242,8 @@ class ParaformerASR:
     # ------------------------------------------------------------------ features and network
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """LFR + CMVN features (B, T, D) float32 on the model's device, and their lengths."""
-        dev = self.device
-        lens = torch.tensor([len(w) for w in waves])
-        batch = torch.zeros(len(waves), int(lens.max()), dtype=torch.float32)
-        for i, w in enumerate(waves):
-            batch[i, : len(w)] = torch.from_numpy(np.asarray(w, dtype=np.float32))
-        feats, flens = self.frontend.extract(batch.to(dev), lens.to(dev))
-        return feats, flens
+        batch, lens = padded_batch(waves, self.device)
+        return self.frontend.extract(batch, lens)
 
     @torch.no_grad()
     def encode(self, feats: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -279,22 +275,27 @@ class ParaformerASR:
             embeds, fires = cif_loop(hidden, alphas_t, pc.threshold)
         else:
             embeds, fires = cif_cumsum(hidden, alphas_t)
-        if pc.tail_threshold > 0:
-            embeds = embeds[:, : int(token_num.max())]
         ntok = token_num.round().long()
         b = len(waves)
-        if b == 0 or int(ntok.max()) < 1:
+        most = int(ntok.max()) if b else 0  # the one size the host needs before the decoder
+        if pc.tail_threshold > 0:
+            embeds = embeds[:, :most]  # token_num is whole there: its max is ntok's
+        if b == 0 or most < 1:
             return [Decoded([], [], [], [] if timestamps else None) for _ in range(b)]
         logits, hidden = net.decoder(enc.to(net.dtype), flens, embeds.to(net.dtype), ntok)
         logp = torch.log_softmax(logits.float(), dim=-1)
         if hotwords:
             logp = self._bias(logp, embeds.to(net.dtype), hidden, ntok, hotwords)
         best, ids = logp.max(dim=-1)
-        ids_l, best_l, ntok_l = ids.cpu().tolist(), best.cpu().tolist(), ntok.cpu().tolist()
         us_alphas = None
         if timestamps and pc.kind == "CifPredictorV3":
             us_alphas = net.predictor.upsampled_alphas(enc, conv, flens, ntok).float().cpu()
-        flens_l = flens.cpu().tolist()
+        # two read-backs for everything the host needs (one per dtype)
+        n = ids.shape[1]
+        ints = torch.cat([ids, ntok[:, None], flens[:, None].long()], dim=1).cpu()
+        ids_l = ints[:, :n].tolist()
+        ntok_l, flens_l = ints[:, n].tolist(), ints[:, n + 1].tolist()
+        best_l = best.cpu().tolist()
         out = []
         drop = {cfg.blank_id, cfg.sos, cfg.eos}
         for i in range(b):

@@ -86,31 +86,28 @@ def cif_cumsum(hidden: torch.Tensor, alphas: torch.Tensor) -> tuple[torch.Tensor
     firing frames, the fractional prefix sum elsewhere)."""
     b, t, d = hidden.shape
     fires, fire = _fire_positions(alphas)
-    max_len = int(torch.round(alphas.sum(-1)).int().max()) if b else 0
-    out = hidden.new_zeros(b, max_len, d)
-    if not bool(fire.any()):
-        return out, fires
-    prefix_h = torch.cumsum(alphas.unsqueeze(-1) * hidden, dim=1)
-    frames = prefix_h[fire]  # (F, D) in row-major (row, time) order
+    if not b:
+        return hidden.new_zeros(0, 0, d), fires
     counts = fire.sum(1)
+    # one read-back for both sizes (each boolean-mask index would be one more wait on the device)
+    max_len, most = torch.stack([torch.round(alphas.sum(-1)).int().max(), counts.max().int()]).tolist()
+    if not most:
+        return hidden.new_zeros(b, max_len, d), fires
+    rows, times = fire.nonzero(as_tuple=True)  # fires in row-major (row, time) order
+    prefix_h = torch.cumsum(alphas.unsqueeze(-1) * hidden, dim=1)
+    frames = prefix_h[rows, times]  # (F, D)
     first = torch.cumsum(counts, 0) - counts  # index in ``frames`` of each row's first fire
-    shifted = torch.roll(frames, 1, dims=0)
-    shifted[first[counts > 0]] = 0
-    remains = (fires - torch.floor(fires))[fire].unsqueeze(-1) * hidden[fire]
-    shifted_remains = torch.roll(remains, 1, dims=0)
-    shifted_remains[first[counts > 0]] = 0
+    pos = torch.arange(frames.shape[0], device=hidden.device) - first[rows]  # token index in row
+    starts = (pos == 0).unsqueeze(-1)
+    shifted = torch.roll(frames, 1, dims=0).masked_fill(starts, 0)
+    remains = (fires - torch.floor(fires))[rows, times].unsqueeze(-1) * hidden[rows, times]
+    shifted_remains = torch.roll(remains, 1, dims=0).masked_fill(starts, 0)
     frames = frames - shifted + shifted_remains - remains
-    keep = torch.arange(max_len, device=hidden.device)[None, :] < counts[:, None]
     # more fires than round(sum) can happen only through float rounding; FunASR would fail
     # there, OASR keeps the first max_len
-    if int(counts.max()) > max_len:
-        rows = torch.repeat_interleave(torch.arange(b, device=hidden.device), counts)
-        pos = torch.arange(frames.shape[0], device=hidden.device) - first[rows]
-        sel = pos < max_len
-        out[rows[sel], pos[sel]] = frames[sel]
-        return out, fires
-    out[keep] = frames
-    return out, fires
+    out = hidden.new_zeros(b, max(max_len, most), d)
+    out[rows, pos] = frames
+    return out[:, :max_len], fires
 
 
 def cif_loop(

@@ -388,16 +388,16 @@ class TransducerGreedySearch:
         else:
             run.eager(t_max)
         self._state, self._decoder_out = run.state, run.decoder_out
-        tokens_l, logps_l = run.tokens.tolist(), run.logps.tolist()
+        # per row with numpy, not per frame in Python (64 rows x 750 frames is 48k iterations)
+        tokens_a, logps_a = run.tokens.cpu().numpy(), run.logps.cpu().numpy().astype("float64")
         for r in range(self.batch_size):
-            hyp = self._hyps[r]
-            for t in range(lens[r]):
-                lp = logps_l[r][t]
-                hyp.score += lp
-                if tokens_l[r][t] >= 0:
-                    hyp.tokens.append(tokens_l[r][t])
-                    hyp.times.append(self.frames[r] + t)
-                    hyp.token_logprobs.append(lp)
+            hyp, n = self._hyps[r], lens[r]
+            lps = logps_a[r, :n]
+            hyp.score += float(lps.sum())
+            at = (tokens_a[r, :n] >= 0).nonzero()[0]
+            hyp.tokens += tokens_a[r, at].tolist()
+            hyp.times += (at + self.frames[r]).tolist()
+            hyp.token_logprobs += lps[at].tolist()
 
     def _step_label_looping(self, enc: Any, lens: list[int]) -> None:
         """``max_symbols_per_frame > 1`` on the device: the TDT loop (:class:`_DeviceTDT`) with

@@ -11,7 +11,9 @@ realistic CTC posteriors (mostly blank, a few confident tokens, a long tail; see
 search decodes the whole batch; the host searches run one utterance after another as the CTC
 families call them. Reported: median seconds of each (``--repeats``, the host searches once
 unless ``--host-repeats``), frames per second, the ratios, and whether the n-best lists
-(tokens and times) agree exactly. ``--host-rows N`` times the host searches on the first N
+(tokens and times) agree exactly. On CUDA with oasr-kernels and CuPy installed, oasr-kernels'
+fused frame loop (``csrc/ctc_prefix_beam.cu``, one launch per chunk) is timed on the same batch
+too (``fused_kernel_*``). ``--host-rows N`` times the host searches on the first N
 utterances and scales to the batch (reported as ``extrapolated``).
 
 ``--conformer`` also times a WeNet Conformer (12 blocks, 256 wide, random weights, the model's
@@ -184,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graph_failures": list(ctc_gpu._GRAPH_FAILED),
         "max_score_difference": max_score_diff,
     }
+    report |= fused_kernel(args, lp, lens, got)
     if wenet_times:
         wenet = statistics.median(wenet_times) * scale
         assert wen is not None
@@ -191,6 +194,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report |= {"wenet_search_s": wenet, "speedup_vs_wenet": wenet / dev,
                    "nbest_identical_to_wenet": same_wenet}
     return report
+
+
+def fused_kernel(args: argparse.Namespace, lp: torch.Tensor, lens: list[int], ref: Any) -> dict[str, Any]:
+    """oasr-kernels' fused frame loop (one launch per chunk, ``OASR_CTC_KERNEL=1``) on the same
+    batch, when it can run here (CUDA, oasr-kernels and CuPy installed)."""
+    if not args.device.startswith("cuda"):
+        return {}
+    try:
+        import cupy  # noqa: F401
+
+        from oasr_kernels import ctc_beam
+    except ImportError as exc:
+        return {"fused_kernel": f"not run: {exc}"}
+    import os
+
+    import oasr.layers as L
+    from oasr.layers._dispatch import declare_op
+
+    declare_op(ctc_gpu.FRAMES_OP)
+    os.environ["OASR_CTC_KERNEL"] = "1"
+    times = []
+    try:
+        with L.override(ctc_gpu.FRAMES_OP, "cuda", ctc_beam.ctc_prefix_beam_frames_cuda):
+            ctc_prefix_beam_search_gpu(lp[:2, :50], beam_size=args.beam)  # compile, warm up
+            for _ in range(args.repeats):
+                _sync(args.device)
+                t0 = time.perf_counter()
+                got = ctc_prefix_beam_search_gpu(lp, lens, beam_size=args.beam)
+                _sync(args.device)
+                times.append(time.perf_counter() - t0)
+    finally:
+        os.environ.pop("OASR_CTC_KERNEL", None)
+    if ctc_beam.MODULE.disabled:
+        return {"fused_kernel": f"not run: {ctc_beam.MODULE.disabled[0]}"}
+    same = all([h.tokens for h in got[b]] == [h.tokens for h in ref[b]]
+               and [h.times for h in got[b]] == [h.times for h in ref[b]] for b in range(len(ref)))
+    return {"fused_kernel_search_s": statistics.median(times), "fused_kernel_runs_s": times,
+            "fused_kernel_nbest_identical_to_tensor_search": same}
 
 
 def conformer_share(args: argparse.Namespace, search_s: float) -> dict[str, Any]:
@@ -252,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     if args.conformer:
         report |= conformer_share(args, report["device_search_s"])
+        if "fused_kernel_search_s" in report:
+            k = report["fused_kernel_search_s"]
+            report["decoder_share_fused_kernel"] = k / (report["conformer_encode_s"] + k)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -19,6 +19,7 @@ OPS = (
     "glu_depthwise_conv1d",
     "log_mel_power",
     "paged_decode_attention_fp8",
+    "ctc_prefix_beam_frames",
 )
 
 
@@ -49,6 +50,12 @@ def install(device_type: str = "cuda") -> list[str]:
     from oasr_kernels.paged_attention_fp8 import paged_decode_attention_fp8_cuda
 
     register_override("paged_decode_attention_fp8", "cuda", paged_decode_attention_fp8_cuda)
+    from oasr.decoders.ctc_gpu import FRAMES_OP
+    from oasr.layers._dispatch import declare_op
+    from oasr_kernels.ctc_beam import ctc_prefix_beam_frames_cuda
+
+    declare_op(FRAMES_OP)  # the CTC prefix beam search's frame loop (oasr.decoders.ctc_gpu)
+    register_override(FRAMES_OP, "cuda", ctc_prefix_beam_frames_cuda)
     for tunable in fused.TUNABLES + prefill_attention.TUNABLES:
         register_tunable(tunable)
     return list(OPS)

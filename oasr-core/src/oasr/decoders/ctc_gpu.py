@@ -241,6 +241,11 @@ def _advance(lp: Any, lens: list[int], f: Any, i: Any, valid: Any, beams: list[i
     tok_par = torch.empty((bsz, t_max, w, 2), dtype=torch.int64, device=dev)
     node_lp = torch.empty((bsz, t_max, w), dtype=torch.float64, device=dev)
     c = _Consts(bsz, w, k, wb, blank, dev)
+    fused = _frames_override(dev)
+    if fused is not None:  # a kernel provider's fused frame loop (oasr-kernels on CUDA)
+        state = fused(c, tv, ti, kmask, f, i, valid, frame0, lens_t, ctx, tok_par, node_lp)
+        if state is not NotImplemented:
+            return (*state, tok_par, node_lp)
     if _use_graph(dev, t_max):
         state = _advance_graphed(c, tv, ti, kmask, f, i, valid, frame0, lens_t, ctx, tok_par,
                                  node_lp)
@@ -259,6 +264,19 @@ def _advance(lp: Any, lens: list[int], f: Any, i: Any, valid: Any, beams: list[i
             nvalid = torch.where(act, nvalid, valid)
         f, i, valid = nf, ni, nvalid
     return f, i, valid, tok_par, node_lp
+
+
+#: the op a kernel provider may override with a fused frame loop:
+#: ``fn(consts, tv, ti, kmask, F, I, valid, frame0, lens, context, tok_par, node_lp)`` returns
+#: the new (F, I, valid) and writes the chunk's nodes, or ``NotImplemented``
+FRAMES_OP = "ctc_prefix_beam_frames"
+
+
+def _frames_override(device: Any) -> Any:
+    from oasr.layers._dispatch import declare_op, get_override
+
+    declare_op(FRAMES_OP)
+    return get_override(FRAMES_OP, device.type)
 
 
 #: chunks at least this long run as one captured CUDA graph replayed per frame (a frame is

@@ -284,6 +284,10 @@ class TransformerDecoder(nn.Module):
 class WenetNet(nn.Module):
     """Encoder + CTC head + decoder(s)."""
 
+    #: linears W8A8 quantization leaves in the model dtype (docs/quantization.md): the
+    #: subsampling's output projection, the CTC head and the attention decoders' output layers
+    quantization_keep = ("encoder.embed.out", "ctc_lo", "decoder.output_layer", "r_decoder.output_layer")
+
     def __init__(self, c: WenetConfig) -> None:
         super().__init__()
         self.config = c

@@ -121,10 +121,13 @@ class _Csr:
         self.weight = torch.from_numpy(graph.weights[mask].astype(np.float64)).to(device)
         self.num_arcs = int(mask.sum())
 
-    def expand(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index of the token, arc id) for every arc leaving ``states``."""
+    def expand(self, states: torch.Tensor,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(index of the token, arc id) for every arc leaving ``states`` (where ``mask``)."""
         start = self.offsets[states]
         deg = self.offsets[states + 1] - start
+        if mask is not None:
+            deg = torch.where(mask, deg, torch.zeros_like(deg))
         total = int(deg.sum())
         if total == 0:
             empty = torch.empty(0, dtype=torch.int64, device=states.device)
@@ -262,8 +265,8 @@ class WfstDecoder:
         """One frame for the tokens of utterances that have it; ``scaled`` [B, V] float32."""
         batch = st.batch_size
         cutoff, adaptive = self._cutoff(tok, batch)
-        live = tok.select(torch.nonzero(tok.cost < cutoff[tok.utt]).squeeze(1))
-        owner, arc = self.emit.expand(live.state)
+        live = tok
+        owner, arc = self.emit.expand(tok.state, tok.cost < cutoff[tok.utt])
         utt = live.utt[owner]
         ac_cost = -scaled[utt, self.emit.token[arc]]
         new_cost = (live.cost[owner] + self.emit.weight[arc]) + ac_cost.to(torch.float64)
@@ -302,14 +305,17 @@ class WfstDecoder:
         slot[utt * S + state] = torch.arange(n_total, device=dev)
         # all tokens of the current set, as flat tensors (rebuilt lazily after each round)
         all_cost, all_rec, all_utt = cost, rec, utt
-        frontier = torch.nonzero(cost <= cutoff[utt]).squeeze(1)
+        frontier = None  # first round: every token at or under the cutoff
         rounds = 0
-        while frontier.numel():
+        while frontier is None or frontier.numel():
             rounds += 1
-            owner, arc = self.eps.expand(state_of(parts, frontier) if rounds > 1 else state[frontier])
+            if frontier is None:
+                owner, arc = self.eps.expand(state, cost <= cutoff[utt])
+            else:
+                owner, arc = self.eps.expand(state_of(parts, frontier))
             if owner.numel() == 0:
                 break
-            src = frontier[owner]
+            src = owner if frontier is None else frontier[owner]
             c_utt = all_utt[src]
             c_cost = all_cost[src] + self.eps.weight[arc]
             dest = self.eps.next[arc]

@@ -24,6 +24,10 @@ Token times use the host search's Viterbi rules (including which of two equal-to
 sets the time); they are kept as linked nodes (``token``, parent node; the node's frame is its
 id divided by the beam width) written once per frame and read back only by :meth:`nbest`.
 
+The frame loop of a chunk runs as one captured CUDA graph on CUDA (eagerly elsewhere), or as a
+kernel provider's fused loop where one is registered for the op ``ctc_prefix_beam_frames``
+(oasr-kernels: one launch per chunk); see docs/ctc_decoder_gpu.md.
+
 Streams: :class:`GPUCTCPrefixBeamSearch` is one stream's beam (the host search's interface:
 ``step`` / ``nbest`` / ``best``); :func:`step_streams` advances several streams' chunks in one
 batch (their state tensors stacked, the result split back); :func:`ctc_prefix_beam_search_gpu`

@@ -1,4 +1,4 @@
-"""``oasr transcribe``, ``oasr translate`` and ``oasr convert``. Torch is imported only when a
+"""``oasr transcribe``, ``oasr translate``, ``oasr convert`` and ``oasr quantize``. Torch is imported only when a
 command runs.
 
 Everything a command line can get wrong is checked before the model loads (inputs, ``-o``
@@ -806,3 +806,7 @@ def register(app: typer.Typer) -> None:
     from oasr.cli.convert import convert  # the same function as the ``oasr-convert`` command
 
     app.command("convert")(convert)
+
+    from oasr.cli.quantize import quantize  # torch-free until it runs
+
+    app.command("quantize")(quantize)

@@ -24,8 +24,8 @@ from oasr.layers.basic import Linear
 from oasr.layers.quantized import FORMATS, QuantizedLinear
 from oasr.quantization import check_method
 
-__all__ = ["QuantizationReport", "check_device", "keep_patterns", "networks", "quantize_model",
-           "quantize_module"]  # fmt: skip
+__all__ = ["QuantizationReport", "check_device", "keep_patterns", "networks", "quantizable_linears",
+           "quantize_model", "quantize_module"]  # fmt: skip
 
 
 @dataclass
@@ -119,6 +119,17 @@ def quantize_module(
         setattr(parent, attr, q)
         report.quantized.append(full)
     return report
+
+
+def quantizable_linears(model: Any) -> dict[str, Linear]:
+    """The linears :func:`quantize_model` would replace, by ``"<network attr>.<module name>"``."""
+    out: dict[str, Linear] = {}
+    for attr, net in networks(model).items():
+        keep = keep_patterns(model, net)
+        for name, module in net.named_modules():
+            if isinstance(module, Linear) and not _matches(name, keep):
+                out[f"{attr}.{name}" if attr else name] = module
+    return out
 
 
 def quantize_model(

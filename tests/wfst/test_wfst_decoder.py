@@ -188,3 +188,24 @@ def test_realistic_graph_matches_kaldi_faster_decoder(realistic_graph):
         assert len(words) >= 3
         assert hyp.word_ids == words and hyp.word_frames == frames, b
         assert hyp.cost == pytest.approx(cost, abs=1e-3)
+
+
+def test_oasr_graph_build_command(toy_graph, tmp_path):
+    import subprocess
+
+    (tmp_path / "lexicon.txt").write_text("".join(f"{w} {' '.join(p)}\n" for w, p in TOY_LEXICON))
+    (tmp_path / "lm.arpa").write_text(TOY_ARPA)
+    out = tmp_path / "TLG.npz"
+    cmd = [sys.executable, "-m", "oasr.cli.main", "graph"]
+    run = subprocess.run([*cmd, "build", "--lexicon", str(tmp_path / "lexicon.txt"), "--lm",
+                          str(tmp_path / "lm.arpa"), "-o", str(out)], capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"{toy_graph.num_states} states, {toy_graph.num_arcs} arcs" in run.stdout
+    built = load_graph(out)
+    np.testing.assert_array_equal(built.ilabels, toy_graph.ilabels)
+    np.testing.assert_array_equal(built.weights, toy_graph.weights)
+    info = subprocess.run([*cmd, "info", str(out), "--json"], capture_output=True, text=True)
+    assert info.returncode == 0 and f'"states": {toy_graph.num_states}' in info.stdout
+    bad = subprocess.run([*cmd, "build", "--lexicon", str(tmp_path / "nope.txt"), "--lm",
+                          str(tmp_path / "lm.arpa"), "-o", str(out)], capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr

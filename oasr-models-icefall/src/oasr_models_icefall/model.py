@@ -16,6 +16,10 @@ Streaming (causal models), as icefall's ``streaming_decode.py``: features come i
 of ``left_context_frames``, and the search advances by its ``chunk_size / 2`` output frames. The
 ready chunks of all streams run as one batch (grouped by chunk and left context); caches hold a
 fixed window whose unfilled slots are masked, so a stream's result does not depend on its batch.
+The caches of all streams live in core's :class:`~oasr.stream_cache.StreamCachePool` (one per
+left context; every cache tensor a slot tensor): a step gathers its rows with one
+``index_select`` per cache tensor and writes them back with one ``index_copy_``, whatever the
+batch size, and a finished or aborted stream returns its slot (``release_stream``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from oasr.features.kaldi import KaldiFbank
 from oasr.layers import default_dtype, resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.options import ResolvedOptions
+from oasr.stream_cache import StreamCachePool, StreamContext
 from oasr.types import (
     DecodingOptions,
     EngineConfig,
@@ -142,7 +147,7 @@ class IcefallStream:
     fbank: CenteredFbankStream
     search: Any
     feats: torch.Tensor  # (n, F) fbank frames received, not yet consumed
-    caches: StreamCaches | None = None
+    cache: StreamContext | None = None  # this stream's slot in the model's cache pool
     samples_received: int = 0
     frames_consumed: int = 0
     offset: int = 0  # encoder frames (25 Hz) decoded
@@ -450,12 +455,44 @@ class _IcefallASR:
             raise InvalidRequestError("streaming needs chunk_size > 0 (50 Hz frames per chunk)",
                                       param="chunk_size")
         method = self._method(o)
-        return IcefallStream(
+        st = IcefallStream(
             options=o, method=method, chunk=o.chunk_size, left=o.left_context_frames,
             fbank=CenteredFbankStream(self.fbank),
             search=None if method == "greedy_search" else self._new_search(o, method, 1),
             feats=torch.zeros(0, self.fbank.dim),
         )  # fmt: skip
+        pool, init, nonzero, _ = self._cache_pool(st.left)
+        st.cache = pool.open(owner=st)
+        tensors = list(pool.slot_tensors.values())
+        for i in nonzero:  # the initial state's non-zero parts (open() zeroed the slot)
+            tensors[i][st.cache.slot] = init[i][0]
+        return st
+
+    def _cache_pool(self, left: int) -> tuple[StreamCachePool, list[torch.Tensor], list[int], StreamCaches]:
+        """The cache pool of streams with ``left`` context frames (created on first use), the
+        initial state's tensors, which of them are not all zeros, and the initial state."""
+        pools = self.__dict__.setdefault("_stream_pools", {})
+        if left not in pools:
+            layout = self.net.initial_state(1, left)
+            init = _flatten_caches(layout)
+            pool = StreamCachePool(
+                slots={str(i): (tuple(t.shape[1:]), t.dtype) for i, t in enumerate(init)}, device=self.device
+            )  # fmt: skip
+            pools[left] = (pool, init, [i for i, t in enumerate(init) if bool(t.any())], layout)
+        return pools[left]
+
+    def release_stream(self, st: IcefallStream) -> None:
+        """Return the stream's caches to the pool (finish, abort, disconnect; idempotent)."""
+        if st.cache is not None:
+            self._cache_pool(st.left)[0].release(st.cache)
+
+    def stream_occupancy(self) -> dict[str, float]:
+        """Gauges of the streaming cache pools (summed over left contexts)."""
+        out: dict[str, float] = {}
+        for pool, *_ in self.__dict__.get("_stream_pools", {}).values():
+            for k, v in pool.occupancy().items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def _windows(self, st: IcefallStream, last: bool) -> list[torch.Tensor]:
         out = []
@@ -510,7 +547,7 @@ class _IcefallASR:
             hyp = self._hyp(st)
             if last:
                 st.finished = True
-                st.caches = None
+                self.release_stream(st)
                 tr = self._transcript(hyp, st.samples_received / self.feature_spec.sample_rate, st.offset, st.options)
                 updates.append(StreamingUpdate(text=tr.text, is_final=True, transcript=tr))
             else:
@@ -533,20 +570,22 @@ class _IcefallASR:
     def _encode_chunk(self, states: list[IcefallStream], windows: list[torch.Tensor]) -> None:
         """One chunk of each stream (same chunk and left context) in one batch."""
         left = states[0].left
-        caches = StreamCaches.cat([st.caches if st.caches is not None else self.net.initial_state(1, left)
-                                   for st in states])  # fmt: skip
+        pool, _, _, layout = self._cache_pool(left)
+        ctxs = [st.cache for st in states]
+        pool.reserve(ctxs, [0] * len(ctxs))  # applies pending releases
+        slots = torch.from_numpy(pool.slot_ids(ctxs)).to(self.device)
+        tensors = list(pool.slot_tensors.values())
         feats = torch.stack(windows).to(self.device, self.dtype)
         with torch.no_grad():
+            caches = _unflatten_caches([t.index_select(0, slots) for t in tensors], layout)
             out, new = self.net.streaming_forward(feats, caches, left)
+            for t, n in zip(tensors, _flatten_caches(new), strict=True):
+                t.index_copy_(0, slots, n.to(t.dtype))
         greedy = [i for i, st in enumerate(states) if st.search is None]
         if greedy:
             self._greedy_rows([states[i] for i in greedy], out[greedy] if len(greedy) < len(states) else out)
         tensor_beams: list[tuple[GPUCTCPrefixBeamSearch, torch.Tensor]] = []
         for i, st in enumerate(states):
-            if len(states) > 1:
-                st.caches = new.row(i)
-            else:
-                st.caches = new
             st.offset += out.shape[1]
             if st.search is None:
                 continue
@@ -591,6 +630,17 @@ class _IcefallASR:
                 st.hyp = hyp
                 st.decoder_state = search.state[k : k + 1]
                 st.decoder_out = search.decoder_out[k : k + 1]
+
+
+def _flatten_caches(c: StreamCaches) -> list[torch.Tensor]:
+    return [c.embed, *(t for stack in c.layers for layer in stack for t in layer), c.processed]
+
+
+def _unflatten_caches(flat: list[torch.Tensor], like: StreamCaches) -> StreamCaches:
+    """:func:`_flatten_caches` reversed, with the layout of ``like``."""
+    it = iter(flat[1:-1])
+    layers = [[[next(it) for _ in layer] for layer in stack] for stack in like.layers]
+    return StreamCaches(flat[0], layers, flat[-1])
 
 
 class ZipformerTransducer(_IcefallASR):

@@ -91,3 +91,16 @@ def test_fp8_refused_on_a_gpu_without_fp8(monkeypatch):
     check_device("int8_w8a8", "cuda:0")  # int8 has no such requirement
     with pytest.raises(UnsupportedOptionError, match="mps"):
         check_device("int8_w8a8", "mps")
+
+
+def test_server_cli_takes_quantization_flags():
+    pytest.importorskip("oasr_server")
+    from typer.testing import CliRunner
+
+    from oasr_server.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert "--quantization" in r.stdout and "--kv-cache-dtype" in r.stdout
+    r = runner.invoke(app, ["--quantization", "int4"])
+    assert r.exit_code != 0 and "quantization 'int4' is not supported" in r.stderr

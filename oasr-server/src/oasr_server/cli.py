@@ -65,6 +65,20 @@ def serve_command(
         ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    quantization: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            "--quantization",
+            metavar="int8_w8a8|fp8_w8a8",
+            help="Quantize the model's linear layers on load (fp8: CUDA compute capability "
+            ">= 8.9). A checkpoint written by `oasr quantize` needs no flag.",
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--kv-cache-dtype", metavar="auto|fp8",
+                     help="Whisper / Qwen2-Audio decoders: keep the KV cache in fp8."),
+    ] = None,
     max_batch_size: Annotated[
         int, typer.Option("--max-batch-size", min=1, help="Most requests in one engine call.")
     ] = 16,
@@ -313,6 +327,8 @@ def serve_command(
             max_audio_seconds=max_audio_seconds,
             num_threads=threads,
             service_mode=service_mode,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
         config = ServerConfig(
             max_upload_bytes=max_upload_bytes,

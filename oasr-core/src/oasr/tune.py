@@ -271,3 +271,22 @@ def autotune(
         tmp.replace(target)
         clear_memory_cache()
     return {"path": str(target), "device": name, "arch": arch, "entries": report}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m oasr.tune [--ops a,b] [--dtypes float16,...] [--out FILE]``: tune this GPU's
+    kernels and print the report (JSON)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m oasr.tune", description="Autotune oasr-kernels' launch parameters")
+    ap.add_argument("--ops", help="comma-separated ops (default: every tunable op)")
+    ap.add_argument("--dtypes", default="float16,bfloat16,float32")
+    ap.add_argument("--out", help="cache file to write (default: this GPU's, see docs/autotuning.md)")
+    args = ap.parse_args(argv)
+    report = autotune(ops=args.ops.split(",") if args.ops else None, dtypes=args.dtypes.split(","), path=args.out)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

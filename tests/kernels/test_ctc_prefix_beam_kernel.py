@@ -25,12 +25,14 @@ _PARAMS = (
     "int B, int T, int K, int W, int blank, long long vocab, const double* tv, const long long* ti, "
     "const long long* lens, const long long* beams, const long long* frame0, double* F, "
     "long long* I, unsigned char* valid, long long* tok_par, double* node_lp, double* cand_f, "
-    "long long* cand_i, unsigned char* flags, unsigned char* merged, int has_ctx, "
+    "long long* cand_i, unsigned char* flags, unsigned char* merged, double* slot_f, "
+    "long long* slot_i, double* red_f, long long* red_i, int has_ctx, "
     "const long long* ckeys, const long long* cnext, const double* cbonus, long long nkeys, "
     "const double* node_score, const long long* root"
 )
-_ROW_ARGS = ("T, K, W, blank, vocab, tv, ti, lens, beams, frame0, F, I, valid, tok_par, node_lp, "
-             "cand_f, cand_i, flags, merged, has_ctx, ckeys, cnext, cbonus, nkeys, node_score, root")
+_ROW_ARGS = ("0, 1, T, K, W, blank, vocab, tv, ti, lens, beams, frame0, F, I, valid, tok_par, "
+             "node_lp, cand_f, cand_i, flags, merged, slot_f, slot_i, red_f, red_i, has_ctx, ckeys, "
+             "cnext, cbonus, nkeys, node_score, root")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def host_kernel(tmp_path_factory):
     work = tmp_path_factory.mktemp("ctc_kernel")
     wrapper = work / "rows.cpp"
     wrapper.write_text(
-        "#define OASR_CTC_HOST 1\n#include <cmath>\nusing std::exp;\nusing std::log1p;\n"
+        "#define OASR_CTC_HOST 1\n#define OASR_CTC_SERIAL 1\n#include <cmath>\nusing std::exp;\n"
+        "using std::log1p;\n"
         f'#include "{src}"\n'
         f'extern "C" void oasr_ctc_rows({_PARAMS}) {{\n'
         f"  for (int b = 0; b < B; ++b) oasr_ctc_row(b, {_ROW_ARGS});\n}}\n"
@@ -69,13 +72,58 @@ def host_kernel(tmp_path_factory):
     return frames
 
 
-@pytest.fixture
-def fused(host_kernel, monkeypatch):
-    """Route the tensor search's frame loop to the host-compiled kernel (and check it ran)."""
-    monkeypatch.setattr(ctc_gpu, "_frames_override", lambda device: host_kernel)
-    before = host_kernel.calls
+@pytest.fixture(scope="module")
+def lanes_kernel(tmp_path_factory):
+    """The CUDA kernel itself, its 32 lanes as host threads (tests/kernels/cuda_host_emulation.h:
+    __syncthreads as a barrier), launched like the GPU launch: grid (B), block (32)."""
+    import numpy as np
+
+    pytest.importorskip("oasr_kernels")
+    from oasr_kernels import ctc_beam
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    src = Path(ctc_beam.__file__).parent / "csrc" / "ctc_prefix_beam.cu"
+    here = Path(__file__).resolve().parent
+    work = tmp_path_factory.mktemp("ctc_kernel_lanes")
+    cpp = work / "lanes.cpp"
+    cpp.write_text(
+        f'#include "{here / "cuda_host_emulation.h"}"\n#define OASR_CTC_HOST 1\n#include "{src}"\n'
+        'extern "C" void run(unsigned rows, unsigned lanes, void** args) {\n'
+        "  emu_launch3(rows, 1, 1, lanes, 0, [=] { emu_call(oasr_ctc_prefix_beam, args); });\n}\n"
+    )
+    lib = work / "lanes.so"
+    done = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", str(cpp), "-o", str(lib),
+                           "-lpthread"], capture_output=True, text=True)
+    if done.returncode and "barrier" in done.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = ctypes.CDLL(str(lib)).run
+
+    def frames(c, tv, ti, kmask, f, i, valid, frame0, lens_t, ctx, tok_par, node_lp):
+        frames.calls += 1
+        args, (f2, i2, v2) = ctc_beam.kernel_arguments(c, tv, ti, f, i, valid, frame0, lens_t, ctx,
+                                                       tok_par, node_lp)
+        values = [np.array(x, np.int32) if kind == "i32" else np.array(x, np.int64) if kind == "i64"
+                  else np.array(x.data_ptr(), np.uint64) for kind, x in args]
+        argv = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
+        run(ctypes.c_uint(tv.shape[0]), ctypes.c_uint(ctc_beam.LANES), argv)
+        return f2, i2, v2.view(torch.bool)
+
+    frames.calls = 0
+    return frames
+
+
+@pytest.fixture(params=["serial", "lanes"])
+def fused(request, monkeypatch):
+    """Route the tensor search's frame loop to the kernel: its row function run serially, or the
+    kernel with its lanes as threads (and check it ran)."""
+    kernel = request.getfixturevalue("host_kernel" if request.param == "serial" else "lanes_kernel")
+    monkeypatch.setattr(ctc_gpu, "_frames_override", lambda device: kernel)
+    before = kernel.calls
     yield
-    assert host_kernel.calls > before
+    assert kernel.calls > before
 
 
 def _same(ref, got) -> None:

@@ -1,5 +1,5 @@
 """CUDA override of the CTC prefix beam search's frame loop (``oasr.decoders.ctc_gpu``, op
-``ctc_prefix_beam_frames``): every frame of a chunk in one launch, one thread per batch row
+``ctc_prefix_beam_frames``): every frame of a chunk in one launch, one warp per batch row
 (``csrc/ctc_prefix_beam.cu``), instead of ~130 small tensor kernels per frame.
 
 The kernel restates the tensor implementation step by step in float64 (the same candidates,
@@ -25,8 +25,8 @@ __all__ = ["KERNEL", "MAX_BEAM", "ctc_prefix_beam_frames_cuda", "kernel_argument
 
 MODULE = KernelModule("ctc_prefix_beam.cu")
 KERNEL = "oasr_ctc_prefix_beam"
-MAX_BEAM = 64  # OASR_CTC_MAX_W in the .cu (per-thread arrays)
-_THREADS = 32
+MAX_BEAM = 64
+LANES = 32  # OASR_CTC_LANES in the .cu: threads per row (one block each)
 
 
 def enabled() -> bool:
@@ -52,7 +52,11 @@ def kernel_arguments(c: Any, tv: torch.Tensor, ti: torch.Tensor, f: torch.Tensor
     scratch = (torch.empty((bsz, n_cand, 7), dtype=torch.float64, device=dev),
                torch.empty((bsz, n_cand, 8), dtype=torch.int64, device=dev),
                torch.empty((bsz, n_cand), dtype=torch.uint8, device=dev),
-               torch.empty((bsz, w * k), dtype=torch.uint8, device=dev))
+               torch.empty((bsz, w * k), dtype=torch.uint8, device=dev),
+               torch.empty((bsz, w, 2), dtype=torch.float64, device=dev),
+               torch.empty((bsz, w), dtype=torch.int64, device=dev),
+               torch.empty((bsz, LANES), dtype=torch.float64, device=dev),
+               torch.empty((bsz, LANES, 2), dtype=torch.int64, device=dev))
     if ctx is not None and ctx.keys.numel():
         tables = (ctx.keys, ctx.next, ctx.bonus, ctx.node_score, ctx.root)
         has_ctx, vocab, nkeys = 1, ctx.vocab, ctx.keys.numel()
@@ -68,7 +72,7 @@ def kernel_arguments(c: Any, tv: torch.Tensor, ti: torch.Tensor, f: torch.Tensor
         ("ptr", tv), ("ptr", ti), ("ptr", lens_t.to(torch.int64).contiguous()),
         ("ptr", c.wb.to(torch.int64).contiguous()), ("ptr", frame0.to(torch.int64).contiguous()),
         ("ptr", f), ("ptr", i), ("ptr", v), ("ptr", tok_par), ("ptr", node_lp),
-        ("ptr", scratch[0]), ("ptr", scratch[1]), ("ptr", scratch[2]), ("ptr", scratch[3]),
+        *[("ptr", x) for x in scratch],
         ("i32", has_ctx), ("ptr", tables[0]), ("ptr", tables[1]), ("ptr", tables[2]),
         ("i64", nkeys), ("ptr", tables[3]), ("ptr", tables[4]),
     ]
@@ -89,10 +93,9 @@ def ctc_prefix_beam_frames_cuda(c: Any, tv: torch.Tensor, ti: torch.Tensor, kmas
                                                    tok_par, node_lp)
     packed = tuple(np.int32(x) if kind == "i32" else np.int64(x) if kind == "i64"
                    else np.uint64(x.data_ptr()) for kind, x in args)
-    grid = ((tv.shape[0] + _THREADS - 1) // _THREADS,)
     # the argument tensors stay referenced (args) until the launch is queued on the stream;
     # torch's caching allocator keeps their memory for the stream's pending work
-    if not MODULE.launch(KERNEL, grid, (_THREADS,), packed, tv.device):
+    if not MODULE.launch(KERNEL, (tv.shape[0],), (LANES,), packed, tv.device):
         return NotImplemented
     del args
     return f_new, i_new, v_new.view(torch.bool)

@@ -1,14 +1,17 @@
-// CTC prefix beam search, every frame of a chunk in one launch: one thread per batch row runs
-// oasr.decoders.ctc_gpu._frame's steps for each of its frames (the same candidates, merges,
-// first-touch keys, selection order and token nodes, in float64), so the result equals the
-// tensor implementation's. Launched by oasr_kernels/ctc_beam.py; the row function is plain C
-// so tests compile it with a host compiler and compare it with the tensor search.
+// CTC prefix beam search, every frame of a chunk in one launch: one block (a warp) per batch
+// row runs oasr.decoders.ctc_gpu._frame's steps for each of its frames (the same candidates,
+// merges, first-touch keys, selection order and token nodes, in float64), so the result equals
+// the tensor implementation's. Lanes split the slots and candidates; the selection of each kept
+// slot reduces the lanes' best through scratch memory. Launched by oasr_kernels/ctc_beam.py; the
+// row function takes (lane, lanes) so tests run it serially (one lane) with a host compiler and
+// with lanes as threads (tests/kernels/cuda_host_emulation.h).
 //
 // Layouts (row-major, b = batch row): tv (B,T,K) f64 and ti (B,T,K) i64 the frames' top-K;
 // lens, beams, frame0 (B) i64; state F (B,W,5) f64 [s, ns, v_s, v_ns, context score],
 // I (B,W,7) i64 [hash, parent hash, last, ptr_s, ptr_ns, up_ns, context state], valid (B,W) u8;
 // nodes tok_par (B,T,W,2) i64, node_lp (B,T,W) f64; scratch cand_f (B,C,7) f64,
-// cand_i (B,C,8) i64, flags (B,C) u8, merged (B,W*K) u8 with C = W + W*K; context tables
+// cand_i (B,C,8) i64, flags (B,C) u8, merged (B,W*K) u8 with C = W + W*K, slot_f (B,W,2) f64,
+// slot_i (B,W) i64, red_f (B,32) f64, red_i (B,32,2) i64; context tables
 // (keys, next, bonus sorted by key; node_score per state; root per row) when has_ctx.
 
 #ifndef OASR_CTC_HOST
@@ -18,6 +21,12 @@
 #define OASR_CTC_DEVICE static inline
 #define OASR_CTC_INF __builtin_huge_val()
 #endif
+#ifdef OASR_CTC_SERIAL  // one lane on the host: nothing to wait for
+#define OASR_CTC_SYNC()
+#else
+#define OASR_CTC_SYNC() __syncthreads()
+#endif
+#define OASR_CTC_LANES 32
 
 typedef long long oasr_i64;
 
@@ -45,10 +54,11 @@ OASR_CTC_DEVICE oasr_i64 oasr_ctc_lower_bound(const oasr_i64* keys, oasr_i64 n, 
 }
 
 OASR_CTC_DEVICE void oasr_ctc_row(
-    int b, int T, int K, int W, int blank, oasr_i64 vocab, const double* tv, const oasr_i64* ti,
-    const oasr_i64* lens, const oasr_i64* beams, const oasr_i64* frame0, double* F, oasr_i64* I,
-    unsigned char* valid, oasr_i64* tok_par, double* node_lp, double* cand_f, oasr_i64* cand_i,
-    unsigned char* flags, unsigned char* merged, int has_ctx, const oasr_i64* ckeys,
+    int b, int lane, int nl, int T, int K, int W, int blank, oasr_i64 vocab, const double* tv,
+    const oasr_i64* ti, const oasr_i64* lens, const oasr_i64* beams, const oasr_i64* frame0,
+    double* F, oasr_i64* I, unsigned char* valid, oasr_i64* tok_par, double* node_lp,
+    double* cand_f, oasr_i64* cand_i, unsigned char* flags, unsigned char* merged, double* slot_f,
+    oasr_i64* slot_i, double* red_f, oasr_i64* red_i, int has_ctx, const oasr_i64* ckeys,
     const oasr_i64* cnext, const double* cbonus, oasr_i64 nkeys, const double* node_score,
     const oasr_i64* root) {
   const double NEG = oasr_ctc_neg_inf();
@@ -63,8 +73,10 @@ OASR_CTC_DEVICE void oasr_ctc_row(
   oasr_i64* ci = cand_i + (oasr_i64)b * C * 8;
   unsigned char* fl = flags + (oasr_i64)b * C;  // bit 0: exists, bit 1: taken
   unsigned char* mg = merged + (oasr_i64)b * W * K;
-  double sc[OASR_CTC_MAX_W], vit[OASR_CTC_MAX_W];
-  oasr_i64 ptr_t[OASR_CTC_MAX_W];
+  double* sc = slot_f + (oasr_i64)b * W * 2;  // sc[j], vit[j] at sc[2 * j], sc[2 * j + 1]
+  oasr_i64* ptr_t = slot_i + (oasr_i64)b * W;
+  double* rf = red_f + (oasr_i64)b * OASR_CTC_LANES;
+  oasr_i64* ri = red_i + (oasr_i64)b * OASR_CTC_LANES * 2;
   for (int t = 0; t < len; ++t) {
     const double* tvt = tv + ((oasr_i64)b * T + t) * K;
     const oasr_i64* tit = ti + ((oasr_i64)b * T + t) * K;
@@ -74,16 +86,17 @@ OASR_CTC_DEVICE void oasr_ctc_row(
     for (int r = 0; r < kb; ++r) {
       if (tit[r] == blank) { has_b = 1; rb = r; pb = tvt[r]; break; }
     }
-    for (int j = 0; j < W; ++j) {
+    for (int j = lane; j < W; j += nl) {
       double s = Fr[j * 5 + 0], ns = Fr[j * 5 + 1], vs = Fr[j * 5 + 2], vns = Fr[j * 5 + 3];
-      sc[j] = oasr_ctc_logaddexp(s, ns);
+      sc[2 * j] = oasr_ctc_logaddexp(s, ns);
       int pick_s = vs > vns;
-      vit[j] = pick_s ? vs : vns;
+      sc[2 * j + 1] = pick_s ? vs : vns;
       ptr_t[j] = pick_s ? Ir[j * 7 + 3] : Ir[j * 7 + 4];
     }
-    for (int n = 0; n < W * K; ++n) mg[n] = 0;
+    for (int n = lane; n < W * K; n += nl) mg[n] = 0;
+    OASR_CTC_SYNC();
     // stay entries: the prefix itself
-    for (int i = 0; i < W; ++i) {
+    for (int i = lane; i < W; i += nl) {
       const int vi = vr[i];
       const oasr_i64 last = Ir[i * 7 + 2], ph = Ir[i * 7 + 1];
       int has_l = 0, r_l = 0;
@@ -101,12 +114,12 @@ OASR_CTC_DEVICE void oasr_ctc_row(
       has_p = has_p && vi;
       const int src_b = has_p && has_l;
       const int ext2p = Ir[p * 7 + 2] == last;
-      const double b_ns = src_b ? (ext2p ? Fr[p * 5 + 0] : sc[p]) + p_l : NEG;
-      const double vb = src_b ? (ext2p ? Fr[p * 5 + 2] : vit[p]) + p_l : NEG;
+      const double b_ns = src_b ? (ext2p ? Fr[p * 5 + 0] : sc[2 * p]) + p_l : NEG;
+      const double vb = src_b ? (ext2p ? Fr[p * 5 + 2] : sc[2 * p + 1]) + p_l : NEG;
       const oasr_i64 tb = ext2p ? Ir[p * 7 + 3] : ptr_t[p];
       const int hb = has_b && vi;
-      const double st_s = hb ? sc[i] + pb : NEG;
-      const double st_vs = hb ? vit[i] + pb : NEG;
+      const double st_s = hb ? sc[2 * i] + pb : NEG;
+      const double st_vs = hb ? sc[2 * i + 1] + pb : NEG;
       const double va = has_l ? Fr[i * 5 + 3] + p_l : NEG;
       const double st_ns = oasr_ctc_logaddexp(has_l ? Fr[i * 5 + 1] + p_l : NEG, b_ns);
       const double st_vns = va > vb ? va : vb;
@@ -129,17 +142,19 @@ OASR_CTC_DEVICE void oasr_ctc_row(
       fl[i] = (hb || has_l) && total > NEG ? 1 : 0;
       if (src_b) mg[p * K + r_l] = 1;
     }
+    OASR_CTC_SYNC();
     // extension entries: prefix j + candidate r
-    for (int j = 0; j < W; ++j) {
+    for (int e = lane; e < W * K; e += nl) {
+      const int j = e / K, r = e % K;
       const oasr_i64 last = Ir[j * 7 + 2], h = Ir[j * 7 + 0], cst = Ir[j * 7 + 6];
       const double s = Fr[j * 5 + 0], vs = Fr[j * 5 + 2], ctx = Fr[j * 5 + 4];
-      for (int r = 0; r < K; ++r) {
+      {
         const int n = W + j * K + r;
         const oasr_i64 u = tit[r];
         const double prob = tvt[r];
         const int ext2 = u == last;
-        const double e_ns = (ext2 ? s : sc[j]) + prob;
-        const double e_vns = (ext2 ? vs : vit[j]) + prob;
+        const double e_ns = (ext2 ? s : sc[2 * j]) + prob;
+        const double e_vns = (ext2 ? vs : sc[2 * j + 1]) + prob;
         double e_ctx = ctx;
         oasr_i64 e_cst = cst;
         if (has_ctx) {
@@ -170,21 +185,38 @@ OASR_CTC_DEVICE void oasr_ctc_row(
         fl[n] = ex && total > NEG ? 1 : 0;
       }
     }
-    // keep: the best entries by (total desc, first-touch key asc), at most the row's beam
+    OASR_CTC_SYNC();
+    // keep: the best entries by (total desc, first-touch key asc), at most the row's beam; each
+    // lane offers its best, lane 0 takes the best offer and writes the slot
     const oasr_i64 node_base = (frame0[b] + t) * wb;
     oasr_i64* tp = tok_par + (((oasr_i64)b * T + t) * W) * 2;
-    double* nl = node_lp + ((oasr_i64)b * T + t) * W;
+    double* nlp = node_lp + ((oasr_i64)b * T + t) * W;
     for (int w = 0; w < W; ++w) {
       int best = -1;
       double bt = NEG;
       oasr_i64 bk = 0;
       if (w < wb) {
-        for (int n = 0; n < C; ++n) {
+        for (int n = lane; n < C; n += nl) {
           if (fl[n] != 1) continue;  // not existing, or taken (2 | 1 = 3)
           const double total = cf[(oasr_i64)n * 7 + 6];
           const oasr_i64 k = ci[(oasr_i64)n * 8 + 7];
           if (best < 0 || total > bt || (total == bt && k < bk)) { best = n; bt = total; bk = k; }
         }
+      }
+      rf[lane] = bt;
+      ri[lane * 2] = bk;
+      ri[lane * 2 + 1] = best;
+      OASR_CTC_SYNC();
+      if (lane != 0) {
+        OASR_CTC_SYNC();
+        continue;
+      }
+      for (int l = 1; l < nl; ++l) {
+        const int n = (int)ri[l * 2 + 1];
+        if (n < 0) continue;
+        const double total = rf[l];
+        const oasr_i64 k = ri[l * 2];
+        if (best < 0 || total > bt || (total == bt && k < bk)) { best = n; bt = total; bk = k; }
       }
       double* Fw = Fr + w * 5;
       oasr_i64* Iw = Ir + w * 7;
@@ -192,7 +224,8 @@ OASR_CTC_DEVICE void oasr_ctc_row(
         vr[w] = 0;
         Fw[0] = Fw[1] = Fw[2] = Fw[3] = NEG; Fw[4] = 0.0;
         Iw[0] = 0; Iw[1] = -1; Iw[2] = -1; Iw[3] = -1; Iw[4] = -1; Iw[5] = -1; Iw[6] = 0;
-        tp[w * 2 + 0] = -1; tp[w * 2 + 1] = -1; nl[w] = 0.0;
+        tp[w * 2 + 0] = -1; tp[w * 2 + 1] = -1; nlp[w] = 0.0;
+        OASR_CTC_SYNC();
         continue;
       }
       fl[best] = 3;
@@ -204,23 +237,26 @@ OASR_CTC_DEVICE void oasr_ctc_row(
       Fw[0] = f[0]; Fw[1] = f[1]; Fw[2] = f[2]; Fw[3] = f[3]; Fw[4] = f[4];
       Iw[0] = c[0]; Iw[1] = c[1]; Iw[2] = c[2]; Iw[3] = c[3];
       Iw[4] = made ? node_base + w : -1; Iw[5] = up; Iw[6] = c[5];
-      tp[w * 2 + 0] = c[2]; tp[w * 2 + 1] = up; nl[w] = f[5];
+      tp[w * 2 + 0] = c[2]; tp[w * 2 + 1] = up; nlp[w] = f[5];
+      OASR_CTC_SYNC();
     }
+    OASR_CTC_SYNC();  // the new beam is written before the next frame reads it
   }
 }
 
-#ifndef OASR_CTC_HOST
+#ifndef OASR_CTC_SERIAL
+// grid (B), block (OASR_CTC_LANES): one row per block
 extern "C" __global__ void oasr_ctc_prefix_beam(
     int B, int T, int K, int W, int blank, oasr_i64 vocab, const double* tv, const oasr_i64* ti,
     const oasr_i64* lens, const oasr_i64* beams, const oasr_i64* frame0, double* F, oasr_i64* I,
     unsigned char* valid, oasr_i64* tok_par, double* node_lp, double* cand_f, oasr_i64* cand_i,
-    unsigned char* flags, unsigned char* merged, int has_ctx, const oasr_i64* ckeys,
-    const oasr_i64* cnext, const double* cbonus, oasr_i64 nkeys, const double* node_score,
-    const oasr_i64* root) {
-  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned char* flags, unsigned char* merged, double* slot_f, oasr_i64* slot_i, double* red_f,
+    oasr_i64* red_i, int has_ctx, const oasr_i64* ckeys, const oasr_i64* cnext,
+    const double* cbonus, oasr_i64 nkeys, const double* node_score, const oasr_i64* root) {
+  const int b = blockIdx.x;
   if (b >= B) return;
-  oasr_ctc_row(b, T, K, W, blank, vocab, tv, ti, lens, beams, frame0, F, I, valid, tok_par,
-               node_lp, cand_f, cand_i, flags, merged, has_ctx, ckeys, cnext, cbonus, nkeys,
-               node_score, root);
+  oasr_ctc_row(b, threadIdx.x, blockDim.x, T, K, W, blank, vocab, tv, ti, lens, beams, frame0, F,
+               I, valid, tok_par, node_lp, cand_f, cand_i, flags, merged, slot_f, slot_i, red_f,
+               red_i, has_ctx, ckeys, cnext, cbonus, nkeys, node_score, root);
 }
 #endif

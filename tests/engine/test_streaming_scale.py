@@ -317,3 +317,29 @@ def test_fifo_by_ready_time_and_bounded_hold(monkeypatch) -> None:
     assert set(sched.run()) == {a, b, c, d}
     assert len(model.released) == 4
     assert sched.stats["holds"] == 2 and sched.stats["max_batch"] == 2
+
+
+def test_bucketed_padded_steps_equal_eager(u2pp, speech, monkeypatch) -> None:
+    """The CUDA-graph path's bucketing on the CPU (``GraphSteps(simulate=True)``: static
+    buffers, batch padded to its bucket with scratch rows, history padded to its bucket,
+    captured on scratch inputs first) gives the eager step's outputs."""
+    from oasr.stream_cache import GraphSteps
+
+    audios = [speech[i % 3][(i * 1700) % 8000 :][: 20000 + 2500 * i] for i in range(7)]
+    starts = [0, 0, 1, 2, 2, 4, 5]  # streams of different ages share the batches
+
+    def run():
+        streams = [(u2pp.new_stream(DecodingOptions(), chunk_size=4, num_left_chunks=-1 if i % 2 else 2,
+                                    keep_encoder_output=True), a, 3200) for i, a in enumerate(audios)]
+        return _feed(u2pp, streams, starts=starts)
+
+    eager = run()
+    sim = GraphSteps(u2pp._chunk_compute, u2pp._graph_inputs, simulate=True)
+    monkeypatch.setattr(u2pp, "_stream_graphs", lambda: sim)
+    assert u2pp.capture_stream_graphs(max_batch=4, chunk_size=4, max_history=64) == 3 * 4  # 1,2,4 x 0..64
+    graphed = run()
+    assert sim.stats["replays"] > 10 and sim.stats["captures"] > 12  # 7 streams: bucket 8 met later
+    for (f1, e1), (f2, e2) in zip(eager, graphed, strict=True):
+        assert f1.transcript.segments[0].tokens == f2.transcript.segments[0].tokens
+        assert e1.shape == e2.shape and (e1 - e2).abs().max().item() < 1e-4
+    assert _pool_idle(u2pp)

@@ -338,12 +338,17 @@ class GraphSteps:
     static outputs (valid until the next replay of that key). ``generation`` (e.g.
     :attr:`StreamCachePool.generation`) drops every graph when it changes: graphs hold the
     addresses of the pools they read. All graphs share one memory pool.
+
+    ``simulate=True`` keeps everything but the CUDA graph itself (static buffers, warm-up on
+    scratch inputs, copy-in, ``fn`` run on the static buffers at "replay"): the bucketing and
+    padding of a family's step can be tested on the CPU.
     """
 
-    def __init__(self, fn: Any, dummy: Any, max_graphs: int = 256) -> None:
+    def __init__(self, fn: Any, dummy: Any, max_graphs: int = 256, simulate: bool = False) -> None:
         self.fn = fn
         self.dummy = dummy
         self.max_graphs = max_graphs
+        self.simulate = simulate
         self._graphs: dict[Any, tuple[Any, tuple, tuple]] = {}
         self._generation: Any = None
         self._pool: Any = None
@@ -361,6 +366,10 @@ class GraphSteps:
         if len(self._graphs) >= self.max_graphs:
             self._graphs.clear()
         static_in = tuple(self.dummy(key))
+        if self.simulate:
+            self._graphs[key] = (None, static_in, tuple(self.fn(*static_in)))
+            self.stats["captures"] += 1
+            return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -379,6 +388,9 @@ class GraphSteps:
         graph, static_in, static_out = self._graphs[key]
         for dst, src in zip(static_in, inputs, strict=True):
             dst.copy_(src, non_blocking=True)
-        graph.replay()
+        if graph is None:  # simulated
+            static_out = tuple(self.fn(*static_in))
+        else:
+            graph.replay()
         self.stats["replays"] += 1
         return static_out

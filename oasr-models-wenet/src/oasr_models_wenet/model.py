@@ -648,7 +648,7 @@ class WenetASR:
         if feats is None and not self._centred_conv:
             w_max = max(w_max, max(st.window for st in states))
         t_max = int(enc.embed.output_length(w_max))
-        graphs = self._stream_graphs() if self.net.device.type == "cuda" and feats is None else None
+        graphs = self._stream_graphs() if feats is None else None
         if graphs is not None:
             rows = bucket(b, BATCH_BUCKETS)
             s_max = _history_bucket(int(hist_lens.max()))
@@ -760,7 +760,7 @@ class WenetASR:
         graphs captured (0 off CUDA or with graphs off)."""
         import torch
 
-        graphs = self._stream_graphs() if self.net.device.type == "cuda" else None
+        graphs = self._stream_graphs()
         if graphs is None:
             return 0
         enc, pool = self.net.encoder, self.stream_pool
@@ -793,7 +793,8 @@ class WenetASR:
         return audio, ints
 
     def _stream_graphs(self) -> GraphSteps | None:
-        if not self.stream_cuda_graphs:
+        """The captured chunk steps (None off CUDA or with ``stream_cuda_graphs`` off)."""
+        if not self.stream_cuda_graphs or self.net.device.type != "cuda":
             return None
         graphs = self.__dict__.get("_graphs")
         if graphs is None:

@@ -207,7 +207,14 @@ class ContextGraph:
         return -self.node_score[state]
 
     def tables(self, vocab_size: int) -> ContextTables:
-        """The graph as sorted lookup tables (see :class:`ContextTables`)."""
+        """The graph as sorted lookup tables (see :class:`ContextTables`); made once per
+        vocabulary size (a graph does not change after construction)."""
+        cache = self.__dict__.setdefault("_tables", {})
+        if vocab_size not in cache:
+            cache[vocab_size] = self._make_tables(vocab_size)
+        return cache[vocab_size]
+
+    def _make_tables(self, vocab_size: int) -> ContextTables:
         entries: dict[int, tuple[int, float]] = {}
         for s in range(1, self.num_states):
             f = s

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lp = synthetic_batch(graph, args.batch, frames, args.seed)
     opts = WfstSearchOptions(beam=args.beam, max_active=args.max_active, min_active=args.min_active,
                              acoustic_scale=args.acoustic_scale)  # fmt: skip
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # many small ops: intra-op threads only contend
     dec = WfstDecoder(graph, args.device, opts)
     x = torch.from_numpy(lp).to(args.device)
 
@@ -162,7 +165,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workers = args.threads or os.cpu_count() or 1
     kd = dict(beam=opts.beam, max_active=opts.max_active, min_active=opts.min_active,
               beam_delta=opts.beam_delta)  # fmt: skip
-    with ProcessPoolExecutor(workers, initializer=_worker_init, initargs=(graph_path, kd)) as pool:
+    # spawn: the workers must not inherit this process's CUDA context
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                             initargs=(graph_path, kd)) as pool:  # fmt: skip
         list(pool.map(_worker_decode, scaled[:workers]))  # every worker has its graph
         ktimes = []
         ref = None

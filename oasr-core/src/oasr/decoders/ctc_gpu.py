@@ -78,11 +78,15 @@ class _Context:
         bonus: list[float] = []
         node_score = [0.0]
         self.offsets: list[int] = []
+        placed: dict[int, int] = {}  # one copy of a graph that several rows share
         for g in graphs:
             if g is None:
                 self.offsets.append(0)
                 continue
-            off = len(node_score)
+            if id(g) in placed:
+                self.offsets.append(placed[id(g)])
+                continue
+            off = placed[id(g)] = len(node_score)
             self.offsets.append(off)
             t = g.tables(vocab)
             keys += [off * vocab + k for k in t.keys]

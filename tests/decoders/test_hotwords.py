@@ -213,3 +213,16 @@ def test_biased_streams_equal_offline() -> None:
 @pytest.mark.gpu
 def test_gpu_biased_ctc_matches_reference() -> None:
     _check_biased("cuda", 40)
+
+
+def test_rows_sharing_a_graph() -> None:
+    """One graph object for several rows of a batch (the families pass the request's graph to
+    every row) and rows without one: each row equals its own host search."""
+    graph = ContextGraph([[2, 3], [4]], 2.0)
+    lp = torch.stack([_logp(30, 8, s) for s in range(4)])
+    graphs = [graph, graph, None, graph]
+    got = ctc_prefix_beam_search_gpu(lp, beam_size=4, context_graphs=graphs)
+    want = ctc_prefix_beam_search(lp, beam_size=4, context_graphs=graphs)
+    for g, w in zip(got, want, strict=True):
+        assert [h.tokens for h in g] == [h.tokens for h in w]
+        assert [h.score for h in g] == pytest.approx([h.score for h in w], abs=1e-9)

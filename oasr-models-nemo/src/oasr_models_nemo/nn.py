@@ -107,15 +107,25 @@ class Subsampling(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = x.unsqueeze(1)  # (B, 1, T, F)
+        # no row shorter than the batch: nothing to zero (the first convolution's output is
+        # (B, C, T/2, F/2): 6 GB for 128 x 30 s, each pass over it counts)
+        ragged = bool((lengths < x.shape[1]).any())
+        symmetric = self.pad[0] == self.pad[1]
         for layer in self.layers:
             if isinstance(layer, Conv2dLayer):
                 if layer.stride > 1:
-                    h = F.pad(h, (*self.pad, *self.pad))
+                    if symmetric:  # the convolution pads (no padded copy of its input)
+                        h = F.conv2d(h, layer.weight, layer.bias, stride=layer.stride,
+                                     padding=self.pad[0], groups=layer.groups)
+                    else:
+                        h = layer(F.pad(h, (*self.pad, *self.pad)))
                     lengths = torch.div(lengths + sum(self.pad) - self.kernel, self.stride,
                                         rounding_mode="floor") + 1
-                h = layer(h)
-                t = torch.arange(h.shape[2], device=h.device)
-                h = h * (t[None, :] < lengths[:, None]).to(h.dtype)[:, None, :, None]
+                else:
+                    h = layer(h)
+                if ragged:
+                    t = torch.arange(h.shape[2], device=h.device)
+                    h = h * (t[None, :] < lengths[:, None]).to(h.dtype)[:, None, :, None]
             else:
                 h = layer(h)
         b, ch, t, f = h.shape

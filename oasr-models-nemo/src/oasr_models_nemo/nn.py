@@ -174,12 +174,13 @@ def rel_pe(high: int, low: int, dim: int, device: torch.device, dtype: torch.dty
     return torch.stack([f.sin(), f.cos()], dim=-1).reshape(len(pos), dim).to(dtype)
 
 
-def _rel_shift(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, P) scores over distances ``S-1 .. -(S-1)`` -> (B, H, T, P) with column j holding
-    the score of distance ``(S - T + i) - j`` for query i (Transformer-XL's shift)."""
+def _rel_shift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, H, T, P = 2S - 1) scores over distances ``S-1 .. -(S-1)`` -> (B, H, T, S) with column
+    j holding the score of distance ``(S - T + i) - j`` for query i (Transformer-XL's shift):
+    column ``T - 1 - i + j`` of row i, a strided view (no copy of the (B, H, T, 2S) scores)."""
     b, h, t, p = x.shape
-    x = F.pad(x, (1, 0)).view(b, h, p + 1, t)
-    return x[:, :, 1:].reshape(b, h, t, p)
+    x = x.contiguous()
+    return x.as_strided((b, h, t, s), (h * t * p, t * p, p - 1, 1), x.storage_offset() + t - 1)
 
 
 class RelPosAttention(nn.Module):
@@ -216,7 +217,7 @@ class RelPosAttention(nn.Module):
         s = k.shape[2]
         p = self.relative_k_proj(pe).view(1, -1, self.heads, self.head_dim).transpose(1, 2)
         bd = torch.matmul(q + self.bias_v[None, :, None], p.transpose(-1, -2))
-        bd = _rel_shift(bd)[..., :s] * self.scale
+        bd = _rel_shift(bd, s) * self.scale
         if mask is not None:
             bd = bd.masked_fill(~mask, _neg(bd.dtype))
         out = attention(q + self.bias_u[None, :, None], k, v, mask=bd, scale=self.scale)

@@ -343,3 +343,30 @@ def test_bucketed_padded_steps_equal_eager(u2pp, speech, monkeypatch) -> None:
         assert f1.transcript.segments[0].tokens == f2.transcript.segments[0].tokens
         assert e1.shape == e2.shape and (e1 - e2).abs().max().item() < 1e-4
     assert _pool_idle(u2pp)
+
+
+def test_device_prefix_beam_streams_equal_host(u2pp, speech) -> None:
+    """Streams whose prefix beam runs as tensors (``oasr.decoders.ctc_gpu``, all of a step's
+    streams in one batched search step, partials read back at once; on CUDA by default, here on
+    the CPU) give the host search's partials and final tokens."""
+    from oasr.decoders.ctc_gpu import GPUCTCPrefixBeamSearch
+
+    def run(device_search: bool):
+        states = [u2pp.new_stream(DecodingOptions(beam_size=4), chunk_size=4) for _ in range(3)]
+        if device_search:
+            for s in states:
+                s.search = GPUCTCPrefixBeamSearch(4, u2pp.config.blank_id, torch.device("cpu"))
+        partials: list[str] = []
+        finals = []
+        pos, live = 0, list(range(3))
+        while live:
+            ups = u2pp.stream_step([states[i] for i in live], [speech[i][pos : pos + 6400] for i in live],
+                                   [pos + 6400 >= len(speech[i]) for i in live])  # fmt: skip
+            pos += 6400
+            partials += [u.text for u in ups if not u.is_final]
+            finals += [(i, u.transcript.segments[0].tokens if u.transcript.segments else [])
+                       for i, u in zip(live, ups, strict=True) if u.is_final]  # fmt: skip
+            live = [i for i in live if pos < len(speech[i])]
+        return sorted(finals), partials
+
+    assert run(True) == run(False)

@@ -36,7 +36,12 @@ from oasr.decoders.ctc import (
     group_words,
     token_timestamps,
 )
-from oasr.decoders.ctc_gpu import ctc_prefix_beam_search_gpu
+from oasr.decoders.ctc_gpu import (
+    GPUCTCPrefixBeamSearch,
+    ctc_prefix_beam_search_gpu,
+    nbest_streams,
+    step_streams,
+)
 from oasr.decoders.graph_search import (
     graph_search_requested,
     graph_transcripts,
@@ -474,6 +479,9 @@ class WenetASR:
     #: streams run their steady-state chunk as CUDA-graph replays on CUDA (per batch and
     #: history-length bucket); False: always eager
     stream_cuda_graphs = True
+    #: on CUDA, streams with a prefix beam search it on the device, all of a step's at once
+    #: (``oasr.decoders.ctc_gpu``); False: the host search
+    stream_gpu_beam = True
     #: the most attention-history frames a stream keeps when its ``num_left_chunks`` is < 0
     #: (4096 frames = 164 s at 40 ms); older frames are dropped
     stream_max_history = 4096
@@ -526,9 +534,13 @@ class WenetASR:
                 "use ctc_greedy_search, ctc_prefix_beam_search or attention_rescoring",
                 param="decoding_method",
             )
-        search = (CTCGreedySearch(self.config.blank_id) if method == "ctc_greedy_search"
-                  else CTCPrefixBeamSearch(self._beam(options), self.config.blank_id,
-                                           self._context_graph(options)))
+        if method == "ctc_greedy_search":
+            search: Any = CTCGreedySearch(self.config.blank_id)
+        elif self.stream_gpu_beam and self.net.device.type == "cuda":  # streams batch on the device
+            search = GPUCTCPrefixBeamSearch(self._beam(options), self.config.blank_id, self.net.device,
+                                            self._context_graph(options))
+        else:
+            search = CTCPrefixBeamSearch(self._beam(options), self.config.blank_id, self._context_graph(options))
         keep = self.keep_encoder_output if keep_encoder_output is None else keep_encoder_output
         st = WenetStreamState(
             options=options, chunk_size=c, num_left_chunks=left, window=(c - 1) * sub + context,
@@ -585,13 +597,20 @@ class WenetASR:
                 st.audio = np.concatenate([st.audio, a]) if st.audio.size else a
             plans.append(self._plan(st, bool(last)))
         self._run_plans(states, plans)
+        on_device = [st for st, last in zip(states, is_last, strict=True)
+                     if not last and isinstance(st.search, GPUCTCPrefixBeamSearch)]  # fmt: skip
+        device_best = ({id(st): nb[0] for st, nb in zip(on_device, nbest_streams([st.search for st in on_device]),
+                                                         strict=True)} if on_device else {})  # fmt: skip
         updates = []
         for st, last in zip(states, is_last, strict=True):
             if last:
                 updates.append(self._finish(st))
                 continue
-            hyp = st.search.hyp if isinstance(st.search, CTCGreedySearch) else st.search.best()
-            if isinstance(st.search, CTCPrefixBeamSearch) or len(hyp.tokens) != st.tokens_seen:
+            if isinstance(st.search, CTCGreedySearch):
+                hyp = st.search.hyp
+            else:
+                hyp = device_best[id(st)] if id(st) in device_best else st.search.best()
+            if not isinstance(st.search, CTCGreedySearch) or len(hyp.tokens) != st.tokens_seen:
                 st.text = self.units.decode(hyp.tokens)
                 st.tokens_seen = len(hyp.tokens)
             updates.append(StreamingUpdate(text=st.text, is_final=False))
@@ -696,6 +715,9 @@ class WenetASR:
             host = best[:b].cpu()  # (b, 2, T): best log-probability, token
             beam_rows = [i for i, st in enumerate(states) if isinstance(st.search, CTCPrefixBeamSearch)]
             beam_lp = logp[beam_rows].cpu() if beam_rows else None
+            device_rows = [i for i, st in enumerate(states) if isinstance(st.search, GPUCTCPrefixBeamSearch)]
+            if device_rows:  # every device beam of this step in one batched search step
+                step_streams([states[i].search for i in device_rows], [logp[i, : int(new[i])] for i in device_rows])
             keep_rows = [i for i, st in enumerate(states) if st.keep_encoder_output]
             kept = out[keep_rows].clone() if keep_rows else None
         keep_hist = np.fromiter(
@@ -806,7 +828,7 @@ class WenetASR:
         sr = self.feature_spec.sample_rate
         duration = st.samples_received / sr
         n = st.offset
-        if isinstance(st.search, CTCPrefixBeamSearch):
+        if not isinstance(st.search, CTCGreedySearch):
             nbest = st.search.nbest()
             o = st.options
             if n and (nbest[0].tokens or len(nbest) > 1) and self._method(o) == "attention_rescoring":

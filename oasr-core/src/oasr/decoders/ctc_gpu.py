@@ -48,7 +48,7 @@ from typing import Any
 from oasr.decoders.context_graph import ContextGraph
 from oasr.decoders.hypothesis import Hypothesis
 
-__all__ = ["GPUCTCPrefixBeamSearch", "ctc_prefix_beam_search_gpu", "step_streams"]
+__all__ = ["GPUCTCPrefixBeamSearch", "ctc_prefix_beam_search_gpu", "nbest_streams", "step_streams"]
 
 NEG_INF = float("-inf")
 _HASH_MUL = 1099511628211  # FNV-1a 64-bit prime; int64 products wrap, which is what we want
@@ -481,6 +481,12 @@ def _frame(c: _Consts, tv: Any, ti: Any, kmask: Any, f: Any, i: Any, valid: Any,
                          ni[..., 5]], -1)
     nodes = torch.stack([ni[..., 2], up_new], -1)
     return nf[..., :5], new_i, nvalid, nodes, nf[..., 5]
+
+
+def nbest_streams(streams: Sequence[GPUCTCPrefixBeamSearch]) -> list[list[Hypothesis]]:
+    """The n-best of several streams at once (one device-to-host copy per tensor kind for all
+    of them, instead of one wait per stream): a streaming step's partial results."""
+    return _nbest(streams)
 
 
 def _nbest(streams: Sequence[GPUCTCPrefixBeamSearch]) -> list[list[Hypothesis]]:

@@ -28,7 +28,7 @@ __all__ = [
 MODULE = KernelModule("fused_ops.cu")
 _SMEM_LIMIT = 48 * 1024  # the default dynamic shared memory limit (no opt-in attribute)
 MAX_NORM_DIM = _SMEM_LIMIT // 4 - 64  # the row lives in shared memory as fp32
-MAX_DWCONV_KERNEL = 1024
+MAX_DWCONV_KERNEL = 2048
 
 
 def _sms(device: torch.device) -> int:
@@ -163,7 +163,12 @@ def dwconv_key(dtype: torch.dtype, k: int) -> str:
     return f"{DTYPE_TAGS[dtype]}:k{k}"
 
 
-_DWCONV_DEFAULT = {"threads": 128}
+_CONV_OUTPUTS_PER_THREAD = 4  # kConvOutputsPerThread in the .cu
+
+
+def _dwconv_default(t_out: int) -> dict[str, int]:
+    """Enough threads for one block to cover the sequence (4 outputs each), 32 to 128."""
+    return {"threads": min(128, max(32, -(-t_out // (32 * _CONV_OUTPUTS_PER_THREAD)) * 32))}
 
 
 def launch_glu_dwconv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: int,
@@ -172,15 +177,16 @@ def launch_glu_dwconv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     c, k = weight.shape[0], weight.shape[-1]
     t_out = t_in + 2 * padding - k + 1
     if params is None:
-        params = tuned_params("glu_depthwise_conv1d", dwconv_key(x.dtype, k), x.device, _DWCONV_DEFAULT)
+        params = tuned_params("glu_depthwise_conv1d", dwconv_key(x.dtype, k), x.device, _dwconv_default(t_out))
     out = torch.empty((b, c, max(t_out, 0)), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     threads = int(params["threads"])
-    grid = (-(-t_out // threads), c, b)
+    tile = threads * _CONV_OUTPUTS_PER_THREAD
+    grid = (-(-t_out // tile), c, b)
     args = (_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), np.int32(c), np.int32(t_in), np.int32(t_out),
             np.int32(k), np.int32(padding))  # fmt: skip
-    smem = 4 * (threads + k - 1)
+    smem = 4 * (k + tile + k - 1)
     if not MODULE.launch(f"oasr_glu_dwconv_{DTYPE_TAGS[x.dtype]}", grid, (threads,), args, x.device,
                          shared_mem=smem):  # fmt: skip
         return None
@@ -315,9 +321,9 @@ def _dwconv_tunable() -> Tunable:
     return Tunable(
         op="glu_depthwise_conv1d",
         key=lambda shape, dtype: dwconv_key(dtype, int(shape["kernel"])),
-        candidates=lambda shape: [{"threads": t} for t in (32, 64, 128, 256, 512)],
+        candidates=lambda shape: [{"threads": t} for t in (32, 64, 128, 256)],
         make=make,
-        default=lambda shape: dict(_DWCONV_DEFAULT),
+        default=lambda shape: _dwconv_default(int(shape["frames"])),
         shapes=[{"batch": 64, "channels": 256, "frames": 375, "kernel": 15},
                 {"batch": 64, "channels": 512, "frames": 375, "kernel": 31},
                 {"batch": 64, "channels": 1024, "frames": 375, "kernel": 9}],  # fmt: skip

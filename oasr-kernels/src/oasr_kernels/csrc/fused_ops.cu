@@ -146,20 +146,28 @@ __device__ __forceinline__ void bias_act(const T* __restrict__ x, const T* __res
 // ---------------------------------------------------------------- GLU + depthwise conv1d
 // x (B, 2C, Tin) contiguous; g = x[:, :C] * sigmoid(x[:, C:]) (rounded to T, as F.glu's output);
 // out[b, c, t] = bias[c] + sum_k w[c, k] * g[b, c, t + k - P] (zero outside [0, Tin)),
-// t < Tout = Tin + 2P - K + 1. Grid (ceil(Tout / blockDim.x), C, B); one output per thread; the
-// block's blockDim.x + K - 1 GLU inputs are computed once into shared memory.
+// t < Tout = Tin + 2P - K + 1. Grid (ceil(Tout / (OPT * blockDim.x)), C, B). The block's
+// OPT * blockDim.x + K - 1 GLU inputs and the channel's K weights go to shared memory once;
+// each thread then computes OPT neighbouring outputs, sliding a window of OPT inputs along the
+// taps (one shared-memory read per OPT multiply-adds).
+constexpr int kConvOutputsPerThread = 4;
+
 template <typename T>
 __device__ __forceinline__ void glu_dwconv(const T* __restrict__ x, const T* __restrict__ w,
                                            const T* __restrict__ bias, T* __restrict__ out, int C,
                                            int Tin, int Tout, int K, int P) {
+  constexpr int OPT = kConvOutputsPerThread;
   extern __shared__ float oasr_fused_smem[];
-  float* g = oasr_fused_smem;  // blockDim.x + K - 1
+  float* ws = oasr_fused_smem;  // K
+  float* g = oasr_fused_smem + K;  // OPT * blockDim.x + K - 1
   const int c = blockIdx.y;
   const long long b = blockIdx.z;
-  const int t0 = blockIdx.x * blockDim.x;
+  const int tile = OPT * blockDim.x;
+  const int t0 = blockIdx.x * tile;
   const T* xa = x + (b * 2 * C + c) * (long long)Tin;
   const T* xg = xa + (long long)C * Tin;
-  const int span = blockDim.x + K - 1;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) ws[k] = to_float(w[(long long)c * K + k]);
+  const int span = tile + K - 1;
   for (int i = threadIdx.x; i < span; i += blockDim.x) {
     const int p = t0 - P + i;
     float v = 0.f;
@@ -170,13 +178,29 @@ __device__ __forceinline__ void glu_dwconv(const T* __restrict__ x, const T* __r
     g[i] = v;
   }
   __syncthreads();
-  const int t = t0 + threadIdx.x;
-  if (t >= Tout) return;
-  float acc = 0.f;
-  const T* wc = w + (long long)c * K;
-  for (int k = 0; k < K; ++k) acc = fmaf(to_float(wc[k]), g[threadIdx.x + k], acc);
-  if (bias != nullptr) acc += to_float(bias[c]);
-  out[(b * C + c) * (long long)Tout + t] = from_float<T>(acc);
+  const int tb = threadIdx.x * OPT;  // this thread's first output within the tile
+  if (t0 + tb >= Tout) return;
+  float acc[OPT], win[OPT];
+#pragma unroll
+  for (int j = 0; j < OPT; ++j) {
+    acc[j] = 0.f;
+    win[j] = g[tb + j];
+  }
+  for (int k = 0; k < K; ++k) {
+    const float wk = ws[k];
+#pragma unroll
+    for (int j = 0; j < OPT; ++j) acc[j] = fmaf(wk, win[j], acc[j]);
+#pragma unroll
+    for (int j = 0; j < OPT - 1; ++j) win[j] = win[j + 1];
+    if (k + 1 < K) win[OPT - 1] = g[tb + OPT + k];
+  }
+  const float bv = bias != nullptr ? to_float(bias[c]) : 0.f;
+  T* o = out + (b * C + c) * (long long)Tout;
+#pragma unroll
+  for (int j = 0; j < OPT; ++j) {
+    const int t = t0 + tb + j;
+    if (t < Tout) o[t] = from_float<T>(acc[j] + bv);
+  }
 }
 
 // ---------------------------------------------------------------- log-mel from an STFT

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr.layers import DepthwiseConv1d, Embedding, Linear
-from oasr.layers.fused import glu_depthwise_conv1d
 
 LOG_EPS = math.log(1e-10)  # icefall's feature padding value
 
@@ -365,15 +364,8 @@ class ConvolutionModule(nn.Module):
         return x.transpose(1, 2)
 
     def forward(self, x, valid: torch.Tensor | None, chunk_size: int = -1) -> torch.Tensor:
-        if self.causal:
-            x = self.depthwise_conv(self._gate(x, valid), chunk_size)
-        else:
-            # the gate (x * sigmoid(s)) is a GLU: gate and depthwise convolution in one op (one
-            # kernel with oasr-kernels on CUDA); padded frames are zeroed before it (glu(0) = 0)
-            h = self.in_proj(x)
-            if valid is not None:
-                h = h.masked_fill(~valid[:, :, None], 0.0)
-            x = glu_depthwise_conv1d(h.transpose(1, 2).contiguous(), self.depthwise_conv)
+        x = self._gate(x, valid)
+        x = self.depthwise_conv(x, chunk_size) if self.causal else self.depthwise_conv(x)
         return self.out_proj(swoosh_r(x.transpose(1, 2)))
 
     def streaming_forward(self, x, valid, cache):

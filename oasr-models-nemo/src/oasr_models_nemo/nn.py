@@ -36,7 +36,6 @@ from torch import nn
 from oasr.errors import CheckpointError
 from oasr.layers import Embedding, LayerNorm, Linear, attention
 from oasr.layers.conformer import BatchNorm1d, DepthwiseConv1d, glu, swish
-from oasr.layers.fused import glu_depthwise_conv1d
 from oasr.layers.recurrent import LSTMCell
 from oasr_models_nemo.config import NemoConfig
 
@@ -297,23 +296,16 @@ class ConvModule(nn.Module):
         """``x`` (B, T, D); ``cache`` (B, D, k-1): the causal form's previous frames. Returns
         the output and, for the causal form, the (B, D, k-1 + T) input of the depthwise
         convolution (the caller takes each row's new cache from it)."""
+        h = glu(self.pointwise_conv1(x), dim=-1)
+        if valid is not None:
+            h = h.masked_fill(~valid[..., None], 0.0)
+        h = h.transpose(1, 2)
         padded = None
         if self.causal:
-            h = glu(self.pointwise_conv1(x), dim=-1)
-            if valid is not None:
-                h = h.masked_fill(~valid[..., None], 0.0)
-            h = h.transpose(1, 2)
             if cache is None:
                 cache = h.new_zeros(h.shape[0], h.shape[1], self.left)
             h = padded = torch.cat([cache, h], dim=2)
-            h = self.depthwise_conv(h)
-        else:
-            # GLU and the depthwise convolution in one op (one kernel with oasr-kernels on
-            # CUDA); padded frames are zeroed before it (glu(0) = 0)
-            h = self.pointwise_conv1(x)
-            if valid is not None:
-                h = h.masked_fill(~valid[..., None], 0.0)
-            h = glu_depthwise_conv1d(h.transpose(1, 2).contiguous(), self.depthwise_conv)
+        h = self.depthwise_conv(h)
         if self.layer_norm:
             h = self.norm(h.transpose(1, 2))
         else:

@@ -292,19 +292,19 @@ def test_autotune_writes_cache_that_launches_read(tmp_path, monkeypatch) -> None
                            dtypes=["float16"])  # fmt: skip
     data = json.loads(path.read_text())
     assert data["arch"].startswith("sm") and report["path"] == str(path)
-    entry = data["entries"]["add_norm"]["layer:f16:d1280"]
+    entry = data["entries"]["add_norm"]["layer:f16:d1280:few"]
     assert entry["params"]["threads"] in (64, 128, 160, 256, 512, 1024) and entry["us"] > 0
     assert "f16:k15" in data["entries"]["glu_depthwise_conv1d"]
     assert "f16:d64" in data["entries"]["paged_prefill_attention"]
     # a launch reads the winner
     from oasr_kernels import fused
 
-    assert tune.tuned_params("add_norm", "layer:f16:d1280", torch.device("cuda"), {}) == entry["params"]
+    assert tune.tuned_params("add_norm", "layer:f16:d1280:few", torch.device("cuda"), {}) == entry["params"]
     # a planted value is used by the launch, and the kernel still gives the same result
-    data["entries"]["add_norm"]["layer:f16:d1280"]["params"] = {"threads": 64}
+    data["entries"]["add_norm"]["layer:f16:d1280:few"]["params"] = {"threads": 64}
     path.write_text(json.dumps(data))
     tune.clear_memory_cache()
-    assert tune.tuned_params("add_norm", "layer:f16:d1280", torch.device("cuda"), {}) == {"threads": 64}
+    assert tune.tuned_params("add_norm", "layer:f16:d1280:few", torch.device("cuda"), {}) == {"threads": 64}
     norm = L.LayerNorm(1280, device="cuda", dtype=torch.float16)
     x = randn(8, 1280, dtype=torch.float16)
     torch.testing.assert_close(fused.add_norm_cuda(x, x, norm)[1], native(L.add_norm, x, x, norm)[1], **TOL[torch.float16])

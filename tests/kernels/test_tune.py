@@ -144,3 +144,22 @@ def test_register_tunable_replaces_same_op_and_variant(fresh) -> None:
 def test_import_oasr_tune_does_not_import_torch() -> None:
     code = "import sys, oasr.tune; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_autotune_compares_with_the_native_op(fresh) -> None:
+    """With a native reference the entry says whether the kernel beat it (use_kernel)."""
+    times = {64: 2e-6, 128: 1e-6, "native": 1.5e-6}
+    launched: list = []
+    tunable = _tunable({64: 2e-6, 128: 1e-6}, launched)
+    tunable.native = lambda shape, dtype, device: (lambda: "native" if shape["n"] == 1 else "slow")
+    tune.register_tunable(tunable)
+
+    def timer(run):
+        out = run()
+        return {"slow": 5e-7}.get(out, times.get(out))
+
+    report = tune.autotune(device="cpu", identity=IDENT, timer=timer, path=fresh / "n.json")
+    entries = report["entries"]["toy_op"]
+    assert entries["f16:n1"]["params"] == {"threads": 128, "use_kernel": True}  # 1.0 us < 1.5 us
+    assert entries["f16:n1"]["native_us"] == pytest.approx(1.5)
+    assert entries["f16:n2"]["params"] == {"threads": 128, "use_kernel": False}  # native 0.5 us

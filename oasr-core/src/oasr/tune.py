@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CACHE_VERSION", "Tunable", "autotune", "cache_path", "clear_memory_cache", "device_identity",
-    "register_tunable", "registered_tunables", "tuned_params",
+    "CACHE_VERSION", "Tunable", "autotune", "cache_path", "clear_memory_cache", "cuda_event_timer",
+    "cuda_graph_timer", "device_identity", "register_tunable", "registered_tunables", "tuned_params",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,10 @@ class Tunable:
     shapes: list[dict] = field(default_factory=list)
     variant: str = ""
     dtypes: Sequence[Any] | None = None  # None: float16, bfloat16, float32
+    #: ``native(shape, dtype, device)`` -> a call of the op's native implementation on the same
+    #: inputs: when given, the winner is also timed against it and stored with ``use_kernel``
+    #: (False: the native op is faster for this key, and the override declines it)
+    native: Callable[[dict, Any, Any], Callable[[], Any]] | None = None
 
 
 _TUNABLES: list[Tunable] = []
@@ -173,6 +177,37 @@ def cuda_event_timer(repeats: int = 20, warmup: int = 3) -> Timer:
     return timer
 
 
+def cuda_graph_timer(repeats: int = 10, inner: int = 10) -> Timer:
+    """Seconds of GPU time per launch: ``inner`` launches captured in one CUDA graph, replayed
+    (median of ``repeats`` replays), so the Python launch overhead of small kernels does not
+    count: inside the executors' graphs it does not exist either. A launch that cannot be
+    captured is timed with :func:`cuda_event_timer` instead."""
+    events = cuda_event_timer(repeats=max(repeats, 20))
+
+    def timer(run: Callable[[], Any]) -> float:
+        import torch
+
+        run()  # outside capture: compiles, plans
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    run()
+        except Exception:  # noqa: BLE001 - not capturable: time it eagerly
+            del graph
+            return events(run)
+        seconds = events(graph.replay) / inner
+        del graph
+        return seconds
+
+    return timer
+
+
 def _dtype(name: Any) -> Any:
     import torch
 
@@ -197,10 +232,11 @@ def autotune(
 
     ``ops``: op names to tune (default all registered); ``shapes``: ``{op: [shape dict, ...]}``
     replacing a tunable's representative shapes; ``dtypes``: for tunables that do not fix their
-    own. ``timer`` defaults to CUDA events (median of 20 launches); ``identity`` (name, arch)
+    own. ``timer`` defaults to :func:`cuda_graph_timer` (GPU time); ``identity`` (name, arch)
     and ``path`` default to the current GPU's and its cache file. Entries already in the file
     for other keys are kept. Returns the report: ``{"path", "device", "arch", "entries":
-    {op: {key: {"params", "us", "default_us", "candidates"}}}}``.
+    {op: {key: {"params", "us", "default_us", "native_us", "candidates"}}}}``; with a native
+    reference, ``params["use_kernel"]`` says whether the kernel beat it.
 
     Before timing, the ``cuda`` kernel providers are installed (``oasr-kernels`` registers its
     tunables there)."""
@@ -218,7 +254,7 @@ def autotune(
 
         install_kernel_providers("cuda")
     name, arch = identity
-    timer = timer or cuda_event_timer()
+    timer = timer or cuda_graph_timer()
     wanted = set(ops) if ops is not None else None
     tunables = [t for t in registered_tunables() if wanted is None or t.op in wanted]
     if wanted is not None:
@@ -248,10 +284,15 @@ def autotune(
                 if not results:
                     continue
                 best_s, best = min(results, key=lambda r: r[0])
+                native_s: float | None = None
+                if tunable.native is not None:
+                    native_s = timer(tunable.native(shape, dtype, device))
+                    best = {**best, "use_kernel": best_s <= native_s}
                 entry = {
                     "params": best,
                     "us": round(best_s * 1e6, 3),
                     "default_us": None if default_s is None else round(default_s * 1e6, 3),
+                    "native_us": None if native_s is None else round(native_s * 1e6, 3),
                     "candidates": len(results),
                     "shape": shape,
                     "dtype": str(dtype).replace("torch.", ""),

@@ -31,6 +31,20 @@ MAX_NORM_DIM = _SMEM_LIMIT // 4 - 64  # the row lives in shared memory as fp32
 MAX_DWCONV_KERNEL = 2048
 
 
+def _without_overrides(fn):
+    """``fn`` run with every override off (the native op, for autotune's comparison)."""
+    import oasr.layers as L
+
+    def run():
+        old = L.set_overrides_enabled(False)
+        try:
+            return fn()
+        finally:
+            L.set_overrides_enabled(old)
+
+    return run
+
+
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -46,8 +60,9 @@ def _vectorizable(d: int, *tensors: torch.Tensor | None) -> bool:
 
 
 # ------------------------------------------------------------------ residual add + norm
-def norm_key(mode: str, dtype: torch.dtype, d: int) -> str:
-    return f"{mode}:{DTYPE_TAGS[dtype]}:d{d}"
+def norm_key(mode: str, dtype: torch.dtype, d: int, rows: int) -> str:
+    """A decode step's few rows and an encoder's many are tuned (and decided) apart."""
+    return f"{mode}:{DTYPE_TAGS[dtype]}:d{d}:{'few' if rows <= 1024 else 'many'}"
 
 
 def _norm_default(d: int, dtype: torch.dtype = torch.float16) -> dict[str, int]:
@@ -65,7 +80,7 @@ def launch_add_norm(mode: str, x: torch.Tensor, residual: torch.Tensor | None, w
     d = x.shape[-1]
     rows = x.numel() // d if d else 0
     if params is None:
-        params = tuned_params("add_norm", norm_key(mode, x.dtype, d), x.device, _norm_default(d, x.dtype))
+        params = tuned_params("add_norm", norm_key(mode, x.dtype, d, rows), x.device, _norm_default(d, x.dtype))
     out = torch.empty_like(x)
     s = torch.empty_like(x) if residual is not None else x
     if rows == 0:
@@ -107,15 +122,27 @@ def add_norm_cuda(x: torch.Tensor, residual: torch.Tensor | None, norm: Any) -> 
         return NotImplemented
     if not _norm_inputs_ok(x, residual, params):
         return NotImplemented
-    result = launch_add_norm(mode, x, residual, norm.weight, bias, float(norm.eps))
+    tuned = _norm_params(mode, x)
+    if not tuned.get("use_kernel", True):
+        return NotImplemented
+    result = launch_add_norm(mode, x, residual, norm.weight, bias, float(norm.eps), tuned)
     return NotImplemented if result is None else result
+
+
+def _norm_params(mode: str, x: torch.Tensor) -> dict[str, Any]:
+    d = x.shape[-1]
+    key = norm_key(mode, x.dtype, d, x.numel() // d)
+    return tuned_params("add_norm", key, x.device, _norm_default(d, x.dtype))
 
 
 def rms_norm_cuda(module: Any, x: torch.Tensor) -> Any:
     """Override of the ``rms_norm`` module op (no residual): one kernel instead of four."""
     if not _norm_inputs_ok(x, None, [module.weight]):
         return NotImplemented
-    result = launch_add_norm("rms", x, None, module.weight, None, float(module.eps))
+    tuned = _norm_params("rms", x)
+    if not tuned.get("use_kernel", True):
+        return NotImplemented
+    result = launch_add_norm("rms", x, None, module.weight, None, float(module.eps), tuned)
     return NotImplemented if result is None else result[1]
 
 
@@ -154,7 +181,10 @@ def bias_act_cuda(x: torch.Tensor, bias: torch.Tensor | None, act: str) -> Any:
     if bias is not None and (bias.shape != (x.shape[-1],) or bias.dtype != x.dtype
                              or not bias.is_contiguous() or bias.device != x.device):  # fmt: skip
         return NotImplemented
-    out = launch_bias_act(x, bias, act)
+    tuned = tuned_params("bias_act", act_key(act, x.dtype), x.device, _ACT_DEFAULT)
+    if not tuned.get("use_kernel", True):
+        return NotImplemented
+    out = launch_bias_act(x, bias, act, tuned)
     return NotImplemented if out is None else out
 
 
@@ -209,7 +239,12 @@ def glu_depthwise_conv1d_cuda(x: torch.Tensor, conv: Any) -> Any:
         return NotImplemented
     if conv.kernel_size > MAX_DWCONV_KERNEL or x.shape[0] > 65535 or c > 65535:
         return NotImplemented
-    out = launch_glu_dwconv(x, w, bias, int(conv.padding))
+    t_out = x.shape[2] + 2 * int(conv.padding) - conv.kernel_size + 1
+    tuned = tuned_params("glu_depthwise_conv1d", dwconv_key(x.dtype, conv.kernel_size), x.device,
+                         _dwconv_default(t_out))  # fmt: skip
+    if not tuned.get("use_kernel", True):
+        return NotImplemented
+    out = launch_glu_dwconv(x, w, bias, int(conv.padding), tuned)
     return NotImplemented if out is None else out
 
 
@@ -268,7 +303,10 @@ def log_mel_power_cuda(stft: torch.Tensor, filters: torch.Tensor, frames: int) -
         return NotImplemented
     if stft.dim() > 3 and not stft.is_contiguous():
         return NotImplemented
-    out = launch_log_mel(stft, filters, frames)
+    tuned = tuned_params("log_mel_power", mel_key(*filters.shape), stft.device, _MEL_DEFAULT)
+    if not tuned.get("use_kernel", True):
+        return NotImplemented
+    out = launch_log_mel(stft, filters, frames, tuned)
     return NotImplemented if out is None else out
 
 
@@ -281,16 +319,26 @@ def _norm_tunable(mode: str) -> Tunable:
         w, b = torch.randn(d, device=device, dtype=dtype), torch.randn(d, device=device, dtype=dtype)
         return lambda p: launch_add_norm(mode, x, r, w, b if mode == "layer" else None, 1e-5, p)
 
+    def native(shape: dict, dtype: torch.dtype, device: torch.device):
+        import oasr.layers as L
+        from oasr.layers.llm import RMSNorm
+
+        rows, d = int(shape["rows"]), int(shape["dim"])
+        x, r = torch.randn(rows, d, device=device, dtype=dtype), torch.randn(rows, d, device=device, dtype=dtype)
+        norm = L.LayerNorm(d, device=device, dtype=dtype) if mode == "layer" else RMSNorm(d, 1e-5, device, dtype)
+        return _without_overrides(lambda: L.add_norm(x, r, norm))
+
     return Tunable(
         op="add_norm",
-        key=lambda shape, dtype: norm_key(mode, dtype, int(shape["dim"])),
+        key=lambda shape, dtype: norm_key(mode, dtype, int(shape["dim"]), int(shape["rows"])),
         candidates=lambda shape: [{"threads": t} for t in sorted({64, 128, 256, 512, 1024,
                                                                   _norm_default(int(shape["dim"]))["threads"]})],  # fmt: skip
         make=make,
         default=lambda shape: _norm_default(int(shape["dim"])),
         shapes=[{"rows": 96000, "dim": 1280}, {"rows": 64, "dim": 1280}, {"rows": 24000, "dim": 512},
-                {"rows": 24000, "dim": 256}],  # fmt: skip
+                {"rows": 24000, "dim": 256}, {"rows": 4096, "dim": 3584}],  # fmt: skip
         variant=mode,
+        native=native,
     )
 
 
@@ -300,13 +348,21 @@ def _act_tunable() -> Tunable:
         b = torch.randn(int(shape["dim"]), device=device, dtype=dtype)
         return lambda p: launch_bias_act(x, b, shape.get("act", "gelu"), p)
 
+    def native(shape: dict, dtype: torch.dtype, device: torch.device):
+        import oasr.layers as L
+
+        x = torch.randn(int(shape["rows"]), int(shape["dim"]), device=device, dtype=dtype)
+        b = torch.randn(int(shape["dim"]), device=device, dtype=dtype)
+        return _without_overrides(lambda: L.bias_act(x, b, shape.get("act", "gelu")))
+
     return Tunable(
         op="bias_act",
         key=lambda shape, dtype: act_key(shape.get("act", "gelu"), dtype),
         candidates=lambda shape: [{"threads": t, "blocks_per_sm": k} for t in (128, 256, 512) for k in (4, 8, 16, 32)],
         make=make,
         default=lambda shape: dict(_ACT_DEFAULT),
-        shapes=[{"rows": 96000, "dim": 5120, "act": "gelu"}, {"rows": 24000, "dim": 2048, "act": "silu"}],
+        shapes=[{"rows": 24000, "dim": 5120, "act": "gelu"}, {"rows": 24000, "dim": 2048, "act": "silu"}],
+        native=native,
     )
 
 
@@ -318,6 +374,15 @@ def _dwconv_tunable() -> Tunable:
         bias = torch.randn(c, device=device, dtype=dtype)
         return lambda p: launch_glu_dwconv(x, w, bias, (k - 1) // 2, p)
 
+    def native(shape: dict, dtype: torch.dtype, device: torch.device):
+        import oasr.layers as L
+        from oasr.layers.conformer import DepthwiseConv1d
+
+        b, c, t, k = (int(shape[n]) for n in ("batch", "channels", "frames", "kernel"))
+        x = torch.randn(b, 2 * c, t, device=device, dtype=dtype)
+        conv = DepthwiseConv1d(c, k, padding=(k - 1) // 2, device=device, dtype=dtype)
+        return _without_overrides(lambda: L.glu_depthwise_conv1d(x, conv))
+
     return Tunable(
         op="glu_depthwise_conv1d",
         key=lambda shape, dtype: dwconv_key(dtype, int(shape["kernel"])),
@@ -327,6 +392,7 @@ def _dwconv_tunable() -> Tunable:
         shapes=[{"batch": 64, "channels": 256, "frames": 375, "kernel": 15},
                 {"batch": 64, "channels": 512, "frames": 375, "kernel": 31},
                 {"batch": 64, "channels": 1024, "frames": 375, "kernel": 9}],  # fmt: skip
+        native=native,
     )
 
 
@@ -337,6 +403,14 @@ def _mel_tunable() -> Tunable:
         filt = torch.rand(m, 201, device=device)
         return lambda p: launch_log_mel(stft, filt, frames, p)
 
+    def native(shape: dict, dtype: torch.dtype, device: torch.device):
+        import oasr.layers as L
+
+        b, m, frames = int(shape["batch"]), int(shape["mels"]), int(shape["frames"])
+        stft = torch.randn(b, 201, frames + 1, dtype=torch.complex64, device=device)
+        filt = torch.rand(m, 201, device=device)
+        return _without_overrides(lambda: L.log_mel_power(stft, filt, frames))
+
     return Tunable(
         op="log_mel_power",
         key=lambda shape, dtype: mel_key(int(shape["mels"]), 201),
@@ -345,6 +419,7 @@ def _mel_tunable() -> Tunable:
         default=lambda shape: dict(_MEL_DEFAULT),
         shapes=[{"batch": 64, "mels": 128, "frames": 3000}, {"batch": 64, "mels": 80, "frames": 3000}],
         dtypes=(torch.float32,),
+        native=native,
     )
 
 

@@ -117,7 +117,11 @@ def paged_prefill_attention_cuda(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
         return NotImplemented
     if unsupported_reason(q, k_pool, v_pool, block_tables, lengths) is not None:
         return NotImplemented
-    out = launch(q, k_pool, v_pool, block_tables, lengths, scale)
+    d = q.shape[3]
+    tuned = tuned_params("paged_prefill_attention", key(q.dtype, d), q.device, _default(d))
+    if not tuned.get("use_kernel", True):
+        return NotImplemented
+    out = launch(q, k_pool, v_pool, block_tables, lengths, scale, tuned)
     return NotImplemented if out is None else out
 
 
@@ -132,6 +136,27 @@ def _make(shape: dict, dtype: torch.dtype, device: torch.device):
     return lambda p: launch(q, k, v, tables, lengths, None, p)
 
 
+def _native(shape: dict, dtype: torch.dtype, device: torch.device):
+    import oasr.layers as L
+
+    b, h, t, d, bs = (int(shape[n]) for n in ("batch", "heads", "tokens", "head_dim", "block_size"))
+    nb = -(-t // bs)
+    q = torch.randn(b, h, t, d, device=device, dtype=dtype)
+    k = torch.randn(b * nb, bs, h, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    tables = torch.randperm(b * nb, device=device).view(b, nb)
+    lengths = torch.full((b,), t, dtype=torch.long, device=device)
+
+    def run():
+        old = L.set_overrides_enabled(False)
+        try:
+            return L.paged_prefill_attention(q, k, v, tables, lengths)
+        finally:
+            L.set_overrides_enabled(old)
+
+    return run
+
+
 TUNABLES = [
     Tunable(
         op="paged_prefill_attention",
@@ -139,7 +164,9 @@ TUNABLES = [
         candidates=lambda shape: [{"warps": w} for w in (1, 2, 4, 8)],
         make=_make,
         default=lambda shape: _default(int(shape["head_dim"])),
-        shapes=[{"batch": 4, "heads": 28, "tokens": 512, "head_dim": 128, "block_size": 16},
-                {"batch": 64, "heads": 20, "tokens": 4, "head_dim": 64, "block_size": 16}],  # fmt: skip
+        # the override takes up to MAX_TOKENS new tokens: tune at Whisper's prompt lengths
+        shapes=[{"batch": 64, "heads": 20, "tokens": 4, "head_dim": 64, "block_size": 16},
+                {"batch": 8, "heads": 28, "tokens": 32, "head_dim": 128, "block_size": 16}],  # fmt: skip
+        native=_native,
     )
 ]

@@ -163,20 +163,11 @@ class NemoASR:
         return options
 
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """NeMo mel of a batch, computed on the model's device."""
-        n = max(len(w) for w in waves)
-        dev = self.net.device
-        if dev.type == "cuda":  # each waveform straight into the padded device batch (no padded
-            # host copy first: 128 x 30 s is 245 MB)
-            batch = torch.zeros(len(waves), n, dtype=torch.float32, device=dev)
-            for i, w in enumerate(waves):
-                batch[i, : len(w)].copy_(torch.from_numpy(np.ascontiguousarray(w, np.float32)))
-        else:
-            host = np.zeros((len(waves), n), dtype=np.float32)
-            for i, w in enumerate(waves):
-                host[i, : len(w)] = w
-            batch = torch.from_numpy(host)
-        lengths = torch.tensor([len(w) for w in waves], dtype=torch.long, device=dev)
+        """NeMo mel of a batch, computed on the model's device (the padded batch through core's
+        reused page-locked buffer on CUDA)."""
+        from oasr.features._common import padded_batch
+
+        batch, lengths = padded_batch(waves, self.net.device)
         return self.mel.extract(batch, lengths)
 
     def local_window(self, frames: int, options: ResolvedOptions | NemoOptions) -> int:

@@ -180,10 +180,10 @@ class QuantizedLinear(Op):
         if dev == "cuda" and m <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
             xq = F.pad(xq, (0, 0, 0, 17 - m))
         acc = torch._int_mm(xq, self.qweight.t())[:m]
-        y = acc.float().mul_(sx)
+        y = torch.mul(acc, sx).mul_(self.weight_scale)  # int32 * float32 -> float32: one new tensor
         if self.bias is not None:
-            return torch.addcmul(self.bias.float(), y, self.weight_scale).to(x2.dtype)
-        return y.mul_(self.weight_scale).to(x2.dtype)
+            y = y.add_(self.bias)
+        return y.to(x2.dtype)
 
     def _fp8(self, x2: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features

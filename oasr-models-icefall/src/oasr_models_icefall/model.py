@@ -336,12 +336,9 @@ class _IcefallASR:
     # -- encoder ----------------------------------------------------------------------------
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """icefall's decoding features: (B, T, 80) padded with log(1e-10), and frame counts."""
-        n = max(len(w) for w in waves)
-        batch = np.zeros((len(waves), n), np.float32)
-        for i, w in enumerate(waves):
-            batch[i, : len(w)] = w
-        x = torch.from_numpy(batch).to(self.device, non_blocking=True)  # fbank on the model's device
-        lengths = torch.tensor([len(w) for w in waves], device=self.device)
+        from oasr.features._common import padded_batch
+
+        x, lengths = padded_batch(waves, self.device)  # fbank on the model's device
         feats, lens = self.fbank.extract(x, lengths)
         pad = torch.arange(feats.shape[1], device=feats.device)[None, :] >= lens[:, None]
         return feats.masked_fill(pad[:, :, None], LOG_EPS), lens
@@ -370,7 +367,7 @@ class _IcefallASR:
     def decode(self, enc: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions) -> list[Hypothesis]:
         method = self._method(options)
         frames = self._search_frames(enc, method)
-        lens_list = [int(n) for n in lens]
+        lens_list = [int(n) for n in lens.tolist()]  # one read-back, not one per row
         if method == "ctc_prefix_beam_search" and frames.is_cuda:  # (tensor_ctc_search)
             if options.blank_penalty:
                 frames = frames.clone()
@@ -437,8 +434,9 @@ class _IcefallASR:
                     out[i] = graphed[row]
             else:
                 hyps = self.decode(enc, enc_lens, o)
+                frames = enc_lens.tolist()
                 for row, i in enumerate(todo):
-                    out[i] = self._transcript(hyps[row], len(waves[i]) / sr, int(enc_lens[row]), o)
+                    out[i] = self._transcript(hyps[row], len(waves[i]) / sr, int(frames[row]), o)
         if progress is not None:
             total = sum(len(w) for w in waves) / sr
             progress(total, total)

@@ -31,8 +31,11 @@ def _methods() -> list:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 1500])
 def test_cuda_gemm_matches_float64_reference(method, dtype, rows):
-    """int8: torch._int_mm (rows <= 16 padded to 17); fp8: torch._scaled_mm with row-wise scales.
-    The output is rounded to fp16/bf16 once: bound 4e-3 x max |y| (bf16 has 8 bits)."""
+    """int8: torch._int_mm (rows <= 16 padded to 17; exact int32 sums, scaled in float32, one
+    rounding to fp16/bf16): bound 4e-3 x max |y| (bf16 has 8 bits). fp8: torch._scaled_mm with
+    row-wise scales: Hopper's fp8 tensor cores accumulate with fewer bits than float32 and the
+    bias is added in the output dtype, so a few output ulps: measured on an H200 4.3e-3..4.8e-3
+    (fp16) and 1.25e-2..1.39e-2 (bf16); bound 1e-2 (fp16) and 2.5e-2 (bf16)."""
     import oasr.layers as L
     from oasr.layers.quantized import QuantizedLinear
     from oasr.quantization.numerics import reference_linear
@@ -45,7 +48,8 @@ def test_cuda_gemm_matches_float64_reference(method, dtype, rows):
     got = q(x)
     ref = reference_linear(x, q.weight_q, q.weight_scale, q.bias, q.fmt)
     assert got.dtype is dt and got.shape == (rows, 384)
-    assert rel_err(got, ref) < 4e-3
+    bound = 4e-3 if method == "int8_w8a8" else {"float16": 1e-2, "bfloat16": 2.5e-2}[dtype]
+    assert rel_err(got, ref) < bound
 
 
 @pytest.mark.parametrize("method", _methods())

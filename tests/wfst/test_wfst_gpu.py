@@ -1,5 +1,6 @@
-"""The WFST decoder on CUDA: the same one-best (words, word frames, cost) as on the CPU and as
-kaldi-decoder's FasterDecoder, batched and streaming. Run with ``pytest -m gpu``."""
+"""The WFST decoder on CUDA, the tensor search and the fused kernel: the same one-best (words,
+word frames, cost) as on the CPU and as kaldi-decoder's FasterDecoder, batched and streaming.
+Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -48,9 +49,12 @@ def test_toy_graph_cuda_equals_cpu_and_kaldi(opts):
     graph = build_tlg(TOY_LEXICON, read_arpa(TOY_ARPA.splitlines()))
     lp, lengths = _inputs(graph, 16, 80, seed=11, peaky=True)
     cpu = WfstDecoder(graph, "cpu", opts).decode(lp, lengths)
-    gpu = WfstDecoder(graph, "cuda", opts).decode(lp.cuda(), lengths)
-    _same(gpu, cpu)
-    _kaldi_check(graph, lp, lengths, opts, gpu)
+    dec = WfstDecoder(graph, "cuda", opts)
+    tensor = dec.decode(lp.cuda(), lengths, fused=False)
+    fused = dec.decode(lp.cuda(), lengths, fused=True)
+    _same(tensor, cpu)
+    _same(fused, cpu)
+    _kaldi_check(graph, lp, lengths, opts, fused)
 
 
 def test_realistic_graph_cuda_batch_and_streaming():
@@ -64,8 +68,9 @@ def test_realistic_graph_cuda_batch_and_streaming():
     lengths = [250, 200, 250, 120, 250, 250, 90, 250, 230, 250, 250, 175]
     opts = WfstSearchOptions(beam=11.0, max_active=2000, acoustic_scale=0.9)
     dec = WfstDecoder(graph, "cuda", opts)
-    offline = dec.decode(lp.cuda(), lengths)
+    offline = dec.decode(lp.cuda(), lengths, fused=False)
     _same(offline, WfstDecoder(graph, "cpu", opts).decode(lp, lengths))
+    _same(dec.decode(lp.cuda(), lengths, fused=True), offline)
     state = dec.init_state(12)
     done = np.zeros(12, dtype=int)
     rng = np.random.default_rng(1)

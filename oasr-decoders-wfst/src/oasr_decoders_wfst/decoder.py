@@ -26,6 +26,7 @@ calls, so a stream decoded chunk by chunk gives exactly the offline result.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,6 +147,8 @@ def state_of(parts: list[tuple[torch.Tensor, ...]], idx: torch.Tensor) -> torch.
 
 class WfstDecoder:
     """Beam search over one graph on one device; decode many utterances per call."""
+
+    _fused_broken = False  # set once the fused kernel failed in this process
 
     def __init__(self, graph: WfstGraph, device: str | torch.device = "cpu",
                  options: WfstSearchOptions | None = None) -> None:  # fmt: skip
@@ -355,6 +358,16 @@ class WfstDecoder:
         keep = torch.nonzero(torch.cat(alive)[:n_total]).squeeze(1)
         return _Tokens(all_utt[keep], all_state[keep], all_cost[keep], all_rec[keep])
 
+    def _check_input(self, log_probs: torch.Tensor, lengths: Any) -> None:
+        if log_probs.dim() != 3 or log_probs.shape[2] != self.num_tokens:
+            raise InvalidRequestError(f"log_probs must be [batch, frames, {self.num_tokens} "
+                                      f"tokens], got {tuple(log_probs.shape)}")  # fmt: skip
+        if lengths is not None:
+            lens = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+            B, T = log_probs.shape[:2]
+            if lens.numel() != B or bool((lens < 0).any()) or bool((lens > T).any()):
+                raise InvalidRequestError(f"lengths must be {B} values in 0..{T}")
+
     def advance(self, st: WfstDecodeState, log_probs: torch.Tensor,
                 lengths: Sequence[int] | torch.Tensor | None = None) -> None:  # fmt: skip
         """Consume ``log_probs`` [B, T, V] (CTC log-probabilities, blank at 0): the first
@@ -436,9 +449,28 @@ class WfstDecoder:
                                       best_cost_h[b], bool(any_final_h[b]), frames[b]))  # fmt: skip
         return out
 
-    def decode(self, log_probs: torch.Tensor,
-               lengths: Sequence[int] | torch.Tensor | None = None) -> list[WfstHypothesis]:  # fmt: skip
-        """Offline: the one-best of every row of ``log_probs`` [B, T, V]."""
+    def decode(self, log_probs: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None,
+               fused: bool | None = None) -> list[WfstHypothesis]:  # fmt: skip
+        """Offline: the one-best of every row of ``log_probs`` [B, T, V]. ``fused``: run the
+        whole search as one CUDA kernel (``oasr_decoders_wfst.fused``; default on CUDA where
+        numba's CUDA target works, else the tensor search; a kernel that fails to build or
+        launch warns once and falls back)."""
+        if fused is None:
+            fused = self.device.type == "cuda" and not WfstDecoder._fused_broken
+        if fused:
+            from oasr_decoders_wfst.fused import decode_fused
+
+            self._check_input(log_probs, lengths)
+            try:
+                return decode_fused(self, log_probs, lengths)
+            except InvalidRequestError:
+                raise
+            except Exception as exc:  # numba missing, no CUDA target for this driver, ...
+                if WfstDecoder._fused_broken:
+                    raise
+                WfstDecoder._fused_broken = True
+                warnings.warn(f"the fused WFST kernel is not available here ({exc!r}); using "
+                              f"the tensor search", RuntimeWarning, stacklevel=2)  # fmt: skip
         st = self.init_state(log_probs.shape[0])
         self.advance(st, log_probs, lengths)
         return self.finalize(st)

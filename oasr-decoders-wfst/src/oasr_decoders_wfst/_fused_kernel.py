@@ -1,0 +1,308 @@
+"""The fused WFST search kernel (numba.cuda); see ``oasr_decoders_wfst.fused``. Imported only
+when the fused search runs."""
+
+# ruff: noqa: E501
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, float64, int32
+
+INT32_MAX = 2**31 - 1
+
+inf = math.inf
+
+@cuda.jit(device=True)
+def kth_cost(tok_cost, b, cur, n, k, si, sf):
+    """The k-th smallest (0-based) of tok_cost[b, cur, :n], by the whole block."""
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    if tid == 0:
+        sf[4] = -inf
+        sf[5] = inf
+    cuda.syncthreads()
+    kk = k
+    kval = inf
+    while True:
+        if tid == 0:
+            si[6] = INT32_MAX
+            si[7] = 0
+            si[8] = 0
+        cuda.syncthreads()
+        lo = sf[4]
+        hi = sf[5]
+        for i in range(tid, n, nth):
+            c = tok_cost[b, cur, i]
+            if c > lo and c < hi:
+                cuda.atomic.min(si, 6, i)
+        cuda.syncthreads()
+        pivot = tok_cost[b, cur, si[6]]
+        for i in range(tid, n, nth):
+            c = tok_cost[b, cur, i]
+            if c > lo and c < pivot:
+                cuda.atomic.add(si, 7, 1)
+            elif c == pivot:
+                cuda.atomic.add(si, 8, 1)
+        cuda.syncthreads()
+        less = si[7]
+        eq = si[8]
+        cuda.syncthreads()
+        if kk < less:
+            if tid == 0:
+                sf[5] = pivot
+        elif kk < less + eq:
+            kval = pivot
+            break
+        else:
+            kk -= less + eq
+            if tid == 0:
+                sf[4] = pivot
+        cuda.syncthreads()
+    cuda.syncthreads()
+    return kval
+
+@cuda.jit
+def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start,
+           lp, lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec,
+           best, slot, claim, frontier, cand_src, cand_arc, cand_cost, cand_rec, rec_prev,
+           rec_word, rec_frame, out_rec, out_cost, out_final, status):  # fmt: skip
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    S = final.shape[0]
+    cap = tok_state.shape[2]
+    ccap = cand_src.shape[1]
+    rcap = rec_prev.shape[1]
+    base = b * S
+    # shared scalars: ints [0 n_cur, 1 n_new, 2 n_cand, 3 n_rec, 4 n_front, 5 n_front_next,
+    # 6 pivot index, 7 count less, 8 count equal, 9 status, 10 round id]; floats [0 best,
+    # 1 best new, 2 cutoff, 3 adaptive, 4 lo, 5 hi, 6 pivot]
+    si = cuda.shared.array(16, dtype=int32)
+    sf = cuda.shared.array(8, dtype=float64)
+    if tid == 0:
+        tok_state[b, 0, 0] = start
+        tok_cost[b, 0, 0] = 0.0
+        tok_rec[b, 0, 0] = -1
+        si[0] = 1
+        si[3] = 0
+        si[9] = 0
+        si[10] = 0
+        best[base + start] = 0.0
+        slot[base + start] = 0
+    cuda.syncthreads()
+    cur = 0
+    n_frames = lens[b]
+    for t in range(-1, n_frames):
+        nb = cur if t < 0 else 1 - cur
+        if t >= 0:
+            n = si[0]
+            # ---- cutoff (GetCutoff) over the current tokens
+            if tid == 0:
+                sf[0] = inf
+                sf[1] = inf
+            cuda.syncthreads()
+            for i in range(tid, n, nth):
+                cuda.atomic.min(sf, 0, tok_cost[b, cur, i])
+            cuda.syncthreads()
+            best_cost = sf[0]
+            beam_cut = best_cost + beam
+            cutoff = beam_cut
+            adaptive = float64(beam)
+            if not (max_active == INT32_MAX and min_active == 0):
+                decided = False
+                if n > max_active:
+                    kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
+                    if kval < beam_cut:
+                        cutoff = kval
+                        adaptive = float64(float32(kval - best_cost + beam_delta))
+                        decided = True
+                if not decided and n > min_active:
+                    kval = best_cost
+                    if min_active > 0:
+                        kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
+                    if kval > beam_cut:
+                        cutoff = kval
+                        adaptive = float64(float32(kval - best_cost + beam_delta))
+            # ---- emitting arcs: best new cost
+            for i in range(tid, n, nth):
+                c = tok_cost[b, cur, i]
+                if c < cutoff:
+                    s = tok_state[b, cur, i]
+                    for a in range(e_off[s], e_off[s + 1]):
+                        nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
+                        cuda.atomic.min(sf, 1, nc)
+            if tid == 0:
+                si[1] = 0
+            cuda.syncthreads()
+            next_cutoff = sf[1] + adaptive
+            for i in range(tid, n, nth):
+                c = tok_cost[b, cur, i]
+                if c < cutoff:
+                    s = tok_state[b, cur, i]
+                    for a in range(e_off[s], e_off[s + 1]):
+                        nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
+                        if nc < next_cutoff:
+                            cuda.atomic.min(best, base + e_next[a], nc)
+            cuda.syncthreads()
+            for i in range(tid, n, nth):
+                c = tok_cost[b, cur, i]
+                if c < cutoff:
+                    s = tok_state[b, cur, i]
+                    for a in range(e_off[s], e_off[s + 1]):
+                        nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
+                        d = e_next[a]
+                        if nc < next_cutoff and nc == best[base + d]:
+                            if cuda.atomic.cas(slot, base + d, -1, -2) == -1:
+                                j = cuda.atomic.add(si, 1, 1)
+                                if j < cap:
+                                    r = tok_rec[b, cur, i]
+                                    if e_olab[a] != 0:
+                                        q = cuda.atomic.add(si, 3, 1)
+                                        if q < rcap:
+                                            rec_prev[b, q] = r
+                                            rec_word[b, q] = e_olab[a]
+                                            rec_frame[b, q] = t
+                                        else:
+                                            si[9] = 1
+                                        r = q
+                                    tok_state[b, nb, j] = d
+                                    tok_cost[b, nb, j] = nc
+                                    tok_rec[b, nb, j] = r
+                                    slot[base + d] = j
+                                else:
+                                    si[9] = 1
+            cuda.syncthreads()
+            if tid == 0:
+                if si[1] > cap:
+                    si[1] = cap
+                sf[2] = next_cutoff
+            cuda.syncthreads()
+            # the current tokens' table entries were reset after their own closure
+            n_tok_slot = 1
+        else:
+            n_tok_slot = 0
+            if tid == 0:
+                sf[2] = inf
+            cuda.syncthreads()
+        # ---- epsilon closure over buffer nb (its count in si[n_tok_slot])
+        ccut = sf[2]
+        frame = t if t >= 0 else 0
+        if tid == 0:
+            si[4] = 0
+        cuda.syncthreads()
+        for i in range(tid, si[n_tok_slot], nth):
+            if tok_cost[b, nb, i] <= ccut:
+                f = cuda.atomic.add(si, 4, 1)
+                frontier[b, 0, f] = i
+        cuda.syncthreads()
+        fb = 0
+        while si[4] > 0:
+            if tid == 0:
+                si[2] = 0
+                si[5] = 0
+                si[10] += 1
+            cuda.syncthreads()
+            nf = si[4]
+            rid = si[10]
+            for fi in range(tid, nf, nth):
+                i = frontier[b, fb, fi]
+                c = tok_cost[b, nb, i]
+                s = tok_state[b, nb, i]
+                for a in range(p_off[s], p_off[s + 1]):
+                    nc = c + p_w[a]
+                    d = p_next[a]
+                    if nc <= ccut and nc < best[base + d]:
+                        cuda.atomic.min(best, base + d, nc)
+                        k = cuda.atomic.add(si, 2, 1)
+                        if k < ccap:
+                            cand_src[b, k] = i
+                            cand_arc[b, k] = a
+                            cand_cost[b, k] = nc
+                            cand_rec[b, k] = tok_rec[b, nb, i]
+                        else:
+                            si[9] = 1
+            cuda.syncthreads()
+            ncand = min(si[2], ccap)
+            for k in range(tid, ncand, nth):
+                a = cand_arc[b, k]
+                d = p_next[a]
+                nc = cand_cost[b, k]
+                if nc == best[base + d] and cuda.atomic.max(claim, base + d, rid) < rid:
+                    r = cand_rec[b, k]
+                    if p_olab[a] != 0:
+                        q = cuda.atomic.add(si, 3, 1)
+                        if q < rcap:
+                            rec_prev[b, q] = r
+                            rec_word[b, q] = p_olab[a]
+                            rec_frame[b, q] = frame
+                        else:
+                            si[9] = 1
+                        r = q
+                    j = slot[base + d]
+                    if j < 0:
+                        j = cuda.atomic.add(si, n_tok_slot, 1)
+                        if j >= cap:
+                            si[9] = 1
+                            continue
+                        tok_state[b, nb, j] = d
+                        slot[base + d] = j
+                    tok_cost[b, nb, j] = nc
+                    tok_rec[b, nb, j] = r
+                    f = cuda.atomic.add(si, 5, 1)
+                    frontier[b, 1 - fb, f] = j
+            cuda.syncthreads()
+            if tid == 0:
+                if si[n_tok_slot] > cap:
+                    si[n_tok_slot] = cap
+                si[4] = si[5]
+            fb = 1 - fb
+            cuda.syncthreads()
+        # ---- the new set becomes current; clean its table entries
+        if tid == 0 and n_tok_slot == 1:
+            si[0] = si[1]
+        cuda.syncthreads()
+        for i in range(tid, si[0], nth):
+            s = tok_state[b, nb, i]
+            best[base + s] = inf
+            slot[base + s] = -1
+        cur = nb
+        cuda.syncthreads()
+        if si[9] != 0 or si[0] == 0:
+            break
+    # ---- best path
+    n = si[0]
+    if tid == 0:
+        sf[0] = inf
+        si[6] = INT32_MAX
+        si[7] = 0
+    cuda.syncthreads()
+    for i in range(tid, n, nth):
+        if final[tok_state[b, cur, i]] != inf:
+            si[7] = 1
+    cuda.syncthreads()
+    use_final = si[7] != 0
+    for i in range(tid, n, nth):
+        c = tok_cost[b, cur, i]
+        if use_final:
+            c = c + final[tok_state[b, cur, i]]
+        cuda.atomic.min(sf, 0, c)
+    cuda.syncthreads()
+    for i in range(tid, n, nth):
+        c = tok_cost[b, cur, i]
+        if use_final:
+            c = c + final[tok_state[b, cur, i]]
+        if c == sf[0]:
+            cuda.atomic.min(si, 6, i)
+    cuda.syncthreads()
+    if tid == 0:
+        status[b] = si[9]
+        out_final[b] = 1 if use_final else 0
+        if si[6] < n:
+            out_rec[b] = tok_rec[b, cur, si[6]]
+            out_cost[b] = sf[0]
+        else:
+            out_rec[b] = -1
+            out_cost[b] = inf
+
+
+

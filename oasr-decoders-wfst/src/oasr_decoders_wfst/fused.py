@@ -1,0 +1,154 @@
+"""The search as one CUDA kernel (numba.cuda): one thread block per utterance runs the whole
+frame loop, with no kernel launch or host synchronisation per frame.
+
+Same steps as :class:`~oasr_decoders_wfst.decoder.WfstDecoder` (Kaldi's FasterDecoder), done by
+the block's threads with atomics: the cutoff's k-th best cost by in-block quickselect; emitting
+arcs in three passes (best new cost; per-state atomic min into a dense table; the candidate at
+the minimum claims the state and becomes a token); the epsilon closure in rounds over a
+frontier (candidates that beat a state's cost lower it by atomic min, the one at the minimum
+claims the state, updating its token in place or appending one). Word records as in the
+tensor search. Ties between equal costs go to whichever thread claims first (the tensor search
+takes the first candidate). Buffers have fixed capacities; an utterance that overflows one is
+reported and decoded again by the tensor search.
+
+Offline only (one call decodes whole utterances). Runs on CUDA, or on numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, for tests on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+THREADS = 256
+_kernel = None
+
+
+def decode_fused(dec, log_probs, lengths=None, threads: int = THREADS):
+    """:meth:`WfstDecoder.decode` by the fused kernel; utterances that overflow a buffer are
+    decoded again by the tensor search. Returns ``WfstHypothesis`` per row."""
+    import torch
+
+    from oasr_decoders_wfst.decoder import WfstHypothesis
+
+    B, T = log_probs.shape[:2]
+    lens = [T] * B if lengths is None else [int(n) for n in lengths]
+    (rp, rw, rf), best, cost, fin, ovf = fused_decode(dec, log_probs, lens, threads=threads)
+    out = []
+    for b in range(B):
+        words, frames = [], []
+        r = int(best[b])
+        while r >= 0:
+            words.append(int(rw[b, r]))
+            frames.append(int(rf[b, r]))
+            r = int(rp[b, r])
+        words.reverse()
+        frames.reverse()
+        out.append(WfstHypothesis([dec.graph.words[i] for i in words], words, frames,
+                                  float(cost[b]), bool(fin[b]), lens[b]))  # fmt: skip
+    redo = [b for b in range(B) if ovf[b]]
+    if redo:
+        idx = torch.tensor(redo, device=log_probs.device)
+        again = dec.decode(log_probs.index_select(0, idx), [lens[b] for b in redo], fused=False)
+        for b, h in zip(redo, again, strict=True):
+            out[b] = h
+    return out
+
+
+def simulated() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def fused_decode(dec, log_probs, lengths, threads: int = THREADS, token_capacity: int | None = None,
+                 record_capacity: int = 1 << 18):  # fmt: skip
+    """Decode with the fused kernel: ``dec`` is a :class:`WfstDecoder` (its graph, options and
+    device). Returns (records per utterance, best record, cost, reached final, overflowed)."""
+    global _kernel
+    import torch
+    from numba import cuda
+
+    if _kernel is None:
+        from oasr_decoders_wfst._fused_kernel import kernel
+
+        _kernel = kernel
+    g = dec.graph
+    o = dec.options
+    B, T, V = log_probs.shape
+    sim = simulated()
+    dev = torch.device("cpu") if sim else log_probs.device
+    S = g.num_states
+    cap = token_capacity or min(max(4 * min(o.max_active, S), 4096), 1 << 17)
+    if S < cap:
+        cap = max(S, 16)
+
+    def t_(x, dtype):
+        return torch.as_tensor(x).to(dev, dtype).contiguous()
+
+    emitting = g.ilabels != 0
+
+    def csr(mask):
+        counts = np.bincount(np.repeat(np.arange(S), np.diff(g.state_offsets))[mask], minlength=S)
+        off = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(counts, out=off[1:])
+        return off
+
+    key = ("fused", str(dev))
+    cache = dec.__dict__.setdefault("_fused_cache", {})
+    if key not in cache:
+        cache[key] = (
+            t_(csr(emitting), torch.int64), t_(g.next_states[emitting], torch.int32),
+            t_(g.ilabels[emitting] - 1, torch.int32), t_(g.olabels[emitting], torch.int32),
+            t_(g.weights[emitting].astype(np.float64), torch.float64),
+            t_(csr(~emitting), torch.int64), t_(g.next_states[~emitting], torch.int32),
+            t_(g.olabels[~emitting], torch.int32),
+            t_(g.weights[~emitting].astype(np.float64), torch.float64),
+            t_(g.final_weights.astype(np.float64), torch.float64),
+        )  # fmt: skip
+    graph_arrays = cache[key]
+    lp = log_probs.to(dev, torch.float32)
+    if o.acoustic_scale != 1.0:
+        lp = lp * o.acoustic_scale
+    lp = lp.contiguous()
+    lens = t_(np.asarray(lengths, dtype=np.int32), torch.int32)
+    z = dict(device=dev)
+    tok_state = torch.empty(B, 2, cap, dtype=torch.int32, **z)
+    tok_cost = torch.empty(B, 2, cap, dtype=torch.float64, **z)
+    tok_rec = torch.empty(B, 2, cap, dtype=torch.int32, **z)
+    best = torch.full((B * S,), math.inf, dtype=torch.float64, **z)
+    slot = torch.full((B * S,), -1, dtype=torch.int32, **z)
+    claim = torch.full((B * S,), -1, dtype=torch.int32, **z)
+    frontier = torch.empty(B, 2, cap, dtype=torch.int32, **z)
+    ccap = 4 * cap
+    cand_src = torch.empty(B, ccap, dtype=torch.int32, **z)
+    cand_arc = torch.empty(B, ccap, dtype=torch.int32, **z)
+    cand_cost = torch.empty(B, ccap, dtype=torch.float64, **z)
+    cand_rec = torch.empty(B, ccap, dtype=torch.int32, **z)
+    rec_prev = torch.empty(B, record_capacity, dtype=torch.int32, **z)
+    rec_word = torch.empty(B, record_capacity, dtype=torch.int32, **z)
+    rec_frame = torch.empty(B, record_capacity, dtype=torch.int32, **z)
+    out_rec = torch.empty(B, dtype=torch.int32, **z)
+    out_cost = torch.empty(B, dtype=torch.float64, **z)
+    out_final = torch.empty(B, dtype=torch.int32, **z)
+    status = torch.empty(B, dtype=torch.int32, **z)
+    args = [*graph_arrays, g.start, lp, lens, float(o.beam), int(o.max_active), int(o.min_active),
+            float(o.beam_delta), tok_state, tok_cost, tok_rec, best, slot, claim, frontier,
+            cand_src, cand_arc, cand_cost, cand_rec, rec_prev, rec_word, rec_frame, out_rec,
+            out_cost, out_final, status]  # fmt: skip
+    if sim:
+        args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
+        _kernel[B, threads](*args)
+        get = np.asarray
+        out = [args[-4], args[-3], args[-2], args[-1]]
+        recs = (args[-7], args[-6], args[-5])
+    else:
+        stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+        _kernel[B, threads, stream](*args)
+        torch.cuda.synchronize(dev)
+        get = np.asarray
+        out = [x.cpu().numpy() for x in (out_rec, out_cost, out_final, status)]
+        recs = tuple(x.cpu().numpy() for x in (rec_prev, rec_word, rec_frame))
+    del get
+    return recs, out[0], out[1], out[2].astype(bool), out[3].astype(bool)

@@ -453,8 +453,9 @@ class WfstDecoder:
                fused: bool | None = None) -> list[WfstHypothesis]:  # fmt: skip
         """Offline: the one-best of every row of ``log_probs`` [B, T, V]. ``fused``: run the
         whole search as one CUDA kernel (``oasr_decoders_wfst.fused``; default on CUDA where
-        numba's CUDA target works, else the tensor search; a kernel that fails to build or
-        launch warns once and falls back)."""
+        numba's CUDA target works, else the tensor search; by default a kernel that fails to
+        build or launch warns once and falls back, asked for explicitly it raises)."""
+        explicit = fused is not None
         if fused is None:
             fused = self.device.type == "cuda" and not WfstDecoder._fused_broken
         if fused:
@@ -466,7 +467,7 @@ class WfstDecoder:
             except InvalidRequestError:
                 raise
             except Exception as exc:  # numba missing, no CUDA target for this driver, ...
-                if WfstDecoder._fused_broken:
+                if explicit or WfstDecoder._fused_broken:
                     raise
                 WfstDecoder._fused_broken = True
                 warnings.warn(f"the fused WFST kernel is not available here ({exc!r}); using "

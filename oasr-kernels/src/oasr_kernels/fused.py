@@ -88,9 +88,20 @@ def launch_add_norm(mode: str, x: torch.Tensor, residual: torch.Tensor | None, w
     threads = int(params["threads"])
     args = (_ptr(x), _ptr(residual), _ptr(weight), _ptr(bias), _ptr(s if residual is not None else None),
             _ptr(out), np.int32(d), np.float32(eps))  # fmt: skip
-    vec = "_v" if _vectorizable(d, x, residual, weight, bias, s, out) else ""
-    name = f"oasr_add_{mode}_norm_{DTYPE_TAGS[x.dtype]}{vec}"
-    if not MODULE.launch(name, (rows,), (threads,), args, x.device, shared_mem=4 * (d + 32)):
+    name = f"oasr_add_{mode}_norm_{DTYPE_TAGS[x.dtype]}"
+    smem = 4 * (d + 32)
+    if _vectorizable(d, x, residual, weight, bias, s, out):
+        # whole 16-byte vectors: the row stays in registers, 1, 2 or 4 vectors per thread
+        units = d // (16 // x.element_size())
+        threads = min(1024, max(threads, -(-units // 4)))
+        threads = -(-threads // 32) * 32
+        per_thread = -(-units // threads)
+        if per_thread <= 4:
+            name += f"_v{1 if per_thread == 1 else 2 if per_thread == 2 else 4}"
+            smem = 4 * 32
+        else:
+            threads = int(params["threads"])
+    if not MODULE.launch(name, (rows,), (threads,), args, x.device, shared_mem=smem):
         return None
     return s, out
 

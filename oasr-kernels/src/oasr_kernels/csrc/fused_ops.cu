@@ -12,11 +12,86 @@ namespace oasr {
 
 // ---------------------------------------------------------------- residual add + layer norm
 // One block per row of D elements: s = x + r (rounded to T, written to sum_out), then
-// layer_norm(s) * w + b (mode 0) or rms_norm(s) * w (mode 1) written to out. The row lives in
-// dynamic shared memory (D floats) between the passes; 32 more floats for the reductions.
-// r == nullptr: no residual (sum_out is not written). VEC: every thread moves 16-byte vectors
-// (the launcher checks D % (16 / sizeof(T)) == 0 and 16-byte aligned pointers).
-template <typename T, int MODE, bool VEC>
+// layer_norm(s) * w + b (mode 0) or rms_norm(s) * w (mode 1) written to out. r == nullptr: no
+// residual (sum_out is not written). Statistics in fp32, two passes for the variance.
+//
+// add_norm_vec: rows of whole 16-byte vectors (the launcher checks D % (16 / sizeof(T)) == 0
+// and alignment); thread t holds vectors t, t + blockDim.x, ... (VPT of them) in registers
+// between the passes; 32 floats of shared memory for the reductions.
+template <typename T, int MODE, int VPT>
+__device__ __forceinline__ void add_norm_vec(const T* __restrict__ x, const T* __restrict__ r,
+                                             const T* __restrict__ w, const T* __restrict__ b,
+                                             T* __restrict__ sum_out, T* __restrict__ out, int D,
+                                             float eps) {
+  extern __shared__ float oasr_fused_smem[];
+  float* red = oasr_fused_smem;
+  constexpr int N = VecTraits<T>::N;
+  const long long base = (long long)blockIdx.x * D;
+  const int units = D / N;
+  float v[VPT][N];
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int u = threadIdx.x + j * blockDim.x;
+    if (u < units) {
+      load_vec<T>(x + base + (long long)u * N, v[j]);
+      if (r != nullptr) {
+        float rv[N];
+        load_vec<T>(r + base + (long long)u * N, rv);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[j][k] = round_to<T>(v[j][k] + rv[k]);
+        store_vec<T>(sum_out + base + (long long)u * N, v[j]);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc += (MODE == 0) ? v[j][k] : v[j][k] * v[j][k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[j][k] = 0.f;
+    }
+  }
+  const float total = block_sum(acc, red);
+  float mean = 0.f, rstd;
+  if (MODE == 0) {
+    mean = total / D;
+    float var = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      if (threadIdx.x + j * blockDim.x < units) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float c = v[j][k] - mean;
+          var += c * c;
+        }
+      }
+    }
+    var = block_sum(var, red);
+    rstd = rsqrtf(var / D + eps);
+  } else {
+    rstd = rsqrtf(total / D + eps);
+  }
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int u = threadIdx.x + j * blockDim.x;
+    if (u >= units) continue;
+    float wv[N], bv[N], y[N];
+    load_vec<T>(w + u * N, wv);
+    if (MODE == 0) load_vec<T>(b + u * N, bv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if (MODE == 0) {
+        y[k] = (v[j][k] - mean) * rstd * wv[k] + bv[k];
+      } else {
+        // the native op normalises in fp32, casts to T, then scales by the weight in T
+        y[k] = wv[k] * round_to<T>(v[j][k] * rstd);
+      }
+    }
+    store_vec<T>(out + base + (long long)u * N, y);
+  }
+}
+
+// add_norm: any D; the row is kept in dynamic shared memory (D floats, then 32 for the
+// reductions) between the passes.
+template <typename T, int MODE>
 __device__ __forceinline__ void add_norm(const T* __restrict__ x, const T* __restrict__ r,
                                          const T* __restrict__ w, const T* __restrict__ b,
                                          T* __restrict__ sum_out, T* __restrict__ out, int D,
@@ -24,38 +99,16 @@ __device__ __forceinline__ void add_norm(const T* __restrict__ x, const T* __res
   extern __shared__ float oasr_fused_smem[];
   float* row = oasr_fused_smem;
   float* red = oasr_fused_smem + D;
-  constexpr int N = VEC ? VecTraits<T>::N : 1;
   const long long base = (long long)blockIdx.x * D;
-  const int units = D / N;
   float acc = 0.f;
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
-    const int i0 = u * N;
-    float s[N];
-    if constexpr (VEC) {
-      load_vec<T>(x + base + i0, s);
-    } else {
-      s[0] = to_float(x[base + i0]);
-    }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float s = to_float(x[base + i]);
     if (r != nullptr) {
-      float rv[N];
-      if constexpr (VEC) {
-        load_vec<T>(r + base + i0, rv);
-      } else {
-        rv[0] = to_float(r[base + i0]);
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) s[k] = round_to<T>(s[k] + rv[k]);
-      if constexpr (VEC) {
-        store_vec<T>(sum_out + base + i0, s);
-      } else {
-        sum_out[base + i0] = from_float<T>(s[0]);
-      }
+      s = round_to<T>(s + to_float(r[base + i]));
+      sum_out[base + i] = from_float<T>(s);
     }
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      row[i0 + k] = s[k];
-      acc += (MODE == 0) ? s[k] : s[k] * s[k];
-    }
+    row[i] = s;
+    acc += (MODE == 0) ? s : s * s;
   }
   const float total = block_sum(acc, red);
   float mean = 0.f, rstd;
@@ -71,30 +124,14 @@ __device__ __forceinline__ void add_norm(const T* __restrict__ x, const T* __res
   } else {
     rstd = rsqrtf(total / D + eps);
   }
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
-    const int i0 = u * N;
-    float wv[N], bv[N], y[N];
-    if constexpr (VEC) {
-      load_vec<T>(w + i0, wv);
-      if (MODE == 0) load_vec<T>(b + i0, bv);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float y;
+    if (MODE == 0) {
+      y = (row[i] - mean) * rstd * to_float(w[i]) + to_float(b[i]);
     } else {
-      wv[0] = to_float(w[i0]);
-      if (MODE == 0) bv[0] = to_float(b[i0]);
+      y = to_float(w[i]) * round_to<T>(row[i] * rstd);
     }
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if (MODE == 0) {
-        y[k] = (row[i0 + k] - mean) * rstd * wv[k] + bv[k];
-      } else {
-        // the native op normalises in fp32, casts to T, then scales by the weight in T
-        y[k] = wv[k] * round_to<T>(row[i0 + k] * rstd);
-      }
-    }
-    if constexpr (VEC) {
-      store_vec<T>(out + base + i0, y);
-    } else {
-      out[base + i0] = from_float<T>(y[0]);
-    }
+    out[base + i] = from_float<T>(y);
   }
 }
 
@@ -242,10 +279,15 @@ __device__ __forceinline__ void log_mel(const float* __restrict__ spec, long lon
 
 }  // namespace oasr
 
-#define OASR_ADD_NORM(NAME, T, MODE, VEC)                                                    \
+#define OASR_ADD_NORM(NAME, T, MODE)                                                         \
   extern "C" __global__ void NAME(const T* x, const T* r, const T* w, const T* b, T* sum_out, \
                                   T* out, int D, float eps) {                                \
-    oasr::add_norm<T, MODE, VEC>(x, r, w, b, sum_out, out, D, eps);                          \
+    oasr::add_norm<T, MODE>(x, r, w, b, sum_out, out, D, eps);                               \
+  }
+#define OASR_ADD_NORM_VEC(NAME, T, MODE, VPT)                                                \
+  extern "C" __global__ void NAME(const T* x, const T* r, const T* w, const T* b, T* sum_out, \
+                                  T* out, int D, float eps) {                                \
+    oasr::add_norm_vec<T, MODE, VPT>(x, r, w, b, sum_out, out, D, eps);                      \
   }
 #define OASR_BIAS_ACT(NAME, T, ACT, VEC)                                                     \
   extern "C" __global__ void NAME(const T* x, const T* bias, T* out, long long n, int D) {   \
@@ -257,18 +299,30 @@ __device__ __forceinline__ void log_mel(const float* __restrict__ spec, long lon
     oasr::glu_dwconv<T>(x, w, bias, out, C, Tin, Tout, K, P);                                \
   }
 
-OASR_ADD_NORM(oasr_add_layer_norm_f32, float, 0, false)
-OASR_ADD_NORM(oasr_add_layer_norm_f16, oasr::f16, 0, false)
-OASR_ADD_NORM(oasr_add_layer_norm_bf16, oasr::bf16, 0, false)
-OASR_ADD_NORM(oasr_add_rms_norm_f32, float, 1, false)
-OASR_ADD_NORM(oasr_add_rms_norm_f16, oasr::f16, 1, false)
-OASR_ADD_NORM(oasr_add_rms_norm_bf16, oasr::bf16, 1, false)
-OASR_ADD_NORM(oasr_add_layer_norm_f32_v, float, 0, true)
-OASR_ADD_NORM(oasr_add_layer_norm_f16_v, oasr::f16, 0, true)
-OASR_ADD_NORM(oasr_add_layer_norm_bf16_v, oasr::bf16, 0, true)
-OASR_ADD_NORM(oasr_add_rms_norm_f32_v, float, 1, true)
-OASR_ADD_NORM(oasr_add_rms_norm_f16_v, oasr::f16, 1, true)
-OASR_ADD_NORM(oasr_add_rms_norm_bf16_v, oasr::bf16, 1, true)
+OASR_ADD_NORM(oasr_add_layer_norm_f32, float, 0)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_f32_v1, float, 0, 1)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_f32_v2, float, 0, 2)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_f32_v4, float, 0, 4)
+OASR_ADD_NORM(oasr_add_layer_norm_f16, oasr::f16, 0)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_f16_v1, oasr::f16, 0, 1)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_f16_v2, oasr::f16, 0, 2)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_f16_v4, oasr::f16, 0, 4)
+OASR_ADD_NORM(oasr_add_layer_norm_bf16, oasr::bf16, 0)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_bf16_v1, oasr::bf16, 0, 1)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_bf16_v2, oasr::bf16, 0, 2)
+OASR_ADD_NORM_VEC(oasr_add_layer_norm_bf16_v4, oasr::bf16, 0, 4)
+OASR_ADD_NORM(oasr_add_rms_norm_f32, float, 1)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_f32_v1, float, 1, 1)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_f32_v2, float, 1, 2)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_f32_v4, float, 1, 4)
+OASR_ADD_NORM(oasr_add_rms_norm_f16, oasr::f16, 1)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_f16_v1, oasr::f16, 1, 1)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_f16_v2, oasr::f16, 1, 2)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_f16_v4, oasr::f16, 1, 4)
+OASR_ADD_NORM(oasr_add_rms_norm_bf16, oasr::bf16, 1)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_bf16_v1, oasr::bf16, 1, 1)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_bf16_v2, oasr::bf16, 1, 2)
+OASR_ADD_NORM_VEC(oasr_add_rms_norm_bf16_v4, oasr::bf16, 1, 4)
 OASR_BIAS_ACT(oasr_bias_gelu_f32, float, 0, false)
 OASR_BIAS_ACT(oasr_bias_gelu_f16, oasr::f16, 0, false)
 OASR_BIAS_ACT(oasr_bias_gelu_bf16, oasr::bf16, 0, false)

@@ -1,7 +1,7 @@
 """Each oasr-kernels kernel beside its native op (PyTorch) on representative shapes.
 
     python -m benchmarks.kernelbench --out kernels.json            # a CUDA GPU with CuPy
-    python -m benchmarks.kernelbench --tune --out kernels.json     # autotune first (oasr.tune)
+    python -m benchmarks.kernelbench --no-tune --out kernels.json  # the kernels' defaults
     python -m benchmarks.kernelbench --only add_norm,bias_act
 
 Shapes: Whisper large-v3 (d = 1280, 20 heads, batch 64 x 1500 encoder frames; a batch-64 decode
@@ -12,7 +12,11 @@ Each case times the native op (overrides off) and the kernel twice, with CUDA ev
 includes the launch overhead, which dominates small shapes) and replayed from a CUDA graph of 10
 calls (``graph_*_us``: GPU time only, what a call costs inside the executors' graphs). Ratios
 are native / kernel (above 1 the kernel is faster); ``max_abs_diff`` compares the two outputs.
-The Whisper encoder case runs the whole large-v3 encoder (random weights, fp16, batch 8) with
+By default ``oasr.tune.autotune()`` runs first (fp16 and bf16, into a temporary cache file the
+kernels then read; ``--no-tune`` keeps the built-in defaults): its entries, with each key's
+kernel and native times and ``use_kernel``, go into the report. The kernel cases call the
+launchers directly, so a kernel is measured even where the dispatch would decline it. The
+Whisper encoder case runs the whole large-v3 encoder (random weights, fp16, batch 8) with
 the kernels on and off, and captured in a CUDA graph (:class:`oasr_models_whisper.encoder_graphs`
 when present). Finishes in well under two minutes on an H200.
 """
@@ -100,28 +104,28 @@ def _cases(dev: torch.device) -> list[tuple[str, str, dict, Callable[[], Any], C
         norm = L.LayerNorm(d, device=dev, dtype=f16)
         x, r = rnd(rows, d), rnd(rows, d)
         out.append(("add_norm", label, {"rows": rows, "dim": d}, _native(lambda x=x, r=r, n=norm: L.add_norm(x, r, n)),
-                    lambda x=x, r=r, n=norm: fused.add_norm_cuda(x, r, n)))  # fmt: skip
+                    lambda x=x, r=r, n=norm: fused.launch_add_norm("layer", x, r, n.weight, n.bias, n.eps)))  # fmt: skip
     for label, rows in [("qwen2 decode step", 64), ("qwen2 prefill", 4096)]:
         norm = RMSNorm(3584, device=dev, dtype=torch.bfloat16)
         x = rnd(rows, 3584, dtype=torch.bfloat16)
         out.append(("rms_norm", label, {"rows": rows, "dim": 3584}, _native(lambda x=x, n=norm: n(x)),
-                    lambda x=x, n=norm: fused.rms_norm_cuda(n, x)))  # fmt: skip
+                    lambda x=x, n=norm: fused.launch_add_norm("rms", x, None, n.weight, None, n.eps)))  # fmt: skip
     for label, rows, d, act in [("whisper-large-v3 encoder MLP", 16 * 1500, 5120, "gelu"),
                                 ("conformer FFN d=256", 64 * 250, 1024, "silu")]:  # fmt: skip
         x, b = rnd(rows, d), rnd(d)
         out.append(("bias_act", label, {"rows": rows, "dim": d, "act": act},
-                    _native(lambda x=x, b=b, a=act: L.bias_act(x, b, a)), lambda x=x, b=b, a=act: fused.bias_act_cuda(x, b, a)))  # fmt: skip
+                    _native(lambda x=x, b=b, a=act: L.bias_act(x, b, a)), lambda x=x, b=b, a=act: fused.launch_bias_act(x, b, a)))  # fmt: skip
     for label, b, c, t, k in [("wenet conformer d=256", 64, 256, 250, 15), ("conformer d=512", 64, 512, 250, 31)]:
         conv = DepthwiseConv1d(c, k, padding=(k - 1) // 2, device=dev, dtype=f16)
         x = rnd(b, 2 * c, t)
         out.append(("glu_depthwise_conv1d", label, {"batch": b, "channels": c, "frames": t, "kernel": k},
                     _native(lambda x=x, m=conv: L.glu_depthwise_conv1d(x, m)),
-                    lambda x=x, m=conv: fused.glu_depthwise_conv1d_cuda(x, m)))  # fmt: skip
+                    lambda x=x, m=conv: fused.launch_glu_dwconv(x, m.weight, m.bias, m.padding)))  # fmt: skip
     audio = torch.randn(64, 480000, device=dev) * 0.1
     stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=torch.hann_window(N_FFT, device=dev), return_complex=True)
     filt = torch.from_numpy(mel_filters(128)).to(dev)
     out.append(("log_mel_power", "whisper 128 mels, 64 x 30 s", {"batch": 64, "mels": 128, "frames": 3000},
-                _native(lambda: L.log_mel_power(stft, filt, 3000)), lambda: fused.log_mel_power_cuda(stft, filt, 3000)))  # fmt: skip
+                _native(lambda: L.log_mel_power(stft, filt, 3000)), lambda: fused.launch_log_mel(stft, filt, 3000)))  # fmt: skip
 
     def paged(b, h, hkv, t, d, n, bs=16):
         nb = -(-n // bs)
@@ -184,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the JSON report here")
     ap.add_argument("--only", help="comma-separated ops (default: all)")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--tune", action="store_true", help="run oasr.tune.autotune() first (its cache file is used)")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="skip autotuning (by default oasr.tune.autotune() runs first, fp16, into a "
+                         "temporary cache file, and its entries go into the report)")  # fmt: skip
+    ap.add_argument("--tune-cache", help="autotune into this file instead (kept)")
     ap.add_argument("--encoder-batch", type=int, default=8, help="batch of the Whisper encoder case (0: skip it)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,18 +203,30 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     started = time.perf_counter()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cases": []}
-    if args.tune:
+    if not args.no_tune:
+        import os
+        import tempfile
+
         from oasr import tune
 
+        path = args.tune_cache or os.path.join(tempfile.mkdtemp(prefix="oasr-kernelbench-"), "autotune.json")
+        os.environ["OASR_AUTOTUNE_CACHE"] = path  # the kernels below read this file
+        tune.clear_memory_cache()
         t0 = time.perf_counter()
-        tuned = tune.autotune(dtypes=("float16",))
-        report["autotune"] = {"path": tuned["path"], "seconds": round(time.perf_counter() - t0, 1), "entries": tuned["entries"]}
+        tuned = tune.autotune(dtypes=("float16", "bfloat16"), path=path)
+        report["autotune"] = {"path": tuned["path"], "seconds": round(time.perf_counter() - t0, 1),
+                              "arch": tuned["arch"], "entries": tuned["entries"]}  # fmt: skip
+        for op, by_key in tuned["entries"].items():
+            for key, e in by_key.items():
+                print(f"autotune {op:24s} {key:28s} {e['params']}  kernel {e['us']:.2f} us  native {e['native_us']} us",
+                      flush=True)  # fmt: skip
     only = set(args.only.split(",")) if args.only else None
     with torch.no_grad():
         for op, label, shape, native, kernel in _cases(dev):
             if only and op not in only:
                 continue
-            if kernel() is NotImplemented:
+            first = kernel()
+            if first is None or first is NotImplemented:
                 report["cases"].append({"op": op, "case": label, "shape": shape, "error": "kernel declined the input"})
                 continue
             native_us = _timer(native, args.repeats)

@@ -18,6 +18,7 @@ IDENT = ("NVIDIA H200", "sm90")
 def fresh(monkeypatch, tmp_path):
     """No registered tunables but the test's, no env overrides, the memory cache cleared."""
     monkeypatch.setattr(tune, "_TUNABLES", [])
+    monkeypatch.setattr(tune, "_BUILTIN", {})
     monkeypatch.delenv("OASR_AUTOTUNE_CACHE", raising=False)
     monkeypatch.delenv("OASR_AUTOTUNE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -163,3 +164,21 @@ def test_autotune_compares_with_the_native_op(fresh) -> None:
     assert entries["f16:n1"]["params"] == {"threads": 128, "use_kernel": True}  # 1.0 us < 1.5 us
     assert entries["f16:n1"]["native_us"] == pytest.approx(1.5)
     assert entries["f16:n2"]["params"] == {"threads": 128, "use_kernel": False}  # native 0.5 us
+
+
+def test_builtin_entries_fill_in_for_the_file(fresh, monkeypatch) -> None:
+    monkeypatch.setattr(tune, "device_identity", lambda device=None: IDENT)
+    tune.register_builtin("sm90", {"toy_op": {"k1": {"params": {"threads": 32, "use_kernel": False}},
+                                              "k2": {"threads": 96}}})  # fmt: skip
+    tune.register_builtin("sm80", {"toy_op": {"k1": {"params": {"threads": 8}}}})
+    assert tune.tuned_params("toy_op", "k1", "cuda:0", {}) == {"threads": 32, "use_kernel": False}
+    assert tune.tuned_params("toy_op", "k2", "cuda:0", {}) == {"threads": 96}
+    path = tune.cache_path(*IDENT)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": 1, "device": IDENT[0], "arch": "sm90",
+                                "entries": {"toy_op": {"k1": {"params": {"threads": 64}}}}}))  # fmt: skip
+    tune.clear_memory_cache()
+    assert tune.tuned_params("toy_op", "k1", "cuda:0", {}) == {"threads": 64}  # the file wins
+    assert tune.tuned_params("toy_op", "k2", "cuda:0", {}) == {"threads": 96}
+    monkeypatch.setenv("OASR_AUTOTUNE", "0")
+    assert tune.tuned_params("toy_op", "k2", "cuda:0", {"threads": 1}) == {"threads": 1}

@@ -11,7 +11,9 @@ writes the winners to the cache file of this GPU:
 
 A kernel calls :func:`tuned_params` at launch with its op, shape key and device; the first call
 per device reads the file (a missing or unreadable file means defaults), later calls are one
-dict lookup. ``OASR_AUTOTUNE=0`` ignores the cache (defaults only).
+dict lookup. A provider may ship entries measured on a reference GPU per architecture
+(:func:`register_builtin`); the file's entries win over them. ``OASR_AUTOTUNE=0`` ignores both
+(defaults only).
 
 Nothing here imports torch at module import time (``import oasr`` stays light).
 """
@@ -32,7 +34,8 @@ from typing import Any
 
 __all__ = [
     "CACHE_VERSION", "Tunable", "autotune", "cache_path", "clear_memory_cache", "cuda_event_timer",
-    "cuda_graph_timer", "device_identity", "register_tunable", "registered_tunables", "tuned_params",
+    "cuda_graph_timer", "device_identity", "register_builtin", "register_tunable", "registered_tunables",
+    "tuned_params",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,9 @@ class Tunable:
 _TUNABLES: list[Tunable] = []
 _LOCK = threading.Lock()
 _MEMORY: dict[str, dict[str, dict[str, Params]]] = {}  # device id -> op -> key -> params
+#: entries shipped by kernel providers, measured on a reference GPU of that architecture:
+#: arch -> op -> key -> params (a cache file's entry for the key wins over them)
+_BUILTIN: dict[str, dict[str, dict[str, Params]]] = {}
 
 
 def register_tunable(tunable: Tunable) -> None:
@@ -78,6 +84,19 @@ def register_tunable(tunable: Tunable) -> None:
     with _LOCK:
         _TUNABLES[:] = [t for t in _TUNABLES if (t.op, t.variant) != (tunable.op, tunable.variant)]
         _TUNABLES.append(tunable)
+
+
+def register_builtin(arch: str, entries: dict[str, dict[str, Any]]) -> None:
+    """Entries (``{op: {key: {"params": {...}} or {...}}}``) measured by a provider on a GPU of
+    architecture ``arch`` ("sm90"): used for keys the cache file does not have."""
+    with _LOCK:
+        table = _BUILTIN.setdefault(arch, {})
+        for op, by_key in entries.items():
+            for key, value in by_key.items():
+                params = value.get("params", value) if isinstance(value, dict) else None
+                if isinstance(params, dict):
+                    table.setdefault(op, {})[key] = dict(params)
+        _MEMORY.clear()
 
 
 def registered_tunables() -> list[Tunable]:
@@ -137,7 +156,9 @@ def _device_entries(device: Any) -> dict[str, dict[str, Params]]:
             entries = _MEMORY.get(ident)
             if entries is None:
                 name, arch = device_identity(dev)
-                entries = _read(cache_path(name, arch), name, arch)
+                entries = {op: dict(by_key) for op, by_key in _BUILTIN.get(arch, {}).items()}
+                for op, by_key in _read(cache_path(name, arch), name, arch).items():
+                    entries.setdefault(op, {}).update(by_key)  # the file wins
                 _MEMORY[ident] = entries
     return entries
 

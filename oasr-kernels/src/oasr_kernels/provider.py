@@ -7,7 +7,7 @@ Also registers the kernels' search spaces with :mod:`oasr.tune` (for ``oasr.tune
 
 from __future__ import annotations
 
-__all__ = ["OPS", "install"]
+__all__ = ["OPS", "install", "register_shipped_entries"]
 
 #: the oasr.layers ops this provider overrides on "cuda"
 OPS = (
@@ -58,4 +58,27 @@ def install(device_type: str = "cuda") -> list[str]:
     register_override(FRAMES_OP, "cuda", ctc_prefix_beam_frames_cuda)
     for tunable in fused.TUNABLES + prefill_attention.TUNABLES:
         register_tunable(tunable)
+    register_shipped_entries()
     return list(OPS)
+
+
+def register_shipped_entries() -> list[str]:
+    """Autotune entries measured on reference GPUs (``tuned/<arch>.json``, written by
+    ``python -m oasr.tune --out``): launch parameters and ``use_kernel`` decisions for GPUs of
+    that architecture that have no cache file of their own. Returns the architectures."""
+    import json
+    from importlib import resources
+
+    from oasr.tune import register_builtin
+
+    archs = []
+    root = resources.files("oasr_kernels").joinpath("tuned")
+    if not root.is_dir():
+        return archs
+    for item in sorted(root.iterdir(), key=lambda p: p.name):
+        if not item.name.endswith(".json"):
+            continue
+        data = json.loads(item.read_text())
+        register_builtin(data["arch"], data.get("entries", {}))
+        archs.append(data["arch"])
+    return archs

@@ -149,6 +149,9 @@ def _cases(dev: torch.device) -> list[tuple[str, str, dict, Callable[[], Any], C
     return out
 
 
+_NETS: dict = {}
+
+
 def _whisper_encoder(dev: torch.device, repeats: int, batch: int) -> list[dict]:
     """The large-v3 encoder (random weights) with the kernels off / on / in a CUDA graph."""
     from oasr_models_whisper.network import WhisperDims
@@ -156,11 +159,13 @@ def _whisper_encoder(dev: torch.device, repeats: int, batch: int) -> list[dict]:
 
     dims = WhisperDims(n_mels=128, n_audio_ctx=1500, n_audio_state=1280, n_audio_head=20, n_audio_layer=32,
                        n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=1)  # fmt: skip
-    torch.manual_seed(0)
-    net = WhisperNet(dims, device=dev, dtype=torch.float16).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0, 0.02)
+    net = _NETS.get(dev)
+    if net is None:
+        torch.manual_seed(0)
+        net = _NETS[dev] = WhisperNet(dims, device=dev, dtype=torch.float16).eval().requires_grad_(False)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.normal_(0, 0.02)
     mel = torch.randn(batch, 128, 3000, device=dev)
     rows: list[dict] = []
     native_us = _timer(_native(lambda: net.encode(mel)), repeats)
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip autotuning (by default oasr.tune.autotune() runs first, fp16, into a "
                          "temporary cache file, and its entries go into the report)")  # fmt: skip
     ap.add_argument("--tune-cache", help="autotune into this file instead (kept)")
-    ap.add_argument("--encoder-batch", type=int, default=8, help="batch of the Whisper encoder case (0: skip it)")
+    ap.add_argument("--encoder-batch", default="1,8", help="batches of the Whisper encoder case (comma-separated; 0: skip it)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernelbench needs a CUDA GPU", file=sys.stderr)
@@ -242,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{op:24s} {label:48s} eager {native_us:8.1f} / {kernel_us:8.1f} us x{native_us / kernel_us:5.2f}"
                   f"  graph {g_native:8.2f} / {g_kernel:8.2f} us x{g_native / g_kernel:5.2f}  diff {diff:.2e}",
                   flush=True)  # fmt: skip
-        if args.encoder_batch and (only is None or "whisper_encoder" in only):
-            for row in _whisper_encoder(dev, max(3, args.repeats // 4), args.encoder_batch):
+        batches = [int(b) for b in str(args.encoder_batch).split(",") if int(b) > 0]
+        for batch in batches if only is None or "whisper_encoder" in only else []:
+            for row in _whisper_encoder(dev, max(3, args.repeats // 4), batch):
                 report["cases"].append(row)
                 print(f"{row['op']:24s} {row['case']:48s} {row['native_us']:9.1f} us -> {row['kernel_us']:9.1f} us  "
                       f"x{row['ratio']:5.2f}  diff {row['max_abs_diff']:.2e}", flush=True)  # fmt: skip

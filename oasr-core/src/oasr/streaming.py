@@ -23,7 +23,8 @@ aborted or fails; :meth:`occupancy` reports live streams and the model's pool.
 
 Thread-safety: every public method may be called from any thread. Feeding and aborting only touch
 bookkeeping under a short lock; the model call runs under a separate step lock, so only one step
-runs at a time and ``feed_chunk`` never waits for the model. A stream aborted while its chunk is
+runs at a time and ``feed_chunk`` never waits for the model. ``add_request`` creates the stream's
+state between steps (it may grow the model's cache pool, which a running step must not see). A stream aborted while its chunk is
 in the model is dropped when the step returns (no update is reported for it) and its state is
 released then.
 
@@ -130,7 +131,8 @@ class StreamingScheduler:
         from oasr.types import DecodingOptions
 
         options = options or DecodingOptions()
-        state = self._new_state(options)
+        with self._step_lock:  # a new state may grow the model's cache pool: never during a step
+            state = self._new_state(options)
         with self._lock:
             live = self._live
             if self.max_streams is not None and live >= self.max_streams:

@@ -97,6 +97,7 @@ def register_builtin(arch: str, entries: dict[str, dict[str, Any]]) -> None:
                 if isinstance(params, dict):
                     table.setdefault(op, {})[key] = dict(params)
         _MEMORY.clear()
+        _FOUND.clear()
 
 
 def registered_tunables() -> list[Tunable]:
@@ -167,13 +168,22 @@ def clear_memory_cache() -> None:
     """Forget the cache files read so far (the next :func:`tuned_params` reads them again)."""
     with _LOCK:
         _MEMORY.clear()
+        _FOUND.clear()
+
+
+_FOUND: dict[tuple[str, str, Any], Params | None] = {}  # (op, key, device) -> entry or None
 
 
 def tuned_params(op: str, key: str, device: Any, default: Params) -> Params:
-    """The cached launch parameters of ``op`` for ``key`` on ``device``, else ``default``."""
+    """The cached launch parameters of ``op`` for ``key`` on ``device``, else ``default``.
+    Called at every launch: after the first call per (op, key, device), one dict lookup."""
     if os.environ.get("OASR_AUTOTUNE", "1") in ("0", "false", "no"):
         return default
-    found = _device_entries(device).get(op, {}).get(key)
+    memo = (op, key, device)
+    try:
+        found = _FOUND[memo]
+    except KeyError:
+        found = _FOUND[memo] = _device_entries(device).get(op, {}).get(key)
     return default if found is None else found
 
 

@@ -154,3 +154,31 @@ def test_rnnt_label_looping_equals_frame_loop(hf_checkpoints, waves, monkeypatch
             assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
             # (the loop sums in float64 on the host, the device in float32)
             assert a.score == pytest.approx(b.score, rel=1e-6, abs=1e-4)
+
+
+def test_cached_runner_reused_across_calls(hf_checkpoints, waves, monkeypatch) -> None:
+    """One runner (buffers + graph on CUDA) per network, batch and width bucket: a second call
+    of the same shape reuses it, a call with fewer frames in the same bucket reads only its own
+    columns, a chunked call shares it too; every result equals the row loop. (Here on the CPU with the cache forced on and the status read as on CUDA.)"""
+    import oasr.decoders.transducer as tr
+    from oasr_models_nemo.model import NemoASR
+
+    monkeypatch.setattr(tr._DeviceTDT, "cache_runners", True)
+    monkeypatch.setattr(tr._DeviceTDT, "lagged_status", True)
+    monkeypatch.setattr(tr, "_tdt_runners", {})
+    model = NemoASR.from_hf(hf_checkpoints["tdt"].path)
+    c = model.config
+    proj, lens = _projected(model, waves)
+    short = [min(n, 20) for n in lens]
+    for args in ((proj, lens, None), (proj, lens, None), (proj[:, :20], short, None),
+                 (proj, lens, 9)):
+        enc, ls, chunk = args
+        loop = _run(model.transducer, enc, ls, c.durations, c.blank_id, False)
+        got = _run(model.transducer, enc, ls, c.durations, c.blank_id, True, chunk)
+        for a, b in zip(loop, got, strict=True):
+            assert (a.tokens, a.times, a.durations) == (b.tokens, b.times, b.durations)
+            assert a.score == pytest.approx(b.score, abs=1e-3)
+    # widths 39 (bucket 64), 20 and chunks of 9 all fall in one bucket: one runner
+    assert len(tr._tdt_runners) == 1
+    (ref, lock, runner), = tr._tdt_runners.values()
+    assert ref() is model.transducer and not lock.locked() and runner.width == 64

@@ -37,6 +37,7 @@ torch is imported when a search runs, not when this module is imported.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -708,6 +709,27 @@ class _WithDurationLogit:
 TDT_STEPS_PER_CHECK = 16
 
 
+#: encoder widths a cached TDT runner is allocated for: multiples of this many frames
+TDT_WIDTH_BUCKET = 64
+#: TDT runners (buffers + CUDA graph) kept for the next call of the same shape, least recently
+#: used dropped first
+TDT_CACHED_RUNNERS = 4
+_tdt_runners: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (network ref, lock, runner)
+_tdt_runners_lock = threading.Lock()
+
+
+def _runner_key(search: TDTGreedySearch, enc: Any) -> tuple[Any, tuple]:
+    """(the network whose weights a graph reads, the cache key of a runner for ``search``)."""
+    net = search.network
+    extra: tuple = ()
+    if isinstance(net, _WithDurationLogit):  # one per call: key on the network it wraps
+        net, extra = net.network, (net.blank_penalty,)
+    key = (id(net), extra, search.batch_size, -(-int(enc.shape[1]) // TDT_WIDTH_BUCKET),
+           int(enc.shape[2]), str(enc.dtype), str(enc.device), search.blank_id,
+           search.max_symbols_per_frame, tuple(search.durations), TDT_STEPS_PER_CHECK)
+    return net, key
+
+
 class _DeviceTDT:
     """The TDT greedy loop over every row at once, on the device (NeMo's label looping).
 
@@ -723,23 +745,57 @@ class _DeviceTDT:
     #: read each group's status one group late also off CUDA (where nothing runs ahead): the
     #: CUDA control flow, exercised by the CPU tests
     lagged_status = False
+    #: keep runners (their buffers and CUDA graph) for the next call of the same shape: one
+    #: capture per (network, batch, width bucket). None: with CUDA graphs only
+    cache_runners: bool | None = None
 
-    def __init__(self, search: TDTGreedySearch, enc: Any, first: list[int]) -> None:
+    @classmethod
+    def acquire(cls, search: TDTGreedySearch, enc: Any, first: list[int], graph: bool
+                ) -> tuple[_DeviceTDT, Any]:
+        """A loaded runner for this call and the lock to release after it (None: not cached).
+        A cached runner is reused when its network is alive and it fits; a runner another call
+        holds is not waited for (a fresh one serves this call)."""
+        import weakref
+
+        cache = cls.cache_runners if cls.cache_runners is not None else graph
+        if not cache:
+            run = cls(search, enc)
+            run.load(search, enc, first)
+            return run, None
+        net, key = _runner_key(search, enc)
+        with _tdt_runners_lock:
+            entry = _tdt_runners.pop(key, None)
+            if entry is not None and (entry[0]() is not net or not entry[2].fits(search, enc)):
+                entry = None
+            if entry is None:
+                width = -(-int(enc.shape[1]) // TDT_WIDTH_BUCKET) * TDT_WIDTH_BUCKET
+                entry = (weakref.ref(net), threading.Lock(), cls(search, enc, width))
+            _tdt_runners[key] = entry  # most recently used last
+            while len(_tdt_runners) > TDT_CACHED_RUNNERS:
+                _tdt_runners.pop(next(iter(_tdt_runners)))
+            lock, run = entry[1], entry[2]
+            if not lock.acquire(blocking=False):
+                run, lock = cls(search, enc), None
+        run.network = search.network
+        run.load(search, enc, first)
+        return run, lock
+
+    def __init__(self, search: TDTGreedySearch, enc: Any, width: int | None = None) -> None:
+        """Buffers for ``search``'s rows and encoder frames of up to ``width`` columns (default
+        ``enc``'s); :meth:`load` fills them for one call."""
         import torch
 
         dev = enc.device
         n = search.batch_size
-        self.search, self.network = search, search.network
-        self.enc = enc.contiguous()
-        self.width = int(enc.shape[1])
+        self.network = search.network
+        self.blank_id, self.max_symbols = search.blank_id, search.max_symbols_per_frame
+        self.n_durations = len(search.durations)
+        self.width = int(width or enc.shape[1])
+        self.enc = enc.new_zeros(n, self.width, enc.shape[2])
         self.rows = torch.arange(n, device=dev)
         self.durations = torch.as_tensor(search.durations, dtype=torch.long, device=dev)
-        self.start = torch.as_tensor(first, dtype=torch.long, device=dev)
-        self.end = torch.as_tensor(search.frames, dtype=torch.long, device=dev)
-        self.time = torch.as_tensor(search.time, dtype=torch.long, device=dev)
-        self.last = torch.as_tensor(search._last_time, dtype=torch.long, device=dev)
-        self.run_length = torch.as_tensor(search._run, dtype=torch.long, device=dev)
-        self.count = torch.zeros(n, dtype=torch.long, device=dev)
+        self.start, self.end, self.time, self.last, self.run_length, self.count = (
+            torch.zeros(n, dtype=torch.long, device=dev) for _ in range(6))
         self.score = torch.zeros(n, dtype=torch.float32, device=dev)
         self.blank = torch.full((n,), search.blank_id, dtype=torch.long, device=dev)
         self.status = torch.zeros(2, dtype=torch.long, device=dev)  # running, most emissions
@@ -753,18 +809,44 @@ class _DeviceTDT:
         self.graph: Any = None
         self.most = 0
 
+    def fits(self, search: TDTGreedySearch, enc: Any) -> bool:
+        """Whether these buffers (and their graph) serve ``search`` on ``enc``."""
+        def shapes(t: Any) -> Any:
+            if isinstance(t, (tuple, list)):
+                return tuple(shapes(x) for x in t)
+            return (tuple(t.shape), t.dtype, t.device)
+
+        return (enc.shape[1] <= self.width and enc.shape[2] == self.enc.shape[2]
+                and enc.dtype == self.enc.dtype and enc.device == self.enc.device
+                and shapes(search._state) == shapes(self.state)
+                and shapes(search._decoder_out) == shapes(self.decoder_out))
+
+    def load(self, search: TDTGreedySearch, enc: Any, first: list[int]) -> None:
+        """This call's encoder frames and the rows' pointers and prediction-network state."""
+        import torch
+
+        w = enc.shape[1]
+        self.enc[:, :w].copy_(enc)
+        for buf, values in ((self.start, first), (self.end, search.frames), (self.time, search.time),
+                            (self.last, search._last_time), (self.run_length, search._run)):
+            buf.copy_(torch.as_tensor(values, dtype=torch.long))
+        self.count.zero_()
+        self.score.zero_()
+        _tree_copy_(self.state, search._state)
+        self.decoder_out.copy_(search._decoder_out)
+        self.most = 0
+
     def step(self) -> None:
         import torch
 
-        s = self.search
         active = self.time < self.end
         column = (self.time - self.start).clamp(0, self.width - 1)
         logits = self.network.join(self.enc[self.rows, column], self.decoder_out).float()
-        n_tok = logits.shape[-1] - len(s.durations)
-        if n_tok <= s.blank_id:
+        n_tok = logits.shape[-1] - self.n_durations
+        if n_tok <= self.blank_id:
             raise CheckpointError(
-                f"the joiner gives {logits.shape[-1]} logits, too few for blank id {s.blank_id} "
-                f"and {len(s.durations)} durations; check the TDT durations and the vocabulary "
+                f"the joiner gives {logits.shape[-1]} logits, too few for blank id {self.blank_id} "
+                f"and {self.n_durations} durations; check the TDT durations and the vocabulary "
                 f"size of the model")
         tok_logits, dur_logits = logits[:, :n_tok], logits[:, n_tok:]
         token = tok_logits.argmax(-1)
@@ -774,7 +856,7 @@ class _DeviceTDT:
         skip = self.durations[d_index]
         # (kernel count matters here: a step is a few dozen small kernels, replayed ~1000 times)
         self.score.add_((lp + dlp) * active)
-        emit = active & (token != s.blank_id)
+        emit = active & (token != self.blank_id)
         slot = torch.where(emit, self.count, torch.full_like(self.count, self.cap))[:, None]
         values = torch.stack([token, self.time, skip])[:, :, None]
         self.emitted.scatter_(2, slot.unsqueeze(0).expand(3, -1, -1), values)
@@ -785,7 +867,7 @@ class _DeviceTDT:
         self.run_length.copy_(torch.where(emit, self.run_length * same_frame + 1, self.run_length))
         self.last.copy_(torch.where(emit, self.time, self.last))
         advance = torch.where(emit, skip, skip.clamp_min(1))
-        stuck = emit & (skip == 0) & (self.run_length >= s.max_symbols_per_frame)
+        stuck = emit & (skip == 0) & (self.run_length >= self.max_symbols)
         self.time.add_((advance + stuck) * active)
         out, new_state = self.network.predict(torch.where(emit, token, self.blank), self.state)
         _tree_copy_(self.state, self.network.merge_state(self.state, new_state, emit))
@@ -1006,10 +1088,19 @@ class TDTGreedySearch:
         """The loop of :meth:`_step_rows` over all rows at once on the device
         (:class:`_DeviceTDT`): the host reads one flag per ``TDT_STEPS_PER_CHECK`` steps and the
         results once at the end; with ``cuda_graph`` on CUDA those steps replay as one graph."""
-        run = _DeviceTDT(self, enc, first)
-        run.run(graph=self.cuda_graph and enc.device.type == "cuda")
-        self._state, self._decoder_out = run.state, run.decoder_out
-        time, last, runs, counts, scores, tokens, times, durs, lps = run.read_back()
+        graph = self.cuda_graph and enc.device.type == "cuda"
+        run, lock = _DeviceTDT.acquire(self, enc, first, graph)
+        try:
+            run.run(graph=graph)
+            if lock is None:
+                self._state, self._decoder_out = run.state, run.decoder_out
+            else:  # the runner's buffers serve the next call
+                self._state = _tree_clone(run.state)
+                self._decoder_out = run.decoder_out.clone()
+            time, last, runs, counts, scores, tokens, times, durs, lps = run.read_back()
+        finally:
+            if lock is not None:
+                lock.release()
         self.time, self._last_time, self._run = time, last, runs
         for b, (hyp, k, sc) in enumerate(zip(self._hyps, counts, scores, strict=True)):
             hyp.score += sc

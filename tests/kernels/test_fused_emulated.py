@@ -204,6 +204,11 @@ def test_emulated_log_mel(emulated) -> None:
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
     one = fused.launch_log_mel(stft[1], filt, frames, {"frames_per_block": 32, "threads": 128})  # a (F, T') view
     torch.testing.assert_close(one, ref[1], atol=2e-4, rtol=1e-4)
+    # both layouts: frequency or time contiguous
+    other = stft.contiguous() if stft.stride(1) < stft.stride(2) else stft.transpose(1, 2).contiguous().transpose(1, 2)
+    assert (other.stride(1) < other.stride(2)) != (stft.stride(1) < stft.stride(2))
+    torch.testing.assert_close(fused.launch_log_mel(other, filt, frames, {"frames_per_block": 16, "threads": 64}), ref,
+                               atol=2e-4, rtol=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -290,14 +290,15 @@ def launch_log_mel(stft: torch.Tensor, filters: torch.Tensor, frames: int,
     if out.numel() == 0:
         return out.reshape(*lead, m, frames)
     tt, threads = int(params["frames_per_block"]), int(params["threads"])
-    while tt > 1 and 4 * f * tt > _SMEM_LIMIT:  # the tile's power spectrum is in shared memory
+    while tt > 1 and 4 * f * (tt + 1) > _SMEM_LIMIT:  # the tile's power spectrum is in shared memory
         tt //= 2
     lo, hi = filter_spans(filters)
     sb, sf, st, _ = spec.stride()
     args = (_ptr(spec), np.int64(sb), np.int64(sf), np.int64(st), _ptr(filters), _ptr(lo), _ptr(hi),
-            _ptr(out), np.int32(f), np.int32(m), np.int32(frames), np.int32(tt))  # fmt: skip
+            _ptr(out), np.int32(f), np.int32(m), np.int32(frames), np.int32(tt),
+            np.int32(1 if abs(sf) < abs(st) else 0))  # fmt: skip
     grid = (-(-frames // tt), b)
-    if not MODULE.launch("oasr_log_mel_f32", grid, (threads,), args, stft.device, shared_mem=4 * f * tt):
+    if not MODULE.launch("oasr_log_mel_f32", grid, (threads,), args, stft.device, shared_mem=4 * f * (tt + 1)):
         return None
     return out.reshape(*lead, m, frames)
 
@@ -310,7 +311,7 @@ def log_mel_power_cuda(stft: torch.Tensor, filters: torch.Tensor, frames: int) -
         return NotImplemented
     if filters.device != stft.device or filters.shape[1] != stft.shape[-2]:
         return NotImplemented
-    if not 0 <= frames <= stft.shape[-1] or 4 * filters.shape[1] > _SMEM_LIMIT:
+    if not 0 <= frames <= stft.shape[-1] or 8 * filters.shape[1] > _SMEM_LIMIT:
         return NotImplemented
     if stft.dim() > 3 and not stft.is_contiguous():
         return NotImplemented

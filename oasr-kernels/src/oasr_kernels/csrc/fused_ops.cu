@@ -244,26 +244,29 @@ __device__ __forceinline__ void glu_dwconv(const T* __restrict__ x, const T* __r
 // spec: the STFT as floats (re, im) with strides sb, sf, st (in floats; re at +0, im at +1);
 // out (B, M, frames) float: log10(max(sum_f filt[m, f] * |spec[b, f, t]|^2, 1e-10)).
 // The mel filters are sparse: filter m is non-zero only on bins [lo[m], hi[m]). Grid
-// (ceil(frames / TT), B); the tile's power spectrum (F x TT floats) is computed once into
-// shared memory, then each thread writes outputs with t fastest (coalesced stores).
+// (ceil(frames / TT), B); the tile's power spectrum (F x TT floats, rows padded to TT + 1) is
+// computed once into shared memory, reading along whichever of f and t is contiguous
+// (f_fastest: torch.stft's layout), then each thread writes outputs with t fastest.
 __device__ __forceinline__ void log_mel(const float* __restrict__ spec, long long sb, long long sf,
                                         long long st, const float* __restrict__ filt,
                                         const int* __restrict__ lo, const int* __restrict__ hi,
-                                        float* __restrict__ out, int F, int M, int frames,
-                                        int TT) {
+                                        float* __restrict__ out, int F, int M, int frames, int TT,
+                                        int f_fastest) {
   extern __shared__ float oasr_fused_smem[];
-  float* power = oasr_fused_smem;  // F * TT
+  float* power = oasr_fused_smem;  // F * (TT + 1)
+  const int ld = TT + 1;
   const long long b = blockIdx.y;
   const int t0 = blockIdx.x * TT;
   for (int i = threadIdx.x; i < F * TT; i += blockDim.x) {
-    const int f = i / TT, tt = i % TT;
+    const int f = f_fastest ? i % F : i / TT;
+    const int tt = f_fastest ? i / F : i % TT;
     const int t = t0 + tt;
     float p = 0.f;
     if (t < frames) {
       const float* z = spec + b * sb + f * sf + t * st;
       p = z[0] * z[0] + z[1] * z[1];
     }
-    power[i] = p;
+    power[f * ld + tt] = p;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < M * TT; i += blockDim.x) {
@@ -272,7 +275,7 @@ __device__ __forceinline__ void log_mel(const float* __restrict__ spec, long lon
     if (t >= frames) continue;
     float acc = 0.f;
     const float* fm = filt + (long long)m * F;
-    for (int f = lo[m]; f < hi[m]; ++f) acc = fmaf(fm[f], power[f * TT + tt], acc);
+    for (int f = lo[m]; f < hi[m]; ++f) acc = fmaf(fm[f], power[f * ld + tt], acc);
     out[(b * M + m) * (long long)frames + t] = log10f(fmaxf(acc, 1e-10f));
   }
 }
@@ -342,6 +345,6 @@ OASR_GLU_DWCONV(oasr_glu_dwconv_bf16, oasr::bf16)
 extern "C" __global__ void oasr_log_mel_f32(const float* spec, long long sb, long long sf,
                                             long long st, const float* filt, const int* lo,
                                             const int* hi, float* out, int F, int M, int frames,
-                                            int TT) {
-  oasr::log_mel(spec, sb, sf, st, filt, lo, hi, out, F, M, frames, TT);
+                                            int TT, int f_fastest) {
+  oasr::log_mel(spec, sb, sf, st, filt, lo, hi, out, F, M, frames, TT, f_fastest);
 }

@@ -154,8 +154,6 @@ class IcefallStream:
     finished: bool = False
     #: greedy search, batched across the streams of a step: this stream's row of it
     hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
-    decoder_state: torch.Tensor | None = None
-    decoder_out: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -461,7 +459,7 @@ class _IcefallASR:
         )  # fmt: skip
         pool, init, nonzero, _ = self._cache_pool(st.left)
         st.cache = pool.open(owner=st)
-        tensors = list(pool.slot_tensors.values())
+        tensors = list(pool.slot_tensors.values())  # the encoder caches, then the decoder's
         for i in nonzero:  # the initial state's non-zero parts (open() zeroed the slot)
             tensors[i][st.cache.slot] = init[i][0]
         return st
@@ -473,6 +471,14 @@ class _IcefallASR:
         if left not in pools:
             layout = self.net.initial_state(1, left)
             init = _flatten_caches(layout)
+            if self.decoder_network is not None:
+                # greedy transducer streams: the prediction network's state and output after
+                # the initial blank, the same for every new stream
+                net = self.decoder_network
+                blank = torch.full((1,), self.blank_id, dtype=torch.long, device=self.device)
+                with torch.no_grad():
+                    dec_out, dec_state = net.predict(blank, net.initial_state(1, self.device))
+                init = [*init, dec_state, dec_out]
             pool = StreamCachePool(
                 slots={str(i): (tuple(t.shape[1:]), t.dtype) for i, t in enumerate(init)}, device=self.device
             )  # fmt: skip
@@ -572,7 +578,7 @@ class _IcefallASR:
         ctxs = [st.cache for st in states]
         pool.reserve(ctxs, [0] * len(ctxs))  # applies pending releases
         slots = torch.from_numpy(pool.slot_ids(ctxs)).to(self.device)
-        tensors = list(pool.slot_tensors.values())
+        tensors = list(pool.slot_tensors.values())[: len(_flatten_caches(layout))]  # encoder caches
         feats = torch.stack(windows).to(self.device, self.dtype)
         with torch.no_grad():
             caches = _unflatten_caches([t.index_select(0, slots) for t in tensors], layout)
@@ -607,27 +613,24 @@ class _IcefallASR:
         keeps its hypothesis and decoder state between steps)."""
         net = self.decoder_network
         dev = enc.device
-        for st in states:
-            if st.decoder_state is None:
-                state = net.initial_state(1, dev)
-                blank = torch.full((1,), self.blank_id, dtype=torch.long, device=dev)
-                with torch.no_grad():
-                    st.decoder_out, st.decoder_state = net.predict(blank, state)
+        pool, init, _, _ = self._cache_pool(states[0].left)
+        dec_state, dec_out = list(pool.slot_tensors.values())[len(init) - 2 :]  # per stream, by slot
         by_settings: dict[tuple[int, float], list[int]] = {}
         for i, st in enumerate(states):
             by_settings.setdefault((st.options.max_sym_per_frame, st.options.blank_penalty), []).append(i)
         frames = self._search_frames(enc, "greedy_search")
         for (max_sym, penalty), rows in by_settings.items():
             group = [states[i] for i in rows]
+            slots = torch.from_numpy(pool.slot_ids([st.cache for st in group])).to(dev)
             search = TransducerGreedySearch.resume(
                 net, [st.hyp for st in group], [st.offset for st in group],
-                torch.cat([st.decoder_state for st in group]), torch.cat([st.decoder_out for st in group]),
+                dec_state.index_select(0, slots), dec_out.index_select(0, slots),
                 blank_id=self.blank_id, max_symbols_per_frame=max_sym, blank_penalty=penalty)
             search.step(frames[rows] if len(rows) < len(states) else frames)
-            for k, (st, hyp) in enumerate(zip(group, search.results(), strict=True)):
+            for st, hyp in zip(group, search.results(), strict=True):
                 st.hyp = hyp
-                st.decoder_state = search.state[k : k + 1]
-                st.decoder_out = search.decoder_out[k : k + 1]
+            dec_state.index_copy_(0, slots, search.state)
+            dec_out.index_copy_(0, slots, search.decoder_out.to(dec_out.dtype))
 
 
 def _flatten_caches(c: StreamCaches) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """The fused CUDA kernel (``oasr_decoders_wfst.fused``) on numba's CUDA simulator: the same
-one-best (words, word frames, cost, final) as the tensor search, with and without max-active.
+one-best (words, word frames, cost, final) as the tensor search: beam only, max-active binding,
+min-active binding.
 Runs in a subprocess: the simulator must be chosen before numba.cuda is imported."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ SCRIPT = textwrap.dedent('''
 
     g = build_tlg(TOY_LEXICON, read_arpa(TOY_ARPA.splitlines()))
     for seed, opts in ((1, WfstSearchOptions(beam=16.0)),
-                       (2, WfstSearchOptions(beam=7.0, max_active=5, min_active=2, acoustic_scale=0.7))):
+                       (2, WfstSearchOptions(beam=7.0, max_active=5, min_active=2, acoustic_scale=0.7)),
+                       (3, WfstSearchOptions(beam=0.5, min_active=10))):  # min-active changes the result here
         lp, lengths = _inputs(g, 2, 18, seed=seed, peaky=True)
         dec = WfstDecoder(g, "cpu", opts)
         ref = dec.decode(lp, lengths, fused=False)

@@ -109,20 +109,35 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
             cutoff = beam_cut
             adaptive = float64(beam)
             if not (max_active == INT32_MAX and min_active == 0):
-                decided = False
-                if n > max_active:
+                # how many tokens are under / at the beam cutoff decides whether a k-th cost
+                # can bind at all (the k-th is below the beam cutoff iff more than k are, and
+                # above it iff at most k are at or below it, infinite if there is none): select
+                # only then
+                if tid == 0:
+                    si[11] = 0
+                    si[12] = 0
+                cuda.syncthreads()
+                for i in range(tid, n, nth):
+                    c = tok_cost[b, cur, i]
+                    if c < beam_cut:
+                        cuda.atomic.add(si, 11, 1)
+                    if c <= beam_cut:
+                        cuda.atomic.add(si, 12, 1)
+                cuda.syncthreads()
+                n_lt = si[11]
+                n_le = si[12]
+                cuda.syncthreads()
+                if n > max_active and n_lt > max_active:
                     kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
-                    if kval < beam_cut:
-                        cutoff = kval
-                        adaptive = float64(float32(kval - best_cost + beam_delta))
-                        decided = True
-                if not decided and n > min_active:
-                    kval = best_cost
-                    if min_active > 0:
+                    cutoff = kval
+                    adaptive = float64(float32(kval - best_cost + beam_delta))
+                elif min_active > 0 and n_le <= min_active:
+                    # Kaldi: with at most min_active tokens the min-active cutoff is infinite
+                    kval = inf
+                    if n > min_active:
                         kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
-                    if kval > beam_cut:
-                        cutoff = kval
-                        adaptive = float64(float32(kval - best_cost + beam_delta))
+                    cutoff = kval
+                    adaptive = float64(float32(kval - best_cost + beam_delta))
             # ---- emitting arcs: best new cost
             for i in range(tid, n, nth):
                 c = tok_cost[b, cur, i]

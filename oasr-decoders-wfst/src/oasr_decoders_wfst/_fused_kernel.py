@@ -31,18 +31,27 @@ def kth_cost(tok_cost, b, cur, n, k, si, sf):
         cuda.syncthreads()
         lo = sf[4]
         hi = sf[5]
+        first = INT32_MAX  # per thread first, then one atomic each (less contention)
         for i in range(tid, n, nth):
             c = tok_cost[b, cur, i]
             if c > lo and c < hi:
-                cuda.atomic.min(si, 6, i)
+                first = min(first, i)
+        if first < INT32_MAX:
+            cuda.atomic.min(si, 6, first)
         cuda.syncthreads()
         pivot = tok_cost[b, cur, si[6]]
+        n_less = 0
+        n_eq = 0
         for i in range(tid, n, nth):
             c = tok_cost[b, cur, i]
             if c > lo and c < pivot:
-                cuda.atomic.add(si, 7, 1)
+                n_less += 1
             elif c == pivot:
-                cuda.atomic.add(si, 8, 1)
+                n_eq += 1
+        if n_less:
+            cuda.atomic.add(si, 7, n_less)
+        if n_eq:
+            cuda.atomic.add(si, 8, n_eq)
         cuda.syncthreads()
         less = si[7]
         eq = si[8]
@@ -101,8 +110,11 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                 sf[0] = inf
                 sf[1] = inf
             cuda.syncthreads()
+            mine = inf
             for i in range(tid, n, nth):
-                cuda.atomic.min(sf, 0, tok_cost[b, cur, i])
+                mine = min(mine, tok_cost[b, cur, i])
+            if mine < inf:
+                cuda.atomic.min(sf, 0, mine)
             cuda.syncthreads()
             best_cost = sf[0]
             beam_cut = best_cost + beam
@@ -117,12 +129,16 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                     si[11] = 0
                     si[12] = 0
                 cuda.syncthreads()
+                m_lt = 0
+                m_le = 0
                 for i in range(tid, n, nth):
                     c = tok_cost[b, cur, i]
                     if c < beam_cut:
-                        cuda.atomic.add(si, 11, 1)
+                        m_lt += 1
                     if c <= beam_cut:
-                        cuda.atomic.add(si, 12, 1)
+                        m_le += 1
+                cuda.atomic.add(si, 11, m_lt)
+                cuda.atomic.add(si, 12, m_le)
                 cuda.syncthreads()
                 n_lt = si[11]
                 n_le = si[12]
@@ -139,13 +155,16 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                     cutoff = kval
                     adaptive = float64(float32(kval - best_cost + beam_delta))
             # ---- emitting arcs: best new cost
+            mine = inf
             for i in range(tid, n, nth):
                 c = tok_cost[b, cur, i]
                 if c < cutoff:
                     s = tok_state[b, cur, i]
                     for a in range(e_off[s], e_off[s + 1]):
                         nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
-                        cuda.atomic.min(sf, 1, nc)
+                        mine = min(mine, nc)
+            if mine < inf:
+                cuda.atomic.min(sf, 1, mine)
             if tid == 0:
                 si[1] = 0
             cuda.syncthreads()

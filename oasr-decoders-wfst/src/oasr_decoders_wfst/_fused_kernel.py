@@ -74,7 +74,7 @@ def kth_cost(tok_cost, b, cur, n, k, si, sf):
 def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start,
            lp, lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec,
            best, slot, claim, frontier, cand_src, cand_arc, cand_cost, cand_rec, rec_prev,
-           rec_word, rec_frame, out_rec, out_cost, out_final, status):  # fmt: skip
+           rec_word, rec_frame, out_rec, out_cost, out_final, status, out_nrec):  # fmt: skip
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
@@ -330,6 +330,7 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
     cuda.syncthreads()
     if tid == 0:
         status[b] = si[9]
+        out_nrec[b] = min(si[3], rcap)
         out_final[b] = 1 if use_final else 0
         if si[6] < n:
             out_rec[b] = tok_rec[b, cur, si[6]]

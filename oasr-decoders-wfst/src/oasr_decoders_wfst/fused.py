@@ -133,22 +133,23 @@ def fused_decode(dec, log_probs, lengths, threads: int = THREADS, token_capacity
     out_cost = torch.empty(B, dtype=torch.float64, **z)
     out_final = torch.empty(B, dtype=torch.int32, **z)
     status = torch.empty(B, dtype=torch.int32, **z)
+    out_nrec = torch.empty(B, dtype=torch.int32, **z)
     args = [*graph_arrays, g.start, lp, lens, float(o.beam), int(o.max_active), int(o.min_active),
             float(o.beam_delta), tok_state, tok_cost, tok_rec, best, slot, claim, frontier,
             cand_src, cand_arc, cand_cost, cand_rec, rec_prev, rec_word, rec_frame, out_rec,
-            out_cost, out_final, status]  # fmt: skip
+            out_cost, out_final, status, out_nrec]  # fmt: skip
     if sim:
         args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
         _kernel[B, threads](*args)
-        get = np.asarray
-        out = [args[-4], args[-3], args[-2], args[-1]]
-        recs = (args[-7], args[-6], args[-5])
+        out = [torch.from_numpy(a) for a in args[-5:-1]]
+        nrec = int(args[-1].max()) if B else 0
+        recs = tuple(torch.from_numpy(a)[:, :nrec].numpy() for a in args[-8:-5])
     else:
         stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
         _kernel[B, threads, stream](*args)
-        torch.cuda.synchronize(dev)
-        get = np.asarray
-        out = [x.cpu().numpy() for x in (out_rec, out_cost, out_final, status)]
-        recs = tuple(x.cpu().numpy() for x in (rec_prev, rec_word, rec_frame))
-    del get
+        out = [x.cpu() for x in (out_rec, out_cost, out_final, status)]
+        nrec = int(out_nrec.max()) if B else 0
+        # only the records written: the chains are followed on the host
+        recs = tuple(x[:, :nrec].cpu().numpy() for x in (rec_prev, rec_word, rec_frame))
+    out = [x.numpy() for x in out]
     return recs, out[0], out[1], out[2].astype(bool), out[3].astype(bool)

@@ -217,7 +217,7 @@ async def realtime_stream(port: int) -> tuple[str, float]:
         f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription", subprotocols=["realtime"],
         open_timeout=30, max_size=None,
     ) as ws:  # fmt: skip
-        assert json.loads(await ws.recv())["type"] == "transcription_session.created"
+        assert json.loads(await ws.recv())["type"] == "session.created"
         for i in range(0, len(pcm), 9600):
             chunk = base64.b64encode(pcm[i : i + 9600]).decode()
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))

@@ -49,10 +49,10 @@ def test_realtime_websocket_streams_through_the_engine(causal_release, helpers) 
         assert app.state.oasr.wait_loaded(30), app.state.oasr.load_error
         ws = client.websocket_connect("/v1/realtime?intent=transcription").__enter__()
         try:
-            assert ws.receive_json()["type"] == "transcription_session.created"
+            assert ws.receive_json()["type"] == "session.created"
             ws.send_json({"type": "transcription_session.update",
                           "session": {"input_audio_sample_rate": 16000, "turn_detection": None}})
-            assert ws.receive_json()["type"] == "transcription_session.updated"
+            assert ws.receive_json()["type"] == "session.updated"
             step = 3200 * 2
             for i in range(0, len(data), step):
                 ws.send_json({"type": "input_audio_buffer.append",

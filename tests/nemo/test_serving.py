@@ -54,10 +54,10 @@ def test_realtime_websocket(served, waves) -> None:
     expected = model.transcribe([audio], DecodingOptions())[0].text
     ws = client.websocket_connect("/v1/realtime?intent=transcription").__enter__()
     try:
-        assert ws.receive_json()["type"] == "transcription_session.created"
+        assert ws.receive_json()["type"] == "session.created"
         ws.send_json({"type": "transcription_session.update",
                       "session": {"input_audio_sample_rate": SR, "turn_detection": None}})
-        assert ws.receive_json()["type"] == "transcription_session.updated"
+        assert ws.receive_json()["type"] == "session.updated"
         data = _pcm16(audio)
         for i in range(0, len(data), 3200):
             ws.send_json({"type": "input_audio_buffer.append",

@@ -208,7 +208,7 @@ def _realtime_transcript(server, wav: Path) -> str:
         subprotocols=["realtime", f"openai-insecure-api-key.{server.key}"],
         open_timeout=10,
     ) as ws:
-        assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+        assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
         update = {"input_audio_format": "pcm16", "input_audio_sample_rate": rate}
         ws.send(json.dumps({"type": "transcription_session.update", "session": update}))
         for i in range(0, len(pcm), rate // 5):

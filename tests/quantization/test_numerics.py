@@ -106,3 +106,20 @@ def test_weight_property_undoes_smoothing():
     q = QuantizedLinear.from_linear(lin, "int8_w8a8", input_scale=torch.rand(32) * 4 + 0.25)
     step = (q.weight_scale[:, None] / q.input_scale[None, :]).max()
     assert float((q.weight - lin.weight).abs().max()) <= float(step) / 2 + 1e-6
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_both_cpu_int8_gemms_match_reference(monkeypatch, onednn):
+    """The CPU's int8 GEMM is oneDNN's int8 linear where it works (checked once against exact
+    integer products), else torch._int_mm: both give the reference's values."""
+    from oasr.layers import quantized
+
+    if onednn and not quantized._onednn_int8_works():
+        pytest.skip("oneDNN's int8 linear is not usable in this torch / CPU")
+    monkeypatch.setattr(quantized, "_ONEDNN_INT8", [onednn])
+    lin = _linear(96, 40, seed=3)
+    q = QuantizedLinear.from_linear(lin, "int8_w8a8")
+    for rows in (1, 5, 300):
+        x = torch.randn(rows, 96)
+        ref = reference_linear(x, q.weight_q, q.weight_scale, q.bias, q.fmt)
+        assert rel_err(q(x), ref) < 1e-5

@@ -239,19 +239,40 @@ def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor
     Sapphire Rapids core). Activations enter with scale 1 and zero point 0 (the per-token scales
     are applied by the caller), so the integer products are the same. None when this torch has
     no such op or it refuses the inputs (the caller then uses ``torch._int_mm``)."""
-    if _ONEDNN_INT8 and not _ONEDNN_INT8[0]:
+    if not _ONEDNN_INT8:
+        _ONEDNN_INT8.append(_onednn_int8_works())
+    if not _ONEDNN_INT8[0]:
         return None
     try:
         _, packed, zero = module._packed()
         y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, module.weight_scale, zero, None, 1.0, 0,
                                                torch.float32, "none", [], "")  # fmt: skip
-    except (AttributeError, RuntimeError, TypeError, NotImplementedError) as exc:
-        if not _ONEDNN_INT8:
-            log.info("oneDNN int8 linear unavailable (%s: %s); using torch._int_mm", type(exc).__name__, exc)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        log.info("oneDNN int8 linear refused a %s input (%s); using torch._int_mm", tuple(xq.shape), exc)
         _ONEDNN_INT8[:] = [False]
         return None
-    _ONEDNN_INT8[:] = [True]
     return y
+
+
+def _onednn_int8_works() -> bool:
+    """Whether oneDNN's int8 linear exists here and gives exact integer products for int8
+    (signed) activations on this CPU (checked once against an int64 matmul)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(-127, 128, (5, 64), generator=g, dtype=torch.int8)
+        w = torch.randint(-127, 128, (24, 64), generator=g, dtype=torch.int8)
+        scale = torch.rand(24, generator=g) + 0.5
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        got = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, scale, torch.zeros(24, dtype=torch.long),
+                                                 None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
+        want = (x.long() @ w.long().t()).double() * scale.double()
+        ok = bool(((got.double() - want).abs() <= 1e-5 * want.abs().max()).all())
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError) as exc:
+        log.info("oneDNN int8 linear unavailable (%s: %s); using torch._int_mm", type(exc).__name__, exc)
+        return False
+    if not ok:
+        log.info("oneDNN int8 linear gives inexact products for signed activations here; using torch._int_mm")
+    return ok
 
 
 def _scaled_mm_out_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:

@@ -96,15 +96,13 @@ def synthetic_batch(graph, batch: int, frames: int, seed: int) -> np.ndarray:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(graph_path: str, opts: dict[str, Any]) -> None:
+def _worker_init(fst_path: str, opts: dict[str, Any]) -> None:
     import sys
 
+    import kaldifst
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "wfst"))
-    from _kaldi_reference import to_kaldifst
-
-    from oasr_decoders_wfst.graph import load_graph
-
-    _WORKER["fst"] = to_kaldifst(load_graph(graph_path))
+    _WORKER["fst"] = kaldifst.StdVectorFst.read(fst_path)  # the graph image, converted once
     _WORKER["opts"] = opts
 
 
@@ -179,8 +177,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               beam_delta=opts.beam_delta)  # fmt: skip
     # spawn: the workers must not inherit this process's CUDA context
     ctx = multiprocessing.get_context("spawn")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "wfst"))
+    from _kaldi_reference import to_kaldifst
+
+    fst_path = str(Path(tmp.name) / "tlg.fst")
+    to_kaldifst(graph).write(fst_path)
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                             initargs=(graph_path, kd)) as pool:  # fmt: skip
+                             initargs=(fst_path, kd)) as pool:  # fmt: skip
         list(pool.map(_worker_decode, scaled[:workers]))  # every worker has its graph
         ktimes = []
         ref = None

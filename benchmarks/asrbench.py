@@ -17,6 +17,8 @@
     python -m benchmarks.asrbench --workload cpu [--busy]   # whole `oasr transcribe` process vs
                                                             # faster-whisper (benchmarks/cpubench.py)
     python -m benchmarks.asrbench --backend oasr_server    # 64 uploads at c=16 + 2 realtime streams
+    python -m benchmarks.asrbench --workload ctc --device cuda   # ctc | wfst | quant | kernels |
+                                  # icefall | nemo | funasr | qwen | ray: that benchmark module
 
 The synthetic workload (``benchmarks/synthetic.py``) compares OASR's engine with
 ``transformers`` on random weights and a forced decode length, so both sides do identical work:
@@ -41,6 +43,7 @@ backend's time relative to OASR. ``--dtype`` (default: fp32 on CPU, fp16 on CUDA
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 from collections.abc import Callable
@@ -162,12 +165,43 @@ BACKENDS = {
 }
 
 
+#: workloads with a benchmark module of their own: ``asrbench --workload NAME ARGS`` runs
+#: ``python -m benchmarks.MODULE ARGS`` (each module's --help lists its arguments)
+DELEGATED_WORKLOADS = {
+    "ctc": "ctcbench",  # GPU CTC prefix beam vs the host search and WeNet's (issue #21)
+    "wfst": "wfstbench",  # WFST beam search vs kaldi-decoder (issue #21)
+    "quant": "quantbench",  # int8 / fp8 vs fp16 and faster-whisper int8 (issue #22)
+    "kernels": "kernelbench",  # each oasr-kernels op vs its native op (issue #23)
+    "icefall": "icefallbench",
+    "nemo": "nemobench",
+    "funasr": "funasrbench",
+    "qwen": "qwenbench",
+    "ray": "raybench",  # N Ray Serve replicas vs 1 (issue #25)
+}
+
+
+def _delegated_workload(argv: list[str]) -> tuple[str, list[str]] | None:
+    for i, arg in enumerate(argv):
+        name = None
+        if arg == "--workload" and i + 1 < len(argv):
+            name, drop = argv[i + 1], 2
+        elif arg.startswith("--workload="):
+            name, drop = arg.split("=", 1)[1], 1
+        if name in DELEGATED_WORKLOADS:
+            return DELEGATED_WORKLOADS[name], argv[:i] + argv[i + drop :]
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # the seed's spelling: ``asrbench run --profile smoke ...``
         argv = argv[1:]
+    delegated = _delegated_workload(argv)
+    if delegated is not None:
+        module, rest = delegated
+        return importlib.import_module(f"benchmarks.{module}").main(rest)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.asrbench [run]", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=["smoke", "english"], default="english")
@@ -177,8 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--workload", choices=["speech", "synthetic", "streaming", "cpu"],
-                        default="speech")  # fmt: skip
+    parser.add_argument("--workload", default="speech",
+                        choices=["speech", "synthetic", "streaming", "cpu", *DELEGATED_WORKLOADS],
+                        help="speech | synthetic | streaming | cpu here; the others run their own "
+                             "benchmark module with the remaining arguments (DELEGATED_WORKLOADS)")
     parser.add_argument("--shape", default=None,
                         help="synthetic: smoke | tiny | large-v3 | large-v3-turbo; streaming: small | medium")
     parser.add_argument("--dtype", default=None,

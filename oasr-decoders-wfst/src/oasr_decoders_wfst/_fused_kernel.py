@@ -39,6 +39,9 @@ def kth_cost(tok_cost, b, cur, n, k, si, sf):
         if first < INT32_MAX:
             cuda.atomic.min(si, 6, first)
         cuda.syncthreads()
+        if si[6] == INT32_MAX:  # nothing left in range (only with NaN costs): no cutoff
+            kval = inf
+            break
         pivot = tok_cost[b, cur, si[6]]
         n_less = 0
         n_eq = 0
@@ -230,7 +233,13 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                 frontier[b, 0, f] = i
         cuda.syncthreads()
         fb = 0
+        rounds = 0
         while si[4] > 0:
+            rounds += 1
+            if rounds > 10000:  # an epsilon cycle that keeps improving: give the row up
+                if tid == 0:
+                    si[9] = 1
+                break
             if tid == 0:
                 si[2] = 0
                 si[5] = 0

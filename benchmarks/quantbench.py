@@ -5,6 +5,7 @@ implementations, in one call.
     python -m benchmarks.quantbench cpu --repeats 3 --threads 2 --json out.json
     python -m benchmarks.quantbench device                  # large-v3 shapes, batch 64, H200
     python -m benchmarks.quantbench device --shape tiny --requests 16 --batch 8   # a quick look
+    python -m benchmarks.asrbench --workload quant --device cuda   # the same as "device"
 
 ``cpu``: the whole ``oasr transcribe`` process (``--compute-type int8``: int8_w8a8 linears) and
 the whole faster-whisper process (``compute_type="int8"``), in turn, on the same CTranslate2
@@ -272,6 +273,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if argv[:1] == ["fw-worker"]:
         fw_worker(argv[1:])
         return None
+    if argv[:1] not in (["cpu"], ["device"], ["-h"], ["--help"]):
+        # ``asrbench --workload quant [--device cuda] ...``: the device names the subcommand
+        where = "cpu"
+        for k, arg in enumerate(argv):
+            value = arg.split("=", 1)[1] if arg.startswith("--device=") else (
+                argv[k + 1] if arg == "--device" and k + 1 < len(argv) else None)  # fmt: skip
+            if value is not None:
+                where = "cpu" if value == "cpu" else "device"
+        if where == "cpu":  # the cpu subcommand has no --device
+            drop = {k for k, a in enumerate(argv) if a == "--device" or a.startswith("--device=")}
+            drop |= {k + 1 for k in drop if argv[k] == "--device"}
+            argv = [a for k, a in enumerate(argv) if k not in drop]
+        argv = [where, *argv]
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantbench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="where", required=True)

@@ -188,7 +188,8 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                     for a in range(e_off[s], e_off[s + 1]):
                         nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
                         d = e_next[a]
-                        if nc < next_cutoff and nc == best[base + d]:
+                        # the table was lowered by atomics: read it with one (no stale L1 line)
+                        if nc < next_cutoff and nc == cuda.atomic.min(best, base + d, inf):
                             if cuda.atomic.cas(slot, base + d, -1, -2) == -1:
                                 j = cuda.atomic.add(si, 1, 1)
                                 if j < cap:
@@ -270,7 +271,7 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                 a = cand_arc[b, k]
                 d = p_next[a]
                 nc = cand_cost[b, k]
-                if nc == best[base + d] and cuda.atomic.max(claim, base + d, rid) < rid:
+                if nc == cuda.atomic.min(best, base + d, inf) and cuda.atomic.max(claim, base + d, rid) < rid:
                     r = cand_rec[b, k]
                     if p_olab[a] != 0:
                         q = cuda.atomic.add(si, 3, 1)

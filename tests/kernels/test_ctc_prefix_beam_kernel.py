@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -173,6 +174,8 @@ def test_hotwords_and_streams(fused) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("OASR_TEST_CTC_KERNEL") != "1",
+                    reason="the fused kernel is unverified on a GPU: opt in with OASR_TEST_CTC_KERNEL=1")
 def test_gpu_kernel_equals_tensor_search(monkeypatch) -> None:
     """The NVRTC-compiled kernel on the device (OASR_CTC_KERNEL=1) against the tensor path."""
     pytest.importorskip("cupy")

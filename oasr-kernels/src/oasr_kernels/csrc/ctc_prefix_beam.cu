@@ -206,38 +206,37 @@ OASR_CTC_DEVICE void oasr_ctc_row(
       rf[lane] = bt;
       ri[lane * 2] = bk;
       ri[lane * 2 + 1] = best;
+      // every lane reaches the same barriers (no barrier inside a divergent branch: the
+      // aligned bar.sync of a warp requires it)
       OASR_CTC_SYNC();
-      if (lane != 0) {
-        OASR_CTC_SYNC();
-        continue;
+      if (lane == 0) {
+        for (int l = 1; l < nl; ++l) {
+          const int n = (int)ri[l * 2 + 1];
+          if (n < 0) continue;
+          const double total = rf[l];
+          const oasr_i64 k = ri[l * 2];
+          if (best < 0 || total > bt || (total == bt && k < bk)) { best = n; bt = total; bk = k; }
+        }
+        double* Fw = Fr + w * 5;
+        oasr_i64* Iw = Ir + w * 7;
+        if (best < 0) {
+          vr[w] = 0;
+          Fw[0] = Fw[1] = Fw[2] = Fw[3] = NEG; Fw[4] = 0.0;
+          Iw[0] = 0; Iw[1] = -1; Iw[2] = -1; Iw[3] = -1; Iw[4] = -1; Iw[5] = -1; Iw[6] = 0;
+          tp[w * 2 + 0] = -1; tp[w * 2 + 1] = -1; nlp[w] = 0.0;
+        } else {
+          fl[best] = 3;
+          const double* f = cf + (oasr_i64)best * 7;
+          const oasr_i64* c = ci + (oasr_i64)best * 8;
+          const int made = c[6] != 0;
+          const oasr_i64 up = made ? c[4] : -1;
+          vr[w] = 1;
+          Fw[0] = f[0]; Fw[1] = f[1]; Fw[2] = f[2]; Fw[3] = f[3]; Fw[4] = f[4];
+          Iw[0] = c[0]; Iw[1] = c[1]; Iw[2] = c[2]; Iw[3] = c[3];
+          Iw[4] = made ? node_base + w : -1; Iw[5] = up; Iw[6] = c[5];
+          tp[w * 2 + 0] = c[2]; tp[w * 2 + 1] = up; nlp[w] = f[5];
+        }
       }
-      for (int l = 1; l < nl; ++l) {
-        const int n = (int)ri[l * 2 + 1];
-        if (n < 0) continue;
-        const double total = rf[l];
-        const oasr_i64 k = ri[l * 2];
-        if (best < 0 || total > bt || (total == bt && k < bk)) { best = n; bt = total; bk = k; }
-      }
-      double* Fw = Fr + w * 5;
-      oasr_i64* Iw = Ir + w * 7;
-      if (best < 0) {
-        vr[w] = 0;
-        Fw[0] = Fw[1] = Fw[2] = Fw[3] = NEG; Fw[4] = 0.0;
-        Iw[0] = 0; Iw[1] = -1; Iw[2] = -1; Iw[3] = -1; Iw[4] = -1; Iw[5] = -1; Iw[6] = 0;
-        tp[w * 2 + 0] = -1; tp[w * 2 + 1] = -1; nlp[w] = 0.0;
-        OASR_CTC_SYNC();
-        continue;
-      }
-      fl[best] = 3;
-      const double* f = cf + (oasr_i64)best * 7;
-      const oasr_i64* c = ci + (oasr_i64)best * 8;
-      const int made = c[6] != 0;
-      const oasr_i64 up = made ? c[4] : -1;
-      vr[w] = 1;
-      Fw[0] = f[0]; Fw[1] = f[1]; Fw[2] = f[2]; Fw[3] = f[3]; Fw[4] = f[4];
-      Iw[0] = c[0]; Iw[1] = c[1]; Iw[2] = c[2]; Iw[3] = c[3];
-      Iw[4] = made ? node_base + w : -1; Iw[5] = up; Iw[6] = c[5];
-      tp[w * 2 + 0] = c[2]; tp[w * 2 + 1] = up; nlp[w] = f[5];
       OASR_CTC_SYNC();
     }
     OASR_CTC_SYNC();  // the new beam is written before the next frame reads it

@@ -1,9 +1,10 @@
-"""The WFST decoder on CUDA, the tensor search and the fused kernel: the same one-best (words,
-word frames, cost) as on the CPU and as kaldi-decoder's FasterDecoder, batched and streaming.
-Run with ``pytest -m gpu``."""
+"""The WFST decoder on CUDA, the tensor search and (with ``OASR_WFST_FUSED=1``) the fused
+kernel: the same one-best (words, word frames, cost) as on the CPU and as kaldi-decoder's
+FasterDecoder, batched and streaming. Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+# the fused kernel has not run on a real GPU yet: compared only when asked for
+FUSED = os.environ.get("OASR_WFST_FUSED") == "1"
 
 
 @pytest.fixture(autouse=True)
@@ -60,10 +63,10 @@ def test_toy_graph_cuda_equals_cpu_and_kaldi(opts):
     cpu = WfstDecoder(graph, "cpu", opts).decode(lp, lengths)
     dec = WfstDecoder(graph, "cuda", opts)
     tensor = dec.decode(lp.cuda(), lengths, fused=False)
-    fused = dec.decode(lp.cuda(), lengths, fused=True)
     _same(tensor, cpu)
-    _same(fused, cpu)
-    _kaldi_check(graph, lp, lengths, opts, fused)
+    _kaldi_check(graph, lp, lengths, opts, tensor)
+    if FUSED:
+        _same(dec.decode(lp.cuda(), lengths, fused=True), cpu)
 
 
 def test_realistic_graph_cuda_batch_and_streaming():
@@ -79,7 +82,8 @@ def test_realistic_graph_cuda_batch_and_streaming():
     dec = WfstDecoder(graph, "cuda", opts)
     offline = dec.decode(lp.cuda(), lengths, fused=False)
     _same(offline, WfstDecoder(graph, "cpu", opts).decode(lp, lengths))
-    _same(dec.decode(lp.cuda(), lengths, fused=True), offline)
+    if FUSED:
+        _same(dec.decode(lp.cuda(), lengths, fused=True), offline)
     state = dec.init_state(8)
     done = np.zeros(8, dtype=int)
     rng = np.random.default_rng(1)

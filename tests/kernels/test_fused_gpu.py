@@ -38,9 +38,15 @@ CONV_TOL = {
 
 
 @pytest.fixture(autouse=True)
-def kernels():
-    """The provider installed, the override table restored afterwards."""
+def kernels(monkeypatch):
+    """The provider installed, the override table restored afterwards. Every kernel on: some
+    are off by default until autotune measures a win on the running GPU (``USE_BY_DEFAULT``),
+    but these tests check what each computes; no autotune cache is read."""
+    from oasr_kernels import fused
     from oasr_kernels.provider import install
+
+    monkeypatch.setenv("OASR_AUTOTUNE", "0")
+    monkeypatch.setattr(fused, "USE_BY_DEFAULT", dict.fromkeys(fused.USE_BY_DEFAULT, True))
 
     before = L.list_overrides()
     install("cuda")
@@ -288,6 +294,7 @@ def test_autotune_writes_cache_that_launches_read(tmp_path, monkeypatch) -> None
 
     path = tmp_path / "tune.json"
     monkeypatch.setenv("OASR_AUTOTUNE_CACHE", str(path))
+    monkeypatch.setenv("OASR_AUTOTUNE", "1")  # the fixture turned cache reads off
     tune.clear_memory_cache()
     report = tune.autotune(ops=["add_norm", "glu_depthwise_conv1d", "paged_prefill_attention"],
                            shapes={"add_norm": [{"rows": 512, "dim": 1280}],

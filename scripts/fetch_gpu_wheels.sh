@@ -22,10 +22,15 @@ PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3
     platformdirs==4.14.9
 # fastapi imports its telemetry hooks (opentelemetry-api) and annotated-doc at import
 "${PIP[@]}" opentelemetry-api==1.45.2 annotated-doc importlib-metadata zipp
-# tests/wfst and benchmarks/wfstbench: kaldifst builds the graphs, kaldi-decoder is the reference,
-# the pocketsphinx wheel carries the US English trigram LM (the same file as Debian's
-# pocketsphinx-en-us; 5.0.4 is the newest with a cp312 wheel)
-"${PIP[@]}" kaldifst==1.8.3 kaldi-decoder==0.3.2 pocketsphinx==5.0.4
+# tests/wfst and benchmarks/wfstbench: kaldifst builds the graphs, kaldi-decoder is the reference
+"${PIP[@]}" kaldifst==1.8.3 kaldi-decoder==0.3.2
+# the pocketsphinx wheel (29 MB) carries the US English trigram LM of the realistic WFST graph (the
+# same file as Debian's pocketsphinx-en-us; 5.0.4 is the newest with a cp312 wheel). It goes to
+# .whl-lm/: with PyAV, .whl/ and the tree already come close to the device tool's 64 MiB carry, so
+# a call carries one or the other (gpu_check.sh installs every .whl*/ folder it is given)
+mkdir -p .whl-lm
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d .whl-lm pocketsphinx==5.0.4
 # openai-whisper is published as a source archive only: build its wheel here
 python3 -m pip wheel -q --no-deps openai-whisper==20250625 -w .whl
-du -sh .whl
+du -sh .whl .whl-lm

@@ -14,9 +14,11 @@ WHAT=${1:-all}
 OUT=${OUT:-/tmp/oasr-gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-deps --upgrade --target /tmp/wheels .whl/*.whl 2>&1 | grep -v WARNING
-fi
+for dir in .whl .whl-lm; do  # whichever of scripts/fetch_gpu_wheels.sh's folders were carried
+    if ls "$dir"/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-deps --upgrade --target /tmp/wheels "$dir"/*.whl 2>&1 | grep -v WARNING
+    fi
+done
 site_for() {  # PYTHONPATH exposing the distributions of source tree $1
     "$PY" "$1/scripts/dev_site.py" "/tmp/site-$(basename "$1")"
 }

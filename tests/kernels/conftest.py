@@ -55,3 +55,23 @@ def install_fake(
         monkeypatch.syspath_prepend(str(site))
 
     return install
+
+
+@pytest.fixture(scope="session")
+def cxx20(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """g++ with C++20 ``<barrier>`` / ``<bit>`` and ``_Float16``, which the host emulation of the
+    CUDA sources needs; skips the test without one."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    work = tmp_path_factory.mktemp("cxx20_probe")
+    probe = work / "probe.cpp"
+    probe.write_text("#include <barrier>\n#include <bit>\nint main() { _Float16 h = 1; "
+                     "return std::bit_cast<unsigned short>(h) == 0; }\n")  # fmt: skip
+    if subprocess.run([cxx, "-std=c++20", str(probe), "-o", str(work / "probe")],
+                      capture_output=True).returncode:  # fmt: skip
+        pytest.skip("g++ without C++20 <barrier>/<bit> or _Float16")
+    return cxx

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -44,18 +43,11 @@ def _translate(source: str, common: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory: pytest.TempPathFactory):
+def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
     from oasr_kernels import fused as fused_module
 
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("needs g++")
+    cxx = cxx20
     work = tmp_path_factory.mktemp("emu_fused")
-    probe = work / "probe.cpp"
-    probe.write_text("#include <barrier>\n#include <bit>\nint main() { _Float16 h = 1; "
-                     "return std::bit_cast<unsigned short>(h) == 0; }\n")  # fmt: skip
-    if subprocess.run([cxx, "-std=c++20", str(probe), "-o", str(work / "probe")], capture_output=True).returncode:
-        pytest.skip("g++ without C++20 <barrier>/<bit> or _Float16")
     csrc = Path(fused_module.__file__).parent / "csrc"
     body = _translate((csrc / "common.cuh").read_text(), common=True) + "\n"
     names: list[str] = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,17 +44,9 @@ def _translate(source: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory: pytest.TempPathFactory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("needs g++")
+def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
+    cxx = cxx20
     work = tmp_path_factory.mktemp("emu")
-    probe = work / "probe.cpp"
-    probe.write_text("#include <barrier>\n#include <bit>\nint main() { _Float16 h = 1; "
-                     "return std::bit_cast<unsigned short>(h) == 0; }\n")  # fmt: skip
-    if subprocess.run([cxx, "-std=c++20", str(probe), "-o", str(work / "probe")],
-                      capture_output=True).returncode:  # fmt: skip
-        pytest.skip("g++ without C++20 <barrier>/<bit> or _Float16")
     table = ",\n".join(
         f'{{"{name}", [](const char*, {PARAMS}, unsigned gx, unsigned gy, unsigned t, unsigned m) '
         f"{{ emu_launch(gx, gy, t, m, oasr_pda_smem, [=] {{ {name}({ARGS}); }}); }}}}"

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from oasr_kernels.jit import torch_stream
+
 __all__ = [
     "HEAD_DIMS", "MAX_KEYS", "launch_config", "paged_decode_attention_cuda", "unsupported_reason",
 ]  # fmt: skip
@@ -40,7 +42,6 @@ _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _lock = threading.Lock()
 _module: Any = None
 _kernels: dict[tuple[str, int, int], Any] = {}  # (dtype tag, head dim, device index) -> RawKernel
-_streams: dict[int, Any] = {}
 _disabled: list[str] = []  # why the kernel was turned off for this process (compile failure)
 _warned_capture: list[bool] = []
 _local = threading.local()  # .ready: kernels this thread has launched outside graph capture
@@ -110,33 +111,6 @@ def _kernel(tag: str, head_dim: int, device_index: int) -> Any:
     return kernel
 
 
-class _StreamHandle:
-    """A raw stream pointer in the CUDA stream protocol (``cupy.cuda.Stream.from_external``)."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-def _stream(device: torch.device) -> Any:
-    """CuPy's view of torch's current stream (the launch must be ordered with torch's work,
-    and inside ``torch.cuda.graph`` that stream is the one being captured)."""
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    stream = _streams.get(ptr)
-    if stream is None:
-        import cupy
-
-        from_external = getattr(cupy.cuda.Stream, "from_external", None)
-        if from_external is not None:  # CuPy >= 14 (ExternalStream is deprecated there)
-            stream = from_external(_StreamHandle(ptr))
-        else:
-            stream = cupy.cuda.ExternalStream(ptr, device.index)
-        _streams[ptr] = stream
-    return stream
-
-
 def launch_config(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   block_tables: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
                   scale: float | None) -> tuple[str, tuple, tuple, tuple, int]:  # fmt: skip
@@ -198,10 +172,10 @@ def paged_decode_attention_cuda(
     # Asynchronous: no host synchronisation, nothing read back, so the launch is capturable.
     try:
         if device.index == torch.cuda.current_device():
-            _kernel(*key)(grid, block, args, shared_mem=smem, stream=_stream(device))
+            _kernel(*key)(grid, block, args, shared_mem=smem, stream=torch_stream(device))
         else:  # CuPy compiles, loads and launches on its current device
             with torch.cuda.device(device):
-                _kernel(*key)(grid, block, args, shared_mem=smem, stream=_stream(device))
+                _kernel(*key)(grid, block, args, shared_mem=smem, stream=torch_stream(device))
     except Exception as exc:  # noqa: BLE001 - never stop inference for a kernel
         if not first:
             raise  # it ran before: a real launch failure, not a missing compiler

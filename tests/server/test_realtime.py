@@ -392,6 +392,11 @@ def test_realtime_work_shares_the_engine_queue(client_for, kit) -> None:
             files = {"file": ("a.wav", kit.wav_bytes(2.0), "audio/wav")}
             results.append(client.post("/v1/audio/transcriptions", files=files))
 
+        # the warm-up call released the semaphore too: without draining it, the acquire below
+        # could return before the first request reached the model, and that request would then
+        # share a batch with the turn (a flaky [2, 1] on a slow CI box)
+        while model.calls_started.acquire(blocking=False):
+            pass
         first = threading.Thread(target=post)
         first.start()
         assert model.calls_started.acquire(timeout=10)

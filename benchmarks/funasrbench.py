@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="auto", help="OASR dtype (auto: fp16 on CUDA, fp32 on CPU)")
     ap.add_argument("--no-funasr", action="store_true", help="OASR only")
     ap.add_argument("--ckpt-dir", default=None, help="an existing release instead of a random one")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time the stages and profile one OASR call (top operators to "
+                         "stderr and in the JSON)")  # fmt: skip
+    ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args(argv)
 
     import torch
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["oasr_seconds"] = round(t, 4)
         out["oasr_rtfx"] = round(audio_s / t, 1)
         out["oasr_chars"] = sum(len(x) for x in texts)
+        if args.profile:
+            out["stages"] = stages(model, waves, args)
         engine = ASREngine(cfg, model=model)
         try:
             t = _best(lambda: engine.transcribe_arrays(waves, opts), args.repeats, args.device)
@@ -156,8 +162,30 @@ def main(argv: list[str] | None = None) -> dict:
                     out["texts_equal_funasr"] = sum(
                         a == b for a, b in zip(texts, ref_texts, strict=False)
                     )
-    print(json.dumps(out, indent=2, ensure_ascii=False))
+    text = json.dumps(out, indent=2, ensure_ascii=False)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n", encoding="utf-8")
     return out
+
+
+def stages(model, waves: list[np.ndarray], args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """Where one call's time goes: features alone, features + encoder, features + encoder +
+    predictor and CIF, the whole call; and a torch-profiler breakdown of one call."""
+    import torch
+
+    from benchmarks.profiling import profile_call
+    from oasr.types import DecodingOptions
+
+    opts = DecodingOptions()
+    with torch.no_grad():
+        feats_s = _best(lambda: model.features(waves), args.repeats, args.device)
+        enc_s = _best(lambda: model.encode(*model.features(waves)), args.repeats, args.device)
+        whole_s = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
+        prof = profile_call(lambda: model.transcribe(waves, opts), args.device)
+    return {"features_s": round(feats_s, 4), "encoder_s": round(enc_s - feats_s, 4),
+            "cif_decoder_rest_s": round(whole_s - enc_s, 4), "profile": prof}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ exactly ``--tokens`` tokens per request: end-of-sequence is never sampled), gree
     python -m benchmarks.qwenbench                          # GPU: the 7B shapes, bf16, 30 s inputs
     python -m benchmarks.qwenbench --profile smoke          # CPU, tiny shapes, seconds
     python -m benchmarks.qwenbench --batch-sizes 1,32 --tokens 100 --json out.json
+    python -m benchmarks.qwenbench --batch-sizes 32 --torch-profile --json out.json   # where time goes
 
 Per batch size: wall seconds of the whole batch (features + encoder + prefill + decode), tokens
 per second, time to first token (batch 1: the first streamed text for OASR, a one-token
@@ -172,6 +173,67 @@ def run_oasr(engine: Any, waves: list[np.ndarray], tokens: int, device: str) -> 
     return {"wall_s": wall, "tokens": sum(len(i) for i in ids), "peak_gib": _peak(device), "token_ids": ids}
 
 
+def run_oasr_here(engine: Any, waves: list[np.ndarray], tokens: int) -> None:
+    """:func:`run_oasr` with the scheduler's steps driven in this thread (the profiler records
+    the host operators of the thread it runs in; the engine's own thread is stopped for it)."""
+    from oasr.types import DecodingOptions
+
+    sched = engine.scheduler
+    sched.stop()
+    options = DecodingOptions(max_new_tokens=tokens).validate_for(engine.model)
+    futures = sched.submit_many(list(waves), options)
+    sched.run_until_idle()
+    for f in futures:
+        f.result()
+
+
+#: the executor's and the driver's methods timed per phase by ``--torch-profile`` (nested:
+#: ``decode_steps`` and ``prefill`` include the ``sampling`` inside them)
+PHASES = (("executor", "_begin", "begin"), ("driver", "encoder_inputs", "features"),
+          ("step_model", "encode", "encoder"), ("executor", "_start_ready", "prefill"),
+          ("executor", "_decode_step", "decode_steps"), ("executor", "_sample", "sampling"))  # fmt: skip
+
+
+def phase_split(engine: Any, waves: list[np.ndarray], tokens: int, device: str) -> dict[str, Any]:
+    """One OASR call with its phases timed (synchronised before and after each): seconds and
+    calls per phase (``PHASES``) and the call's wall time."""
+    ex = engine.scheduler.executor
+    owners = {"executor": ex, "driver": ex.driver, "step_model": ex.step_model}
+    totals: dict[str, list[float]] = {name: [0.0, 0] for _, _, name in PHASES}
+    saved = []
+
+    def timed(fn: Any, name: str) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _sync(device)
+                totals[name][0] += time.perf_counter() - t0
+                totals[name][1] += 1
+
+        return run
+
+    for owner, attr, name in PHASES:
+        obj = owners[owner]
+        saved.append((obj, attr, obj.__dict__.get(attr)))
+        setattr(obj, attr, timed(getattr(obj, attr), name))
+    try:
+        wall = run_oasr(engine, waves, tokens, device)["wall_s"]
+    finally:
+        for obj, attr, old in saved:
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+    out: dict[str, Any] = {"batch": len(waves), "wall_s": round(wall, 4)}
+    for name, (secs, calls) in totals.items():
+        out[f"{name}_s"], out[f"{name}_calls"] = round(secs, 4), int(calls)
+    out["decode_per_step_ms"] = round(1e3 * totals["decode_steps"][0] / max(1, totals["decode_steps"][1]), 3)
+    return out
+
+
 def ttft(engine: Any, hf: Any, processor: Any, wave: np.ndarray, device: str) -> tuple[float, float]:
     from oasr.types import DecodingOptions
 
@@ -196,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tokens", type=int, help="generated tokens per request")
     p.add_argument("--seconds", type=float, help="audio seconds per request (<= 30)")
     p.add_argument("--json", type=Path, help="also write the report here")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="also split one OASR call at the largest batch size by phase and profile one")
     args = p.parse_args(argv)
     prof = PROFILES[args.profile]
     shape, device = args.shape or prof["shape"], args.device or prof["device"]
@@ -245,6 +309,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     row["oasr_ttft_s"], row["transformers_ttft_s"] = round(o_ttft, 4), round(h_ttft, 4)
                 report["results"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
+            if args.torch_profile:
+                from benchmarks.profiling import profile_call
+
+                batch = waves[: max(sizes)]
+                report["phases"] = phase_split(engine, batch, tokens, device)
+                print(json.dumps(report["phases"]), file=sys.stderr, flush=True)
+                report["torch_profile"] = profile_call(lambda: run_oasr_here(engine, batch, tokens), device,
+                                                       rows=25)  # fmt: skip
             ex = engine.scheduler.executor
             report["graph_replays"] = ex.stats["graph_replays"]
             report["oasr_kv_pool_gib"] = round(ex.memory_bytes / 2**30, 2)

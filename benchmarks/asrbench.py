@@ -18,7 +18,8 @@
                                                             # faster-whisper (benchmarks/cpubench.py)
     python -m benchmarks.asrbench --backend oasr_server    # 64 uploads at c=16 + 2 realtime streams
     python -m benchmarks.asrbench --workload ctc --device cuda   # ctc | wfst | quant | kernels |
-                                  # icefall | nemo | funasr | qwen | ray: that benchmark module
+                                  # icefall | nemo | funasr | qwen | ray | serverstream: that
+                                  # benchmark module
 
 The synthetic workload (``benchmarks/synthetic.py``) compares OASR's engine with
 ``transformers`` on random weights and a forced decode length, so both sides do identical work:
@@ -177,6 +178,7 @@ DELEGATED_WORKLOADS = {
     "funasr": "funasrbench",
     "qwen": "qwenbench",
     "ray": "raybench",  # N Ray Serve replicas vs 1 (issue #25)
+    "serverstream": "serverstreambench",  # N realtime streams + uploads through oasr-server (#20)
 }
 
 

@@ -160,8 +160,6 @@ class Resampler:
     """
 
     def __init__(self, src_rate: int, dst_rate: int) -> None:
-        import av
-
         if not (MIN_RATE <= src_rate <= MAX_RATE and MIN_RATE <= dst_rate <= MAX_RATE):
             raise BadAudioError(
                 f"cannot resample {src_rate} Hz -> {dst_rate} Hz; rates must be in "
@@ -170,11 +168,11 @@ class Resampler:
         self.src_rate = int(src_rate)
         self.dst_rate = int(dst_rate)
         self._identity = self.src_rate == self.dst_rate
-        self._rs = (
-            None
-            if self._identity
-            else av.AudioResampler(format="flt", layout="mono", rate=self.dst_rate)
-        )
+        self._rs = None
+        if not self._identity:  # equal rates pass through: no PyAV needed
+            import av
+
+            self._rs = av.AudioResampler(format="flt", layout="mono", rate=self.dst_rate)
 
     def _pull(self, frames: list[Any]) -> np.ndarray:
         if not frames:

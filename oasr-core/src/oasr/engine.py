@@ -142,7 +142,8 @@ class ASREngine:
         if config.service_mode == "streaming":
             from oasr.streaming import StreamingScheduler
 
-            self.streaming = StreamingScheduler(self.model, max_batch_size=config.max_batch_size)  # type: ignore[arg-type]
+            self.streaming = StreamingScheduler(self.model, max_batch_size=config.max_batch_size,  # type: ignore[arg-type]
+                                                max_batch_wait_s=self.scheduler_config.stream_batch_wait_s)
 
     # -- the request scheduler -------------------------------------------------------------------
     @property

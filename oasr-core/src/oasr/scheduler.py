@@ -99,10 +99,16 @@ class SchedulerConfig:
     #: later steps, so one step stays short whatever was admitted (None: the family's default,
     #: Whisper 30 s on CPU, 3600 s on CUDA)
     gate_seconds_per_step: float | None = None
+    #: streaming engines: longest a streaming step holds to fill its batch, in seconds from the
+    #: oldest ready chunk (``StreamingScheduler.max_batch_wait_s``; 0: never holds; a few ms pay
+    #: off on a GPU, where a step's cost hardly grows with its batch)
+    stream_batch_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise InvalidRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        if not self.stream_batch_wait_s >= 0:
+            raise InvalidRequestError("stream_batch_wait_s must be >= 0", param="stream_batch_wait_s")
         if self.max_wait_steps < 0:
             raise InvalidRequestError("max_wait_steps must be >= 0", param="max_wait_steps")
         if self.gate_seconds_per_step is not None and not self.gate_seconds_per_step > 0:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from oasr.errors import EngineOverloadedError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StreamCachePool", "StreamContext"]
+__all__ = ["StepProfile", "StreamCachePool", "StreamContext"]
 
 
 @dataclass(eq=False)
@@ -228,8 +229,14 @@ class StreamCachePool:
 
     @property
     def blocks_in_use(self) -> int:
+        """Blocks held by live streams (a released stream's blocks return to the free list at
+        the next open or step, but they count as free from its release)."""
         with self._lock:
-            return max(0, self.num_blocks - 1 - len(self._free_blocks))
+            bs, pending = self.block_size, 0
+            for ctx in self._pending_free:
+                if ctx.slot in self._live and self._frame_shape is not None and ctx.length > ctx.start:
+                    pending += (ctx.length - 1) // bs - ctx.start // bs + 1
+            return max(0, self.num_blocks - 1 - len(self._free_blocks) - pending)
 
     def occupancy(self) -> dict[str, float]:
         """Gauges: live streams, slot capacity, blocks used / allocated, bytes allocated."""
@@ -394,3 +401,52 @@ class GraphSteps:
             graph.replay()
         self.stats["replays"] += 1
         return static_out
+
+
+class StepProfile:
+    """Host seconds spent in each phase of a family's batched streaming steps (a benchmark's
+    per-phase breakdown: ``python -m benchmarks.streambench --phases``).
+
+    A family that supports it has an attribute ``stream_profile`` (None: no timing); set it to a
+    ``StepProfile()`` and its ``stream_step`` adds to :attr:`seconds` by phase:
+
+    ``features`` audio appended, chunk windows planned, the batch's audio (and its host->device
+    copy) built; ``gather`` cache-pool index arithmetic (reserve, read / write rows) and its copy;
+    ``encoder`` the encoder call launched (a CUDA-graph replay, or the eager forward on the CPU);
+    ``wait`` the host waiting for the device's results (the one device->host copy of the step);
+    ``search`` CTC / transducer search on the results; ``scatter`` per-stream bookkeeping after the
+    call (pool advance, offsets, audio trimmed); ``results`` partial texts and final transcripts.
+    On CUDA the device work of features, gather, encoder and scatter all sits inside ``wait``."""
+
+    PHASES = ("features", "gather", "encoder", "wait", "search", "scatter", "results")
+
+    __slots__ = ("seconds", "steps", "rows", "calls", "_t")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        #: ``stream_step`` calls, stream rows they advanced, encoder calls they made
+        self.steps = 0
+        self.rows = 0
+        self.calls = 0
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last lap (or :meth:`start`) to ``phase``."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._t
+        self._t = now
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Seconds per phase, and per step (ms) / per stream row (us) for a report."""
+        steps, rows = max(self.steps, 1), max(self.rows, 1)
+        return {"steps": self.steps, "rows": self.rows, "encoder_calls": self.calls,
+                "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+                "ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in self.seconds.items()},
+                "us_per_row": {k: round(1e6 * v / rows, 3) for k, v in self.seconds.items()}}  # fmt: skip

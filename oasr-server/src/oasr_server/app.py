@@ -247,6 +247,7 @@ class ServerState:
                     scheduler_config = SchedulerConfig(
                         max_batch_size=engine_config.max_batch_size,
                         gate_seconds_per_step=self.config.gate_seconds_per_step,
+                        stream_batch_wait_s=self.config.stream_batch_wait_ms / 1000.0,
                     )
                     engine = ASREngine(engine_config, scheduler_config=scheduler_config)
             self.engine = engine

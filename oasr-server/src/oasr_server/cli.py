@@ -208,6 +208,16 @@ def serve_command(
             "requests being gated (default: 30 on CPU, 3600 on CUDA).",
         ),
     ] = None,
+    stream_batch_wait_ms: Annotated[
+        float,
+        typer.Option(
+            "--stream-batch-wait-ms",
+            min=0,
+            help="--service-mode streaming: a model step may wait up to this many ms (from the "
+            "oldest ready chunk) for more streams to become ready, to batch them (0: never "
+            "waits; a few ms pay off on a GPU).",
+        ),
+    ] = 0.0,
     stream_buffer_seconds: Annotated[
         float,
         typer.Option(
@@ -350,6 +360,7 @@ def serve_command(
             max_tokens_per_second=max_tokens_per_second,
             max_fallback_rounds=None if max_fallback_rounds < 0 else max_fallback_rounds,
             gate_seconds_per_step=gate_seconds_per_step,
+            stream_batch_wait_ms=stream_batch_wait_ms,
             max_pending_audio_seconds=max_pending_audio_seconds,
             upload_idle_timeout=upload_idle_timeout,
             upload_min_rate=upload_min_rate,

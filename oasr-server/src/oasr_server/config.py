@@ -95,6 +95,11 @@ class ServerConfig:
     #: step, summed over the requests being scanned (``SchedulerConfig.gate_seconds_per_step``;
     #: None: the family's default, Whisper 30 s on CPU and 3600 s on CUDA)
     gate_seconds_per_step: float | None = None
+    #: ``--service-mode streaming``: longest a streaming step holds (milliseconds, from the
+    #: oldest ready chunk) for more streams to become ready, so that one model call serves more
+    #: of them (``SchedulerConfig.stream_batch_wait_s``). 0: a step runs as soon as any stream
+    #: is ready. A hold adds at most this much to a chunk's latency; a few ms pay off on a GPU.
+    stream_batch_wait_ms: float = 0.0
     stream_buffer_seconds: float = 600.0
     #: The same bound in bytes of buffered audio (float32 at the model's rate: 64 KB per second
     #: at 16 kHz); the smaller of the two applies.
@@ -152,6 +157,10 @@ class ServerConfig:
         if self.gate_seconds_per_step is not None and not self.gate_seconds_per_step > 0:
             raise InvalidRequestError(
                 "gate_seconds_per_step must be > 0", param="gate_seconds_per_step"
+            )
+        if not self.stream_batch_wait_ms >= 0:
+            raise InvalidRequestError(
+                "stream_batch_wait_ms must be >= 0", param="stream_batch_wait_ms"
             )
         if self.decode_threads < 1:
             raise InvalidRequestError("decode_threads must be >= 1", param="decode_threads")

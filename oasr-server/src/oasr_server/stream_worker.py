@@ -9,6 +9,11 @@ model call, so concurrent streams share the model's batch. Every ``StreamOutput`
 its stream's event loop with ``loop.call_soon_threadsafe``: partial hypotheses to the stream's
 ``on_partial`` callback, the final transcript (or an error) to its ``final`` future.
 
+A step may *hold* to fill its batch (``--stream-batch-wait-ms``, the scheduler's
+``max_batch_wait_s``): it advances nothing while fewer than a full batch of streams are ready and
+the oldest ready chunk has waited less than the hold. The loop then sleeps until the hold ends or
+a command arrives (new audio may complete the batch), and steps again.
+
 All streaming engine calls (``add_streaming_request``, ``feed_chunk``, ``step``, ``abort``) are
 made from this one thread: whatever the engine promises about threads, nothing here needs it.
 A stream leaves the engine when its final result arrives, when it is aborted (the client
@@ -148,10 +153,13 @@ class StreamingEngineLoop:
     # -- loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
         settle_torch_threads()
-        busy = False
+        busy, hold = False, 0.0
         while True:
             with self._cond:
                 while not self._commands and not busy and not self._stopping:
+                    if hold > 0:  # the step held to fill its batch: step again when it ends
+                        self._cond.wait(hold)
+                        break
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
@@ -165,9 +173,10 @@ class StreamingEngineLoop:
                 break
             try:
                 busy = self._step()
+                hold = 0.0 if busy else self._hold_remaining()
             except BaseException:  # noqa: BLE001
                 log.exception("streaming engine loop: unexpected failure")
-                busy = False
+                busy, hold = False, 0.0
         from oasr_server.errors import NotReadyError
 
         for stream in list(self._live.values()):
@@ -226,6 +235,14 @@ class StreamingEngineLoop:
                 self._release(stream)
             self._send(stream, output=out)
         return bool(outputs)
+
+    def _hold_remaining(self) -> float:
+        """Seconds the engine's last step holds to fill its batch (``max_batch_wait_s``; 0: it
+        did not hold). New commands end the wait early: the next step decides again."""
+        if not self._live:
+            return 0.0
+        hold = getattr(getattr(self.engine, "streaming", None), "hold_remaining", None)
+        return float(hold()) if hold is not None else 0.0
 
     def _step_failed(self, exc: BaseException) -> None:
         # the engine ends the streams whose chunk was in the failed call; the others go on (if it

@@ -1,0 +1,744 @@
+"""Realtime streams at scale through the real ``oasr-server`` process, beside the in-process
+streaming engine (issue #20, the server part).
+
+    python -m benchmarks.serverstreambench --profile smoke                  # CPU, < 60 s
+    python -m benchmarks.asrbench --workload serverstream --streams 16 --uploads 4
+    python -m benchmarks.serverstreambench --shape medium --device cuda --streams 500 \
+        --seconds 10 --uploads 32 --batch-wait-ms 5 --clients 4 --json out.json
+
+Model: a streaming WeNet Conformer, as ``benchmarks/streambench.py`` builds it (``--shape small``:
+the bundled random-weight ``tests/data/wenet/u2pp_conformer``; ``medium``: WeNet's usual recipe
+size with seeded random weights) or any streaming WeNet directory (``--ckpt-dir``). When the
+shape is built here or ``--model-chunk-ms`` changes the model's chunk, the model is written in
+OASR's native format to a temporary directory (its streaming chunk travels in the saved decoding
+defaults), and the server and the reference engine both load that directory.
+
+1. Audio: stream ``i`` gets ``--seconds`` of real speech (``streambench.stream_audio``: the
+   ``tests/data/speech`` clips looped from its own offset) at the model's rate, quantised to
+   pcm16 as it travels; each upload is a 16-bit WAV of another stretch (``--upload-seconds``).
+2. Reference: one in-process ``ASREngine(service_mode="streaming")`` on the same checkpoint and
+   device is fed every stream's audio in the client's chunks (``--chunk-ms``), stepping after each
+   chunk until nothing is ready: the chunk after which each model step happens, the step's text
+   (the partial hypotheses) and the final text, per stream. Uploads: ``engine.submit`` of the
+   same samples (the server's upload path).
+3. ``oasr-server --service-mode streaming`` starts as a separate process on a free loopback port
+   (``--max-streams`` N, ``--max-batch-size`` N so one step may serve every stream,
+   ``--stream-batch-wait-ms``).
+4. ``--clients`` client processes (spawned; one asyncio loop and the ``websockets`` client each)
+   open N ``/v1/realtime`` sessions (manual turns: ``turn_detection`` null, pcm16 at the model's
+   rate), then all start at one instant: stream ``i`` sends chunk ``k`` (base64 in an
+   ``input_audio_buffer.append``) when its audio has "happened" (``t0 + phase_i + (k+1) x
+   chunk``; phases spread over one chunk), then commits the turn and waits for its
+   ``...transcription.completed``. One second in, ``--uploads`` WAV uploads go to
+   ``/v1/audio/transcriptions`` all at once (threads, ``oasr.client.OASRClient``).
+   With ``--warmup-rounds`` (default 1 on CUDA: the streaming CUDA graphs and the cache pool
+   are made on first use) the whole workload runs that many times first, unmeasured.
+
+Reported:
+  partial latency  a delta event's arrival - the send of the chunk after which the reference
+                   made the step whose text the delta completes (the delta's text so far equals
+                   that step's text); p50 / p90 / p99 / max over all deltas of all streams
+  final latency    the transcript's arrival - the commit (sent right after the last chunk)
+  send lag         how late the clients sent chunks against their schedule (p99, max): a large
+                   lag means the client side, not the server, was the limit
+  checks           every stream's final transcript == the reference's, every delta's text a
+                   reference partial, in order; every upload 200 with the reference's text; no
+                   stream, engine stream, cache block, queue entry or request left over
+                   (``/metrics``)
+  held             checks pass and partial p99 <= ``--p99-target-ms`` (default 150: issue #20)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import wave
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+DELTA = "conversation.item.input_audio_transcription.delta"
+COMMIT = json.dumps({"type": "input_audio_buffer.commit"})
+
+
+@dataclass
+class Report:
+    streams: int
+    seconds: float
+    chunk_ms: float
+    model_chunk_ms: float
+    uploads: int
+    clients: int
+    device: str
+    batch_wait_ms: float
+    wall_s: float
+    partial_latency_p50_ms: float
+    partial_latency_p90_ms: float
+    partial_latency_p99_ms: float
+    partial_latency_max_ms: float
+    final_latency_p50_ms: float
+    final_latency_p99_ms: float
+    final_latency_max_ms: float
+    send_lag_p99_ms: float
+    send_lag_max_ms: float
+    upload_latency_p50_s: float
+    upload_latency_max_s: float
+    partials_measured: int
+    finals_equal: int
+    uploads_equal: int
+    p99_target_ms: float
+    held: bool
+    server_steps: dict[str, float] = field(default_factory=dict)
+    leftover: dict[str, float] = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
+
+
+# -- checkpoint and audio --------------------------------------------------------------------------
+def prepare_checkpoint(ckpt_dir: str | None, shape: str, model_chunk_ms: float | None,
+                       dst: Path) -> str:  # fmt: skip
+    """The directory the server and the reference load: ``ckpt_dir`` itself when nothing changes,
+    else the model (``streambench.load_stream_model``) with its streaming chunk set to
+    ``model_chunk_ms`` written in the native format under ``dst``."""
+    if ckpt_dir and model_chunk_ms is None:
+        return ckpt_dir
+    from benchmarks.streambench import DEFAULT_CKPT, load_stream_model
+
+    if shape == "small" and not ckpt_dir and model_chunk_ms is None:
+        return str(DEFAULT_CKPT)
+    model = load_stream_model(ckpt_dir, shape, "cpu", "float32")
+    if model_chunk_ms is not None:
+        model.chunk_size = max(1, round(model_chunk_ms / (model.frame_shift * 1000)))
+    model.save_native(dst)
+    return str(dst)
+
+
+def stream_pcm(i: int, seconds: float, sr: int) -> np.ndarray:
+    """Stream ``i``'s audio as pcm16 samples (what travels)."""
+    from benchmarks.streambench import stream_audio
+
+    x = stream_audio(i, seconds, sr)
+    return np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2")
+
+
+def wav_bytes(pcm: np.ndarray, sr: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def upload_pcm(k: int, seconds: float, sr: int) -> np.ndarray:
+    return stream_pcm(100_000 + 7 * k, seconds, sr)
+
+
+# -- the in-process reference ----------------------------------------------------------------------
+@dataclass
+class StreamRef:
+    #: per model step before the final: (chunk index after which it ran, its text)
+    partials: list[tuple[int, str]]
+    final: str
+
+
+def reference(ckpt: str, device: str, threads: int, streams: list[np.ndarray], chunk: int,
+              uploads: list[np.ndarray]) -> tuple[list[StreamRef], list[str], int]:  # fmt: skip
+    """The in-process streaming engine on the same audio, fed in the client's chunks; returns the
+    per-stream references, the upload texts and the model's sample rate."""
+    import torch
+
+    from oasr.engine import ASREngine
+    from oasr.types import DecodingOptions, EngineConfig
+
+    torch.set_num_threads(threads)
+    engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, service_mode="streaming",
+                                    max_batch_size=max(1, len(streams)), num_threads=threads))  # fmt: skip
+    try:
+        waves = [s.astype(np.float32) / 32768.0 for s in streams]
+        rids = [
+            engine.add_streaming_request(DecodingOptions(), request_id=f"s{i}")
+            for i in range(len(waves))
+        ]
+        refs = [StreamRef([], "") for _ in waves]
+        chunks = max(-(-len(w) // chunk) for w in waves)
+
+        def drain(k: int) -> None:
+            while True:
+                outs = engine.step()
+                if not outs:
+                    return
+                for o in outs:
+                    r = refs[int(o.request_id[1:])]
+                    if o.is_final:
+                        r.final = o.text
+                    else:
+                        r.partials.append((k, o.text))
+
+        for k in range(chunks):
+            for i, w in enumerate(waves):
+                if k * chunk < len(w):
+                    engine.feed_chunk(rids[i], w[k * chunk : (k + 1) * chunk])
+            drain(k)
+            for i, w in enumerate(waves):  # the commit follows the last chunk
+                if (k + 1) * chunk >= len(w) > k * chunk:
+                    engine.feed_chunk(rids[i], None, is_last=True)
+            drain(k)
+        for rid in rids:
+            engine.streaming.release(rid)
+        futures = [engine.submit(u.astype(np.float32) / 32768.0) for u in uploads]
+        upload_texts = [f.result().text for f in futures]
+        sr = engine.sample_rate
+    finally:
+        engine.shutdown()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return refs, upload_texts, sr
+
+
+# -- the server ------------------------------------------------------------------------------------
+def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: int, uploads: int,
+                 batch_wait_ms: float, log_level: str = "warning") -> subprocess.Popen:  # fmt: skip
+    cmd = [
+        sys.executable, "-c", "from oasr_server.cli import main; main()",
+        "--ckpt-dir", ckpt, "--device", device, "--threads", str(threads),
+        "--service-mode", "streaming", "--http-bind", f"127.0.0.1:{port}",
+        "--max-streams", str(streams + 8), "--max-batch-size", str(max(16, streams)),
+        "--max-queue", str(max(64, 2 * uploads)), "--stream-batch-wait-ms", str(batch_wait_ms),
+        "--no-demo", "--log-level", log_level,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OASR_")}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"oasr-server exited with {proc.returncode}: {err[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("oasr-server did not become ready")
+
+
+def read_metrics(base: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+# -- clients (spawned processes) -------------------------------------------------------------------
+def _client_main(conn: Any, port: int, ids: list[int], seconds: float, sr: int, chunk: int,
+                 n_total: int) -> None:  # fmt: skip
+    """One client process: builds its streams' messages, then runs the rounds the parent asks
+    for (``("connect",)``, ``("go", t0)``, ``("stop",)``) and sends back each round's results."""
+    try:
+        asyncio.run(_client(conn, port, ids, seconds, sr, chunk, n_total))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+
+
+async def _client(conn: Any, port: int, ids: list[int], seconds: float, sr: int, chunk: int,
+                  n_total: int) -> None:  # fmt: skip
+    loop = asyncio.get_running_loop()
+    messages = {}
+    for i in ids:  # every append event is built before the clock starts
+        raw = stream_pcm(i, seconds, sr).tobytes()
+        messages[i] = [
+            json.dumps({"type": "input_audio_buffer.append",
+                        "audio": base64.b64encode(raw[o : o + 2 * chunk]).decode()})
+            for o in range(0, len(raw), 2 * chunk)
+        ]  # fmt: skip
+    chunk_s = chunk / sr
+    sem = asyncio.Semaphore(32)  # connections being opened at once
+    conn.send(("prepared", len(ids)))
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        if command[0] == "stop":
+            return
+
+        async def open_one(i: int) -> Any:
+            async with sem:
+                return await _open_session(port, sr)
+
+        sockets = await asyncio.gather(*(open_one(i) for i in ids), return_exceptions=True)
+        failed = [f"stream {i}: {type(s).__name__}: {s}" for i, s in zip(ids, sockets, strict=True)
+                  if isinstance(s, BaseException)]  # fmt: skip
+        conn.send(("connected", failed))
+        command = await loop.run_in_executor(None, conn.recv)
+        if command[0] != "go":
+            for ws in sockets:
+                if not isinstance(ws, BaseException):
+                    await ws.close()
+            return
+        t0 = command[1]
+        results = await asyncio.gather(*(
+            _run_session(ws, i, messages[i], t0 + chunk_s * i / n_total, chunk_s)
+            for i, ws in zip(ids, sockets, strict=True) if not isinstance(ws, BaseException)
+        ))  # fmt: skip
+        conn.send(("results", results))
+
+
+async def _open_session(port: int, sr: int) -> Any:
+    """A realtime session in manual-turn mode taking pcm16 at ``sr``, configured."""
+    from websockets.asyncio.client import connect
+
+    ws = await connect(f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription",
+                       subprotocols=["realtime"], open_timeout=120, max_size=None,
+                       compression=None, ping_interval=None, close_timeout=5)  # fmt: skip
+    try:
+        first = json.loads(await asyncio.wait_for(ws.recv(), 60))
+        if first.get("type") != "session.created":
+            raise RuntimeError(f"first event {first.get('type')!r}: {first}")
+        update = {
+            "input_audio_format": "pcm16",
+            "input_audio_sample_rate": sr,
+            "turn_detection": None,
+        }
+        await ws.send(json.dumps({"type": "session.update", "session": update}))
+        while True:  # the default session's server VAD may be unavailable: an error, then ours
+            event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            if event.get("type") == "session.updated":
+                if (event["session"].get("turn_detection") is None
+                        and event["session"].get("input_audio_sample_rate") == sr):  # fmt: skip
+                    return ws
+            elif event.get("type") == "error" and event["error"].get("code") != "vad_unavailable":
+                raise RuntimeError(f"session.update refused: {event['error']}")
+    except BaseException:
+        await ws.close()
+        raise
+
+
+async def _run_session(ws: Any, i: int, messages: list[str], start: float, chunk_s: float) -> dict:
+    """Send chunk k at ``start + (k + 1) x chunk_s``, commit, collect the events until the
+    transcript. Times are ``time.monotonic()`` (one clock for every process of the host)."""
+    out: dict[str, Any] = {"i": i, "due": [], "sent": [], "deltas": [], "final": None,
+                           "final_at": None, "commit": None, "errors": []}  # fmt: skip
+
+    async def receive() -> None:
+        text = ""
+        async for raw in ws:
+            now = time.monotonic()
+            event = json.loads(raw)
+            kind = event.get("type")
+            if kind == DELTA:
+                text += event["delta"]
+                out["deltas"].append((now, text))
+            elif kind == COMPLETED:
+                out["final"], out["final_at"] = event["transcript"], now
+                return
+            elif kind in ("error", "conversation.item.input_audio_transcription.failed"):
+                out["errors"].append(json.dumps(event.get("error"))[:300])
+                if kind != "error":
+                    return
+
+    receiver = asyncio.get_running_loop().create_task(receive())
+    try:
+        for k, message in enumerate(messages):
+            due = start + (k + 1) * chunk_s
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            out["due"].append(due)
+            out["sent"].append(time.monotonic())
+            await ws.send(message)
+        await ws.send(COMMIT)
+        out["commit"] = time.monotonic()
+        await asyncio.wait_for(asyncio.shield(receiver), 300)
+    except BaseException as exc:  # noqa: BLE001 - the stream is reported as failed
+        out["errors"].append(f"{type(exc).__name__}: {exc}")
+    finally:
+        receiver.cancel()
+        try:
+            await ws.close()
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+class Clients:
+    """``n`` spawned client processes sharing the streams round-robin."""
+
+    def __init__(
+        self, n: int, port: int, streams: int, seconds: float, sr: int, chunk: int
+    ) -> None:
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch / CUDA
+        self.conns, self.procs = [], []
+        for c in range(n):
+            ids = list(range(c, streams, n))
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_client_main, args=(child, port, ids, seconds, sr, chunk, streams),
+                            daemon=True)  # fmt: skip
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        for conn in self.conns:
+            self._expect(conn, "prepared", 300)
+
+    @staticmethod
+    def _expect(conn: Any, kind: str, timeout: float) -> Any:
+        if not conn.poll(timeout):
+            raise RuntimeError(f"a client process sent no {kind!r} within {timeout:g} s")
+        message = conn.recv()
+        if message[0] != kind:
+            raise RuntimeError(
+                f"a client process failed: {message[1] if len(message) > 1 else message}"
+            )
+        return message[1]
+
+    def round(self, timeout: float) -> tuple[list[dict], list[str]]:
+        """Connect every session, start them all at once, return every stream's record."""
+        for conn in self.conns:
+            conn.send(("connect",))
+        failed = [f for conn in self.conns for f in self._expect(conn, "connected", 300)]
+        t0 = time.monotonic() + 0.5
+        for conn in self.conns:
+            conn.send(("go", t0))
+        results = [r for conn in self.conns for r in self._expect(conn, "results", timeout)]
+        return sorted(results, key=lambda r: r["i"]), failed
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+
+
+# -- one run ---------------------------------------------------------------------------------------
+def _metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    from benchmarks.serverbench import metric
+
+    return metric(text, name, labels)
+
+
+def uploads_in_threads(base: str, blobs: list[bytes], delay: float) -> tuple[list, Any]:
+    """Start the uploads ``delay`` seconds from now, all at once, in threads; returns the list
+    that fills with ``(k, status, text, seconds)`` and the executor (shut it down to wait)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from oasr.client import OASRClient
+
+    answers: list[tuple[int, int, str, float]] = []
+    client = OASRClient(base, timeout=600)
+    start = time.monotonic() + delay
+
+    def one(k: int, blob: bytes) -> None:
+        time.sleep(max(0.0, start - time.monotonic()))
+        t = time.monotonic()
+        try:
+            body = client.transcribe(blob, filename=f"upload{k}.wav", response_format="json")
+            answers.append((k, 200, body["text"], time.monotonic() - t))
+        except Exception as exc:  # noqa: BLE001 - reported as a mismatch
+            answers.append(
+                (k, int(getattr(exc, "http_status", 0) or 0), str(exc)[:300], time.monotonic() - t)
+            )
+
+    pool = ThreadPoolExecutor(max(1, len(blobs)))
+    for k, blob in enumerate(blobs):
+        pool.submit(one, k, blob)
+    return answers, pool
+
+
+def check_stream(ref: StreamRef, rec: dict) -> tuple[list[float], list[str]]:
+    """Partial latencies of one stream's deltas and what did not match its reference."""
+    problems: list[str] = []
+    i = rec["i"]
+    if rec["errors"]:
+        problems.append(f"stream {i}: {rec['errors'][:3]}")
+    if rec["final"] is None:
+        problems.append(f"stream {i}: no transcript")
+    elif rec["final"] != ref.final:
+        problems.append(f"stream {i}: final {rec['final'][:80]!r} != engine {ref.final[:80]!r}")
+    lat: list[float] = []
+    k = 0  # next reference step that may match
+    for n, (at, text) in enumerate(rec["deltas"]):
+        j = next((m for m in range(k, len(ref.partials)) if ref.partials[m][1] == text), None)
+        if j is None:
+            last = n == len(rec["deltas"]) - 1
+            if not (last and text == ref.final and rec["final"] is not None):  # the final's rest
+                problems.append(
+                    f"stream {i}: delta text {text[:60]!r} is no partial of the engine's"
+                )
+            continue
+        k = j + 1
+        chunk = ref.partials[j][0]
+        if chunk < len(rec["sent"]):
+            lat.append(at - rec["sent"][chunk])
+    return lat, problems
+
+
+def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu",
+        streams: int = 16, seconds: float = 6.0, chunk_ms: float = 100.0,
+        model_chunk_ms: float | None = None, uploads: int = 4, upload_seconds: float = 4.0,
+        clients: int = 1, threads: int = 2, batch_wait_ms: float = 0.0, warmup_rounds: int = 0,
+        p99_target_ms: float = 150.0, log_level: str = "warning") -> Report:  # fmt: skip
+    from benchmarks.serverbench import free_port
+
+    with tempfile.TemporaryDirectory(prefix="oasr-serverstream-") as tmp:
+        ckpt = prepare_checkpoint(ckpt_dir, shape, model_chunk_ms, Path(tmp) / "model")
+        from oasr.checkpoint import load_model
+        from oasr.types import EngineConfig
+
+        probe = load_model(EngineConfig(ckpt_dir=ckpt))  # the model's rate and chunk (CPU)
+        sr = probe.feature_spec.sample_rate
+        model_chunk_s = probe.chunk_size * probe.frame_shift
+        del probe
+        chunk = max(1, int(round(chunk_ms * sr / 1000)))
+        pcm = [stream_pcm(i, seconds, sr) for i in range(streams)]
+        up_pcm = [upload_pcm(k, upload_seconds, sr) for k in range(uploads)]
+        refs, up_ref, _ = reference(ckpt, device, threads, pcm, chunk, up_pcm)
+        blobs = [wav_bytes(u, sr) for u in up_pcm]
+
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = start_server(ckpt, device=device, threads=threads, port=port, streams=streams,
+                            uploads=uploads, batch_wait_ms=batch_wait_ms, log_level=log_level)  # fmt: skip
+        group = None
+        try:
+            wait_ready(base, proc)
+            group = Clients(clients, port, streams, seconds, sr, chunk)
+            timeout = 120 + 4 * seconds
+            for _ in range(warmup_rounds):
+                answers, pool = uploads_in_threads(base, blobs, 1.0)
+                group.round(timeout)
+                pool.shutdown(wait=True)
+            before = read_metrics(base)
+            answers, pool = uploads_in_threads(base, blobs, 1.0)
+            t = time.monotonic()
+            records, failed = group.round(timeout)
+            pool.shutdown(wait=True)
+            wall = time.monotonic() - t
+            time.sleep(0.5)  # the server releases the sessions after their sockets close
+            after = read_metrics(base)
+        finally:
+            if group is not None:
+                group.close()
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    mismatches = list(failed)
+    if len(records) != streams:
+        mismatches.append(f"{len(records)} streams ran, expected {streams}")
+    partial_lat: list[float] = []
+    final_lat: list[float] = []
+    lags: list[float] = []
+    finals_equal = 0
+    for rec in records:
+        lat, problems = check_stream(refs[rec["i"]], rec)
+        partial_lat += lat
+        mismatches += problems
+        finals_equal += rec["final"] == refs[rec["i"]].final
+        if rec["final_at"] is not None and rec["commit"] is not None:
+            final_lat.append(rec["final_at"] - rec["commit"])
+        lags += [s - d for s, d in zip(rec["sent"], rec["due"], strict=True)]
+    uploads_equal = 0
+    if sorted(k for k, *_ in answers) != list(range(uploads)):
+        mismatches.append(f"{len(answers)} upload answers, expected {uploads}")
+    for k, status, text, _ in sorted(answers):
+        if status != 200:
+            mismatches.append(f"upload {k}: HTTP {status}: {text}")
+        elif text != up_ref[k]:
+            mismatches.append(f"upload {k}: {text[:80]!r} != engine {up_ref[k][:80]!r}")
+        else:
+            uploads_equal += 1
+    leftover = {
+        "oasr_streams_active": _metric(after, "oasr_streams_active"),
+        "oasr_engine_streams": _metric(after, "oasr_engine_streams"),
+        "oasr_stream_cache_streams": _metric(after, "oasr_stream_cache", {"kind": "streams"}),
+        "oasr_stream_cache_blocks_used": _metric(
+            after, "oasr_stream_cache", {"kind": "blocks_used"}
+        ),
+        "oasr_queue_depth": _metric(after, "oasr_queue_depth"),
+        "oasr_engine_in_flight": _metric(after, "oasr_engine_in_flight"),
+    }
+    for name, value in leftover.items():
+        if value:
+            mismatches.append(f"{name} is {value:g} after the run, expected 0")
+    turns = _metric(after, "oasr_stream_turns_total") - _metric(before, "oasr_stream_turns_total")
+    if turns != streams:
+        mismatches.append(f"the server counted {turns:g} committed turns, expected {streams}")
+    batches = _metric(after, "oasr_batch_size_count") - _metric(before, "oasr_batch_size_count")
+    rows = _metric(after, "oasr_batch_size_sum") - _metric(before, "oasr_batch_size_sum")
+    ms = 1000.0
+    p99 = _pct(partial_lat, 99) * ms
+    if not partial_lat:
+        mismatches.append("no delta event could be timed (the model's text never grew)")
+    up_lat = [s for *_, s in answers]
+    return Report(
+        streams=streams, seconds=seconds, chunk_ms=chunk / sr * ms, model_chunk_ms=model_chunk_s * ms,
+        uploads=uploads, clients=clients, device=device, batch_wait_ms=batch_wait_ms, wall_s=round(wall, 2),
+        partial_latency_p50_ms=_pct(partial_lat, 50) * ms, partial_latency_p90_ms=_pct(partial_lat, 90) * ms,
+        partial_latency_p99_ms=p99, partial_latency_max_ms=max(partial_lat, default=0.0) * ms,
+        final_latency_p50_ms=_pct(final_lat, 50) * ms, final_latency_p99_ms=_pct(final_lat, 99) * ms,
+        final_latency_max_ms=max(final_lat, default=0.0) * ms,
+        send_lag_p99_ms=_pct(lags, 99) * ms, send_lag_max_ms=max(lags, default=0.0) * ms,
+        upload_latency_p50_s=_pct(up_lat, 50), upload_latency_max_s=max(up_lat, default=0.0),
+        partials_measured=len(partial_lat), finals_equal=finals_equal, uploads_equal=uploads_equal,
+        p99_target_ms=p99_target_ms, held=not mismatches and p99 <= p99_target_ms,
+        server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0},
+        leftover=leftover, mismatches=mismatches,
+    )  # fmt: skip
+
+
+def print_report(r: Report) -> None:
+    print(
+        f"oasr-server --service-mode streaming: {r.streams} realtime streams x {r.seconds:g} s "
+        f"(client chunks {r.chunk_ms:.0f} ms, model chunk {r.model_chunk_ms:.0f} ms) + {r.uploads} "
+        f"uploads, {r.device}, batch wait {r.batch_wait_ms:g} ms, {r.clients} client processes"
+    )
+    print(
+        f"  partial latency ms  p50 {r.partial_latency_p50_ms:7.1f}  p90 {r.partial_latency_p90_ms:7.1f}  "
+        f"p99 {r.partial_latency_p99_ms:7.1f}  max {r.partial_latency_max_ms:7.1f}  "
+        f"({r.partials_measured} deltas)"
+    )
+    print(
+        f"  final latency ms    p50 {r.final_latency_p50_ms:7.1f}  p99 {r.final_latency_p99_ms:7.1f}  "
+        f"max {r.final_latency_max_ms:7.1f}"
+    )
+    print(
+        f"  client send lag ms  p99 {r.send_lag_p99_ms:7.1f}  max {r.send_lag_max_ms:7.1f};  "
+        f"uploads p50 {r.upload_latency_p50_s:.2f} s max {r.upload_latency_max_s:.2f} s;  "
+        f"server batches {r.server_steps.get('batches', 0):g} (mean {r.server_steps.get('mean_batch', 0)})"
+    )
+    print(
+        f"  finals equal to the engine's {r.finals_equal}/{r.streams}, uploads {r.uploads_equal}/{r.uploads}; "
+        f"held (checks pass, p99 <= {r.p99_target_ms:g} ms): {'yes' if r.held else 'NO'}"
+    )
+    for m in r.mismatches[:20]:
+        print(f"    {m}")
+    if len(r.mismatches) > 20:
+        print(f"    ... {len(r.mismatches) - 20} more")
+
+
+#: the smoke profile's model: its random weights emit a growing text at every 0.96 s chunk
+SMOKE_CKPT = REPO / "tests" / "data" / "wenet" / "u2_conformer_conv2d6"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``python -m benchmarks.serverstreambench`` and ``asrbench --workload serverstream``."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--profile",
+        choices=["smoke", "default"],
+        default="default",
+        help="smoke: 8 streams x 4 s + 2 uploads of the bundled conv2d6 WeNet (CPU)",
+    )
+    p.add_argument(
+        "--ckpt-dir", default=None, help="a streaming WeNet directory (default: --shape)"
+    )
+    p.add_argument("--shape", default=None, help="small | medium (streambench's models)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--streams", type=int, default=None, help="realtime sessions (default 16; smoke 8)"
+    )
+    p.add_argument(
+        "--seconds", type=float, default=None, help="audio per stream (default 10; smoke 4)"
+    )
+    p.add_argument("--chunk-ms", type=float, default=100.0, help="audio per append event")
+    p.add_argument(
+        "--model-chunk-ms",
+        type=float,
+        default=None,
+        help="the model's streaming chunk (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--uploads",
+        type=int,
+        default=None,
+        help="HTTP uploads during the streams (default 8; smoke 2)",
+    )
+    p.add_argument("--upload-seconds", type=float, default=6.0)
+    p.add_argument(
+        "--clients", type=int, default=None, help="client processes (default: one per 128 streams)"
+    )
+    p.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=None,
+        help="the server's --stream-batch-wait-ms (default 5 on CUDA, 0 on CPU)",
+    )
+    p.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=None,
+        help="unmeasured runs of the whole workload first (default 1 on CUDA, 0 on CPU)",
+    )
+    p.add_argument("--p99-target-ms", type=float, default=150.0)
+    p.add_argument("--log-level", default="warning", help="the server's --log-level")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    smoke = args.profile == "smoke"
+    cuda = args.device.startswith("cuda")
+    ckpt = args.ckpt_dir or (str(SMOKE_CKPT) if smoke and args.shape is None else None)
+    streams = args.streams or (8 if smoke else 16)
+    report = run(
+        ckpt_dir=ckpt, shape=args.shape or "small", device=args.device, streams=streams,
+        seconds=args.seconds or (4.0 if smoke else 10.0), chunk_ms=args.chunk_ms,
+        model_chunk_ms=args.model_chunk_ms,
+        uploads=args.uploads if args.uploads is not None else (2 if smoke else 8),
+        upload_seconds=min(args.upload_seconds, 3.0) if smoke else args.upload_seconds,
+        clients=args.clients or max(1, -(-streams // 128)), threads=args.threads,
+        batch_wait_ms=args.batch_wait_ms if args.batch_wait_ms is not None else (5.0 if cuda else 0.0),
+        warmup_rounds=args.warmup_rounds if args.warmup_rounds is not None else (1 if cuda else 0),
+        p99_target_ms=args.p99_target_ms, log_level=args.log_level,
+    )  # fmt: skip
+    print_report(report)
+    out = asdict(report)
+    out["ok"] = report.ok
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, ensure_ascii=False))
+    if not report.ok:
+        raise SystemExit("serverstreambench: the server's results did not match the engine's")
+    return out
+
+
+if __name__ == "__main__":
+    main()

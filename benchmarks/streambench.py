@@ -103,10 +103,56 @@ class StreamResult:
     graph_replays: int = 0
     graph_captures_during_run: int = 0
     pool: dict = field(default_factory=dict)
+    #: host seconds by phase (``--phases``): the model's ``stream_step`` phases
+    #: (:class:`oasr.stream_cache.StepProfile`), ``scheduler`` (engine.step minus the model's
+    #: step), and the benchmark loop's own ``feed`` / ``bookkeeping`` / ``poll`` time
+    phases: dict = field(default_factory=dict)
+    #: Python garbage collections during the run: count per generation, total and longest pause
+    gc: dict = field(default_factory=dict)
+    #: duration of the non-empty ``engine.step()`` calls (p50 / p99 / max ms) and the largest batch
+    step_time: dict = field(default_factory=dict)
 
 
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
+
+
+class GCPauses:
+    """Python garbage collections while it is installed (``with GCPauses() as g``): count by
+    generation, total and longest pause. A full collection walks every tracked object of the
+    process (torch, the model, the streams): tens to hundreds of ms in one step, which is what a
+    p99 latency sees; the benchmark freezes the objects that exist after its warm-up
+    (``gc.freeze``), as a server does after loading, so that collections only walk new ones."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.pauses: list[float] = []
+        self._t = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._t)
+            self.count[int(info.get("generation", 0))] += 1
+
+    def __enter__(self) -> GCPauses:
+        import gc
+
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._cb)
+
+    def report(self) -> dict:
+        import gc
+
+        return {"collections": list(self.count), "pause_total_ms": round(1e3 * sum(self.pauses), 3),
+                "pause_max_ms": round(1e3 * max(self.pauses, default=0.0), 3),
+                "frozen_objects": gc.get_freeze_count()}  # fmt: skip
 
 
 # -- model -----------------------------------------------------------------------------------------
@@ -269,10 +315,12 @@ def run_streams(
     batch_wait_ms: float = 0.0,
     target_ms: float | None = None,
     check_texts: int = 8,
+    phases: bool = False,
 ) -> StreamResult:
     import heapq
 
     from oasr.engine import ASREngine
+    from oasr.stream_cache import StepProfile
     from oasr.types import DecodingOptions, EngineConfig
 
     sr = model.feature_spec.sample_rate
@@ -298,65 +346,93 @@ def run_streams(
     rel: list[list[float]] = [[0.0] * len(e) for e in ends]
     chunk_lat: list[float] = []
     step_lat: list[float] = []
+    final_lat: list[float] = []  # step latency of the final updates alone
     last_lat = [float("nan")] * n
     finals: list[str | None] = [None] * n
     batch_sizes: list[int] = []
+    step_times: list[float] = []  # engine.step() of each non-empty step
     busy = 0.0
     graphs = getattr(model, "_stream_graphs", lambda: None)() if device.startswith("cuda") else None
     replays0 = graphs.stats["replays"] if graphs is not None else 0
     captures0 = graphs.stats["captures"] if graphs is not None else 0
     peak_pool: dict = {}
+    profile = StepProfile() if phases and hasattr(model, "stream_profile") else None
+    model_profile = getattr(model, "stream_profile", None)
+    if profile is not None:
+        model.stream_profile = profile
+    feed_s = book_s = poll_s = 0.0
+    gc_pauses = GCPauses()
     t0 = time.perf_counter() + 0.01
     due_heap = [(t0 + phase[i] + ends[i][0] / sr, i) for i in range(n)]
     heapq.heapify(due_heap)
     left = n
-    while left:
-        now = time.perf_counter()
-        while due_heap and due_heap[0][0] <= now:
-            due, i = heapq.heappop(due_heap)
-            k = nxt[i]
-            lo = ends[i][k - 1] if k else 0
-            last = k == len(ends[i]) - 1
-            engine.feed_chunk(rids[i], audios[i][lo : ends[i][k]], is_last=last)
-            rel[i][k] = due
-            nxt[i] += 1
-            if not last:
-                heapq.heappush(due_heap, (t0 + phase[i] + ends[i][k + 1] / sr, i))
-        ts = time.perf_counter()
-        outs = engine.step()
-        te = time.perf_counter()
-        if not outs:
-            wait = sched.hold_remaining()
-            pending = due_heap[0][0] - time.perf_counter() if due_heap else 0.005
-            pause = min(pending, wait) if wait > 0 else pending
-            time.sleep(max(0.0, min(pause, 0.005)))
-            continue
-        busy += te - ts
-        batch_sizes.append(len(outs))
-        for o in outs:
-            i = int(o.request_id[1:])
-            if o.is_final:
-                consumed = len(audios[i])
-                finals[i] = o.text
-                last_lat[i] = te - rel[i][-1]
-                left -= 1
-            else:
-                info = sched.info(o.request_id)
-                consumed = info.samples_in - info.buffered_samples
-            # the chunk that made the stream ready: the first whose end reaches the consumed audio
-            while k_ready[i] < nxt[i] - 1 and ends[i][k_ready[i]] < consumed:
-                k_ready[i] += 1
-            step_lat.append(te - rel[i][k_ready[i]])
-            while covered[i] < nxt[i] and ends[i][covered[i]] <= consumed:
-                chunk_lat.append(te - rel[i][covered[i]])
-                covered[i] += 1
-        if len(batch_sizes) % 64 == 1:
-            occ = sched.occupancy()
-            if occ.get("pool_blocks_used", 0) >= peak_pool.get("pool_blocks_used", -1):
-                peak_pool = occ
+    with gc_pauses:  # collections during the measured loop
+        while left:
+            now = time.perf_counter()
+            while due_heap and due_heap[0][0] <= now:
+                due, i = heapq.heappop(due_heap)
+                k = nxt[i]
+                lo = ends[i][k - 1] if k else 0
+                last = k == len(ends[i]) - 1
+                engine.feed_chunk(rids[i], audios[i][lo : ends[i][k]], is_last=last)
+                rel[i][k] = due
+                nxt[i] += 1
+                if not last:
+                    heapq.heappush(due_heap, (t0 + phase[i] + ends[i][k + 1] / sr, i))
+            ts = time.perf_counter()
+            feed_s += ts - now
+            outs = engine.step()
+            te = time.perf_counter()
+            if not outs:
+                wait = sched.hold_remaining()
+                pending = due_heap[0][0] - time.perf_counter() if due_heap else 0.005
+                pause = min(pending, wait) if wait > 0 else pending
+                time.sleep(max(0.0, min(pause, 0.005)))
+                poll_s += time.perf_counter() - ts
+                continue
+            busy += te - ts
+            step_times.append(te - ts)
+            batch_sizes.append(len(outs))
+            for o in outs:
+                i = int(o.request_id[1:])
+                if o.is_final:
+                    consumed = len(audios[i])
+                    finals[i] = o.text
+                    last_lat[i] = te - rel[i][-1]
+                    left -= 1
+                else:
+                    info = sched.info(o.request_id)
+                    consumed = info.samples_in - info.buffered_samples
+                # the chunk that made the stream ready: the first whose end reaches the consumed audio
+                while k_ready[i] < nxt[i] - 1 and ends[i][k_ready[i]] < consumed:
+                    k_ready[i] += 1
+                step_lat.append(te - rel[i][k_ready[i]])
+                if o.is_final:  # the final step (last window + the remainder, then the transcript)
+                    final_lat.append(step_lat[-1])
+                while covered[i] < nxt[i] and ends[i][covered[i]] <= consumed:
+                    chunk_lat.append(te - rel[i][covered[i]])
+                    covered[i] += 1
+            if len(batch_sizes) % 64 == 1:
+                occ = sched.occupancy()
+                if occ.get("pool_blocks_used", 0) >= peak_pool.get("pool_blocks_used", -1):
+                    peak_pool = occ
+            book_s += time.perf_counter() - te
     wall = time.perf_counter() - t0
     for rid in rids:
         sched.release(rid)
+    phase_report: dict = {}
+    if profile is not None:
+        model.stream_profile = model_profile
+        phase_report = profile.as_dict()
+        host = {"scheduler": max(0.0, busy - profile.total), "feed": feed_s, "bookkeeping": book_s,
+                "poll": poll_s}  # fmt: skip
+        phase_report["loop_seconds"] = {k: round(v, 6) for k, v in host.items()}
+        phase_report["scheduler_ms_per_step"] = round(1e3 * host["scheduler"] / max(1, len(batch_sizes)), 4)
+    step_time = {"p50_ms": round(_pct(step_times, 50) * 1e3, 3), "p99_ms": round(_pct(step_times, 99) * 1e3, 3),
+                 "max_ms": round(max(step_times, default=0.0) * 1e3, 3),
+                 "max_batch": max(batch_sizes, default=0),
+                 "final_latency_p50_ms": round(_pct(final_lat, 50) * 1e3, 3),
+                 "final_latency_p99_ms": round(_pct(final_lat, 99) * 1e3, 3)}  # fmt: skip
 
     # offline references (the first ``check_texts`` streams): full attention (the model's
     # default) and the stream's chunk mask
@@ -390,7 +466,7 @@ def run_streams(
         lag_held=lag_held, p99_target_ms=target, batch_wait_ms=batch_wait_ms,
         graph_replays=(graphs.stats["replays"] - replays0) if graphs is not None else 0,
         graph_captures_during_run=(graphs.stats["captures"] - captures0) if graphs is not None else 0,
-        pool=peak_pool,
+        pool=peak_pool, phases=phase_report, gc=gc_pauses.report(), step_time=step_time,
     )  # fmt: skip
 
 
@@ -413,7 +489,11 @@ def run_streaming(
     batch_wait_ms: float | None = None,
     target_ms: float | None = None,
     refine: int = 2,
+    phases: bool = False,
+    gc_freeze: bool = True,
 ) -> dict:
+    import gc
+
     import torch
 
     torch.set_num_threads(threads)
@@ -456,11 +536,16 @@ def run_streaming(
 
     def measure(n: int) -> StreamResult:
         prepare(n)
+        gc.collect()  # the previous run's garbage is not this run's pause
+        if gc_freeze:  # what exists now (torch, the model, graphs) is never walked by a collection
+            gc.freeze()
         r = run_streams(model, n, seconds, chunk_ms, device=device, threads=threads, beam=beam,
                         aligned=aligned, keep_texts=keep_texts, batch_wait_ms=batch_wait_ms,
-                        target_ms=target)  # fmt: skip
+                        target_ms=target, phases=phases)  # fmt: skip
         results.append(r)
         _print_row(r)
+        if phases:
+            _print_phases(r)
         return r
 
     if find_max:
@@ -500,7 +585,7 @@ def run_streaming(
         "batch_wait_ms": batch_wait_ms, "p99_target_ms": target,
         "cuda_graphs": graphs is not None, "graph_capture_s": capture_s,
         "graph_captures": graphs.stats["captures"] if graphs is not None else 0,
-        "total_s": time.perf_counter() - t_start,
+        "total_s": time.perf_counter() - t_start, "gc_freeze": gc_freeze, "phases": phases,
         "max_streams_held": max_held, "results": [asdict(r) for r in results],
     }  # fmt: skip
 
@@ -521,6 +606,25 @@ def _print_row(r: StreamResult) -> None:
     )
 
 
+def _print_phases(r: StreamResult) -> None:
+    """One line per run: host time per step (ms) of each phase of the model's step, the
+    scheduler around it, and per stream row (us); GC pauses; step durations."""
+    ph, g, st = r.phases, r.gc, r.step_time
+    if ph:
+        per_step = " ".join(f"{k} {v:.2f}" for k, v in ph["ms_per_step"].items())
+        per_row = " ".join(f"{k} {v:.0f}" for k, v in ph["us_per_row"].items())
+        print(f"      phases N={r.streams} ({ph['steps']} steps, {ph['rows']} rows, {ph['encoder_calls']} "
+              f"encoder calls) ms/step: {per_step} scheduler {ph['scheduler_ms_per_step']:.2f} | us/row: "
+              f"{per_row} | loop s: " + " ".join(f"{k} {v:.2f}" for k, v in ph["loop_seconds"].items()),
+              flush=True)  # fmt: skip
+    if st:
+        print(f"      step time p50 {st['p50_ms']:.1f} p99 {st['p99_ms']:.1f} max {st['max_ms']:.1f} ms "
+              f"(max batch {st['max_batch']}); final updates' step latency p50 "
+              f"{st.get('final_latency_p50_ms', 0):.1f} p99 {st.get('final_latency_p99_ms', 0):.1f} ms; gc collections {g.get('collections')} pauses "
+              f"{g.get('pause_total_ms', 0):.0f} ms total, {g.get('pause_max_ms', 0):.0f} ms max "
+              f"({g.get('frozen_objects', 0)} objects frozen)", flush=True)  # fmt: skip
+
+
 def print_table(report: dict) -> None:
     print(
         f"\n{report['model']} ({report['params'] / 1e6:.2f} M params), {report['device']} "
@@ -530,6 +634,9 @@ def print_table(report: dict) -> None:
     print(HEADER)
     for r in report["results"]:
         _print_row(StreamResult(**r))
+    if report.get("phases"):
+        for r in report["results"]:
+            _print_phases(StreamResult(**r))
     print(f"max streams held at real time (lag bounded, step p99 <= {report['p99_target_ms']:.0f} ms): "
           f"{report['max_streams_held']}  [batch wait {report['batch_wait_ms']:.0f} ms, CUDA graphs "
           f"{'on' if report['cuda_graphs'] else 'off'} ({report['graph_captures']} captured in "
@@ -545,6 +652,7 @@ def main_streaming(args) -> dict:  # noqa: ANN001 - argparse namespace from asrb
         dtype=args.dtype, threads=args.threads, beam=args.beam, left_chunks=args.left_chunks,
         find_max=args.find_max, aligned=args.aligned, keep_texts=smoke,
         batch_wait_ms=getattr(args, "batch_wait_ms", None), target_ms=getattr(args, "p99_target_ms", None),
+        phases=bool(getattr(args, "phases", False)), gc_freeze=getattr(args, "gc", "freeze") == "freeze",
     )  # fmt: skip
     print_table(report)
     if args.json:
@@ -575,6 +683,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="StreamingScheduler.max_batch_wait_s in ms (default 5 on CUDA, 0 on CPU)")
     p.add_argument("--p99-target-ms", type=float, default=None,
                    help="step p99 a held count must meet (default 100 ms at >= 640 ms chunks, else 50)")
+    p.add_argument("--phases", action="store_true",
+                   help="time each phase of a step (features, gather, encoder, wait, search, scatter, "
+                        "results, scheduler) and print the host time per step and per stream row")
+    p.add_argument("--gc", choices=("freeze", "default"), default="freeze",
+                   help="freeze: gc.freeze() after warm-up so collections skip the objects that exist "
+                        "then (default); default: leave Python's collector as it is")
     p.add_argument("--json", default=None)
     return main_streaming(p.parse_args(argv))
 

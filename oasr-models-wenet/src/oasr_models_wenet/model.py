@@ -51,7 +51,14 @@ from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionE
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.options import ResolvedOptions
-from oasr.stream_cache import BATCH_BUCKETS, GraphSteps, StreamCachePool, StreamContext, bucket
+from oasr.stream_cache import (
+    BATCH_BUCKETS,
+    GraphSteps,
+    StepProfile,
+    StreamCachePool,
+    StreamContext,
+    bucket,
+)
 from oasr.types import (
     DecodingOptions,
     EngineConfig,
@@ -93,9 +100,21 @@ class Units:
             return "en"
         return None
 
+    def join(self, ids: Sequence[int]) -> str:
+        """The pieces of ``ids`` concatenated, word boundaries ("\u2581") kept: ``decode`` of a
+        hypothesis that grew is ``clean(join(old) + join(new))``."""
+        p = self.pieces
+        if ids and 0 <= min(ids) and max(ids) < len(p):  # every id known (search output): C loops
+            return "".join(map(p.__getitem__, ids))
+        return "".join([self.piece(i) for i in ids])
+
+    @staticmethod
+    def clean(joined: str) -> str:
+        """Text from joined pieces: word boundaries become spaces, outer spaces stripped."""
+        return joined.replace("\u2581", " ").strip()
+
     def decode(self, ids: Sequence[int]) -> str:
-        text = "".join(self.piece(i) for i in ids)
-        return text.replace("\u2581", " ").strip()
+        return self.clean(self.join(ids))
 
 
 @dataclass
@@ -123,6 +142,7 @@ class WenetStreamState:
     finished: bool = False
     text: str = ""
     tokens_seen: int = 0  # hypothesis length when ``text`` was last decoded
+    joined: str = ""  # greedy: the pieces of the first ``tokens_seen`` tokens (Units.join)
 
     @property
     def samples_needed(self) -> int:
@@ -292,15 +312,16 @@ class WenetASR:
         # attention decoder's probabilities after rescoring (WeNet's choice) when
         # ``word_confidence == "attention"``
         use_att = confidences is not None and self.word_confidence == "attention"
-        conf = confidences if use_att else hyp.confidences
         words: list[Word] = []
-        if hyp.tokens and len(hyp.times) == len(hyp.tokens):
+        # token timings feed only the words (the hot path of every stream's final update skips
+        # them when word timestamps were not asked for)
+        if options.word_timestamps and hyp.tokens and len(hyp.times) == len(hyp.tokens):
+            conf = confidences if use_att else hyp.confidences
             timings = token_timestamps(hyp.tokens, hyp.times, conf, frame_shift=self.frame_shift,
                                        num_frames=num_frames, max_token_duration=self.max_token_duration)
-            if options.word_timestamps:
-                pieces = [self.units.piece(t) for t in hyp.tokens]
-                words = [Word(w, min(s, duration), min(e, duration), c)
-                         for w, s, e, c in group_words(pieces, timings)]
+            pieces = [self.units.piece(t) for t in hyp.tokens]
+            words = [Word(w, min(s, duration), min(e, duration), c)
+                     for w, s, e, c in group_words(pieces, timings)]
         lps = hyp.token_logprobs
         avg = float(sum(lps) / len(lps)) if lps else 0.0
         seg = Segment(id=0, start=0.0, end=round(duration, 3), text=text, tokens=list(hyp.tokens),
@@ -485,6 +506,9 @@ class WenetASR:
     #: the most attention-history frames a stream keeps when its ``num_left_chunks`` is < 0
     #: (4096 frames = 164 s at 40 ms); older frames are dropped
     stream_max_history = 4096
+    #: a :class:`~oasr.stream_cache.StepProfile` to time each phase of ``stream_step`` into
+    #: (host seconds; ``benchmarks.streambench --phases``); None: no timing
+    stream_profile: StepProfile | None = None
 
     @property
     def stream_pool(self) -> StreamCachePool:
@@ -583,37 +607,53 @@ class WenetASR:
                     is_last: Sequence[bool]) -> list[StreamingUpdate]:
         if not (len(states) == len(chunks) == len(is_last)):
             raise InvalidRequestError("states, chunks and is_last must have the same length")
+        prof = self.stream_profile
+        if prof is not None:
+            prof.start()
+            prof.steps += 1
+            prof.rows += len(states)
         plans: list[list[tuple[int, int]]] = []
         for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
             if st.finished:
                 raise InvalidRequestError("this stream already finished; start a new one")
-            a = None
             if chunk is not None and len(chunk):
                 # the engine hands over checked float32 mono arrays: no second conversion
                 ok = isinstance(chunk, np.ndarray) and chunk.dtype == np.float32 and chunk.ndim == 1
                 a = chunk if ok else self._wave(chunk, k)
-            if a is not None and len(a):
-                st.samples_received += len(a)
-                st.audio = np.concatenate([st.audio, a]) if st.audio.size else a
+                if len(a):
+                    st.samples_received += len(a)
+                    st.audio = np.concatenate([st.audio, a]) if st.audio.size else a
             plans.append(self._plan(st, bool(last)))
+        if prof is not None:
+            prof.lap("features")
         self._run_plans(states, plans)
         on_device = [st for st, last in zip(states, is_last, strict=True)
                      if not last and isinstance(st.search, GPUCTCPrefixBeamSearch)]  # fmt: skip
         device_best = ({id(st): nb[0] for st, nb in zip(on_device, nbest_streams([st.search for st in on_device]),
                                                          strict=True)} if on_device else {})  # fmt: skip
+        if prof is not None:
+            prof.lap("search")
         updates = []
+        units = self.units
         for st, last in zip(states, is_last, strict=True):
             if last:
                 updates.append(self._finish(st))
                 continue
-            if isinstance(st.search, CTCGreedySearch):
-                hyp = st.search.hyp
+            search = st.search
+            if isinstance(search, CTCGreedySearch):
+                # a greedy hypothesis only grows: join the new tokens' pieces, nothing else
+                tokens = search.hyp.tokens
+                if len(tokens) != st.tokens_seen:
+                    st.joined += units.join(tokens[st.tokens_seen :])
+                    st.text = units.clean(st.joined)
+                    st.tokens_seen = len(tokens)
             else:
-                hyp = device_best[id(st)] if id(st) in device_best else st.search.best()
-            if not isinstance(st.search, CTCGreedySearch) or len(hyp.tokens) != st.tokens_seen:
-                st.text = self.units.decode(hyp.tokens)
+                hyp = device_best[id(st)] if id(st) in device_best else search.best()
+                st.text = units.decode(hyp.tokens)
                 st.tokens_seen = len(hyp.tokens)
             updates.append(StreamingUpdate(text=st.text, is_final=False))
+        if prof is not None:
+            prof.lap("results")
         return updates
 
     def flush_stream(self, st: WenetStreamState) -> None:
@@ -646,9 +686,12 @@ class WenetASR:
         """One chunk of each stream in one encoder call: features from the streams' audio (one
         batched fbank), history gathered from the pool by index, this chunk's keys/values and
         convolution caches written back by index, CTC log-probabilities; then each stream's
-        search advances on the host (one device-to-host copy for the batch)."""
+        search advances on the host (one device-to-host copy for the batch). The host work per
+        stream is numpy over the batch except one slice copy of its audio and a few attribute
+        updates; phases are timed into ``stream_profile`` when it is set."""
         import torch
 
+        prof = self.stream_profile
         net, enc, pool = self.net, self.net.encoder, self.stream_pool
         hop, win = self.feature_spec.hop_length, self.feature_spec.win_length
         b = len(states)
@@ -675,28 +718,49 @@ class WenetASR:
             rows, s_max = b, int(hist_lens.max())
         read, _ = pool.read_index(ctxs, s_max)
         write = pool.write_index(ctxs, new, t_max)
-        if feats is None:  # the audio of each window, (rows, samples), one host -> device copy
-            n_samp = (w_max - 1) * hop + win
-            audio = np.zeros((rows, n_samp), np.float32)
-            for i, (st, (f0, nf)) in enumerate(zip(states, windows, strict=True)):
-                lo = (f0 - st.frames_consumed) * hop
-                seg = st.audio[lo : lo + (nf - 1) * hop + win]
-                audio[i, : seg.size] = seg
-        ints = np.zeros((rows, 4 + s_max + t_max), np.int64)
+        dev = net.device
+        # the step's inputs are built in place in host buffers (page-locked on CUDA: the copies
+        # to the device are plain DMA, no staging, no new pages touched per step)
+        ints_t, ints = _host_buffer((rows, 4 + s_max + t_max), torch.int64, dev)
         ints[:b, 0], ints[:b, 1], ints[:b, 2], ints[:b, 3] = flen, offsets, hist_lens, pool.slot_ids(ctxs)
         ints[:b, 4 : 4 + s_max] = read
         ints[:b, 4 + s_max :] = write
         if rows > b:  # padded rows: scratch slot 0, scratch block rows
+            ints[b:, : 4 + s_max] = 0
             ints[b:, 4 + s_max :] = np.arange(t_max) % pool.block_size
         enc.ensure_positions(int(offsets.max()) + s_max + t_max + 1)
-        dev = net.device
-        ints_t = torch.from_numpy(ints).to(dev, non_blocking=True)
+        if prof is not None:
+            prof.lap("gather")
+            prof.calls += 1
+        if feats is None:  # the audio of each window, (rows, samples), one host -> device copy
+            n_samp = (w_max - 1) * hop + win
+            audio_t, audio = _host_buffer((rows, n_samp), torch.float32, dev)
+            for i, (st, (f0, nf)) in enumerate(zip(states, windows, strict=True)):
+                lo = (f0 - st.frames_consumed) * hop
+                seg = st.audio[lo : lo + (nf - 1) * hop + win]
+                audio[i, : seg.size] = seg
+                if seg.size < n_samp:
+                    audio[i, seg.size :] = 0.0
+            audio[b:] = 0.0
+            if prof is not None:
+                prof.lap("features")
+        # the searches and the outputs kept, by row (one pass over the batch)
+        greedy, beam_rows, device_rows, keep_rows = [], [], [], []
+        for i, st in enumerate(states):
+            search = st.search
+            if isinstance(search, CTCGreedySearch):
+                greedy.append(i)
+            elif isinstance(search, GPUCTCPrefixBeamSearch):
+                device_rows.append(i)
+            elif isinstance(search, CTCPrefixBeamSearch):
+                beam_rows.append(i)
+            if st.keep_encoder_output:
+                keep_rows.append(i)
         with torch.no_grad():
             if feats is not None:
                 f = torch.nn.utils.rnn.pad_sequence([x.float() for x in feats], batch_first=True)
-                out, logp, best = self._chunk_core(f.to(dev), ints_t)
-            elif graphs is not None:
-                audio_t = torch.from_numpy(audio).to(dev, non_blocking=True)
+                out, logp, best = self._chunk_core(f.to(dev), ints_t.to(dev))
+            elif graphs is not None:  # the replay copies the host buffers into its inputs
                 key = (rows, w_max, s_max)
                 generation = (pool.generation, enc.pos_enc.pe.data_ptr())
                 try:
@@ -705,38 +769,50 @@ class WenetASR:
                     warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); "
                                   "the chunk step runs eagerly from now on", RuntimeWarning, stacklevel=2)
                     self.stream_cuda_graphs = False
-                    audio_t = audio_t[:b]
-                    ints_t = ints_t[:b, : 4 + s_max + t_max]
-                    out, logp, best = self._chunk_compute(audio_t, ints_t)
+                    out, logp, best = self._chunk_compute(audio_t[:b].to(dev), ints_t[:b].to(dev))
                 else:
                     out, logp, best = graphs.run(key, generation, audio_t, ints_t)
             else:
-                out, logp, best = self._chunk_compute(torch.from_numpy(audio).to(dev), ints_t)
-            host = best[:b].cpu()  # (b, 2, T): best log-probability, token
-            beam_rows = [i for i, st in enumerate(states) if isinstance(st.search, CTCPrefixBeamSearch)]
+                out, logp, best = self._chunk_compute(audio_t.to(dev, non_blocking=True),
+                                                      ints_t.to(dev, non_blocking=True))  # fmt: skip
+            if prof is not None:
+                prof.lap("encoder")
+            host = best[:b].cpu()  # (b, 2, T): best log-probability, token; waits for the device
+            if prof is not None:
+                prof.lap("wait")
             beam_lp = logp[beam_rows].cpu() if beam_rows else None
-            device_rows = [i for i, st in enumerate(states) if isinstance(st.search, GPUCTCPrefixBeamSearch)]
             if device_rows:  # every device beam of this step in one batched search step
                 step_streams([states[i].search for i in device_rows], [logp[i, : int(new[i])] for i in device_rows])
-            keep_rows = [i for i, st in enumerate(states) if st.keep_encoder_output]
             kept = out[keep_rows].clone() if keep_rows else None
+        if prof is not None:
+            prof.lap("search")
         keep_hist = np.fromiter(
             (-1 if st.num_left_chunks < 0 else st.chunk_size * st.num_left_chunks for st in states), np.int64, b)
         pool.advance(ctxs, new, keep_hist)
-        for i, st in enumerate(states):
-            st.offset += int(new[i])
-            full = windows[i][1] == st.window
-            st.audio = st.audio[st.stride * hop :] if full else st.audio[:0]
-            st.frames_consumed += st.stride if full else windows[i][1]
-        greedy = [i for i, st in enumerate(states) if isinstance(st.search, CTCGreedySearch)]
+        new_l = new.tolist()
+        for st, n, (_, nf) in zip(states, new_l, windows, strict=True):
+            st.offset += n
+            if nf == st.window:
+                st.audio = st.audio[st.stride * hop :]
+                st.frames_consumed += st.stride
+            else:
+                st.audio = st.audio[:0]
+                st.frames_consumed += nf
+        for j, i in enumerate(keep_rows):
+            states[i].enc.append(kept[j, : new_l[i]])
+        if prof is not None:
+            prof.lap("scatter")
         if greedy:
             host_np = host.numpy()
-            _greedy_advance([states[i].search for i in greedy], host_np[greedy, 0].astype(np.float64),
-                            host_np[greedy, 1].astype(np.int64), new[greedy], self.config.blank_id)
+            if len(greedy) < b:
+                host_np = host_np[greedy]
+            _greedy_advance([states[i].search for i in greedy], host_np[:, 0].astype(np.float64),
+                            host_np[:, 1].astype(np.int64), new[greedy] if len(greedy) < b else new,
+                            self.config.blank_id)  # fmt: skip
         for j, i in enumerate(beam_rows):
-            states[i].search.step(beam_lp[j, : int(new[i])])
-        for j, i in enumerate(keep_rows):
-            states[i].enc.append(kept[j, : int(new[i])])
+            states[i].search.step(beam_lp[j, : new_l[i]])
+        if prof is not None:
+            prof.lap("search")
 
     def _chunk_compute(self, audio: torch.Tensor, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The device half of a chunk step (captured as a CUDA graph on CUDA): fbank of every
@@ -887,6 +963,14 @@ def _greedy_advance(searches: list[CTCGreedySearch], vals: np.ndarray, toks: np.
             s.hyp.score = float(score[r])
             s.prev = int(toks[r, n - 1])
             s.frame += n
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+    """An uninitialised host tensor for a step's inputs and its numpy view: page-locked when
+    the step runs on CUDA (torch's host allocator caches these blocks and hands one back only
+    after the copies that read it have run, so refilling the next step's buffer is safe)."""
+    t = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    return t, t.numpy()
 
 
 def _history_bucket(n: int) -> int:

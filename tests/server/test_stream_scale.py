@@ -1,0 +1,132 @@
+"""Streams at scale through the server (issue #20): the streaming step's batch hold
+(``--stream-batch-wait-ms``) reaches the engine and the server's stream loop honours it, and many
+concurrent realtime sessions plus uploads through a real ``oasr-server`` process give exactly the
+in-process engine's results (``benchmarks/serverstreambench.py``).
+
+The bundled random-weight WeNet ``u2_conformer_conv2d6`` checkpoint: its text grows at every
+0.96 s chunk, so every stream has partials to time and check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("oasr_models_wenet")
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[2]
+CKPT = REPO / "tests" / "data" / "wenet" / "u2_conformer_conv2d6"
+
+
+def _engine(wait_s: float):  # noqa: ANN202
+    from oasr.engine import ASREngine
+    from oasr.scheduler import SchedulerConfig
+    from oasr.types import EngineConfig
+
+    return ASREngine(
+        EngineConfig(ckpt_dir=str(CKPT), service_mode="streaming"),
+        scheduler_config=SchedulerConfig(stream_batch_wait_s=wait_s),
+    )
+
+
+def _audio(seconds: float) -> np.ndarray:
+    from benchmarks.streambench import stream_audio
+
+    return stream_audio(3, seconds)
+
+
+def test_batch_wait_settings_are_checked_and_reach_the_scheduler() -> None:
+    from oasr.errors import InvalidRequestError
+    from oasr.scheduler import SchedulerConfig
+    from oasr_server.config import ServerConfig
+
+    with pytest.raises(InvalidRequestError, match="stream_batch_wait_s"):
+        SchedulerConfig(stream_batch_wait_s=-0.001)
+    with pytest.raises(InvalidRequestError, match="stream_batch_wait_ms"):
+        ServerConfig(stream_batch_wait_ms=-1)
+    assert _engine(0.025).streaming.max_batch_wait_s == 0.025
+    from typer.testing import CliRunner
+
+    from oasr_server.cli import app
+
+    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert "--stream-batch-wait-ms" in out
+
+
+def test_server_builds_its_engine_with_the_hold() -> None:
+    from starlette.testclient import TestClient
+
+    from oasr.types import EngineConfig
+    from oasr_server.app import create_app
+    from oasr_server.config import ServerConfig
+
+    app = create_app(
+        ServerConfig(stream_batch_wait_ms=20, warmup=False),
+        engine_config=EngineConfig(ckpt_dir=str(CKPT), service_mode="streaming"),
+    )
+    with TestClient(app):
+        assert app.state.oasr.wait_loaded(30), app.state.oasr.load_error
+        assert app.state.oasr.engine.streaming.max_batch_wait_s == pytest.approx(0.020)
+
+
+def test_stream_loop_honours_the_hold() -> None:
+    """One stream has all its audio, another is open but silent: every step of the first holds
+    (fewer ready than live, not a full batch) for up to 150 ms. The loop must step again when
+    the hold ends, with no new command to wake it, and the result must not change."""
+    from oasr.types import DecodingOptions
+    from oasr_server.stream_worker import StreamingEngineLoop
+
+    audio = _audio(4.0)
+    reference = _engine(0.0)
+    rid = reference.add_streaming_request(DecodingOptions())
+    reference.feed_chunk(rid, audio, is_last=True)
+    expected = reference.run()[rid].text
+    engine = _engine(0.150)
+
+    async def scenario() -> tuple[str, list[str], float]:
+        loop = StreamingEngineLoop(engine)
+        loop.start()
+        try:
+            partials: list[str] = []
+            speaking = loop.open(DecodingOptions(), partials.append)
+            silent = loop.open(DecodingOptions(), lambda _text: None)
+            t0 = time.monotonic()
+            loop.feed(speaking, audio, True)
+            final = await asyncio.wait_for(speaking.final, 30)
+            elapsed = time.monotonic() - t0
+            loop.abort(silent)
+            return final.text, partials, elapsed
+        finally:
+            loop.stop(10)
+
+    text, partials, elapsed = asyncio.run(scenario())
+    assert text == expected
+    assert partials and expected.startswith(partials[-1])
+    holds = engine.streaming.stats["holds"]
+    steps = engine.streaming.stats["steps"]
+    assert holds >= steps >= 4  # every step of the speaking stream held first
+    assert elapsed >= 0.15 * steps  # ... for the whole hold (nothing else could end it)
+    assert elapsed < 0.15 * steps + 10
+
+
+@pytest.mark.slow
+def test_many_streams_and_uploads_through_the_server() -> None:
+    """12 realtime sessions at real time (two client processes) + 3 uploads through a real
+    ``oasr-server --service-mode streaming --stream-batch-wait-ms 10``: every final and every
+    delta equal to the in-process engine's, every upload's text too, nothing left over."""
+    pytest.importorskip("websockets")
+    from benchmarks.serverstreambench import run
+
+    r = run(ckpt_dir=str(CKPT), streams=12, seconds=3.0, chunk_ms=100, uploads=3,
+            upload_seconds=2.0, clients=2, threads=1, batch_wait_ms=10.0)  # fmt: skip
+    assert r.ok, r.mismatches
+    assert r.finals_equal == 12 and r.uploads_equal == 3
+    assert r.partials_measured >= 12  # each stream's text grew at least once before its final
+    assert all(v == 0 for v in r.leftover.values()), r.leftover
+    assert 0 < r.partial_latency_p50_ms <= r.partial_latency_p99_ms
+    assert r.final_latency_max_ms > 0

@@ -12,7 +12,7 @@ Offline: NeMo mel (core ``nemo_mel``, the checkpoint's preprocessor) -> FastConf
   (core ``oasr.decoders.tdt_beam``) at ``beam_size > 1``; token spans from the predicted
   durations.
 
-``NemotronASR`` adds cache-aware streaming (``model_stream.py``).
+``NemotronASR`` adds cache-aware streaming (``streaming.py``).
 """
 
 from __future__ import annotations
@@ -316,6 +316,24 @@ class NemotronASR(NemoASR):
     capabilities = NEMOTRON_CAPABILITIES
     #: keep each stream's encoder output chunks on its state (``encoder_output``; tests)
     keep_encoder_output = False
+    #: streams run their chunk step as CUDA-graph replays on CUDA (one graph per batch bucket
+    #: and lookahead); False: always eager
+    stream_cuda_graphs = True
+    #: the attention history a stream keeps when the model's left context is unlimited
+    stream_max_history = 1024
+    #: a ``oasr.stream_cache.StepProfile`` (or any object with its ``start`` / ``lap`` and
+    #: counters) to time the phases of ``stream_step``; None: no timing
+    stream_profile = None
+
+    @property
+    def stream_runtime(self):  # noqa: ANN201 - streaming.NemotronStreamRuntime
+        """The cache pool of all streams and the chunk step (created with the first stream)."""
+        rt = self.__dict__.get("_stream_runtime")
+        if rt is None:
+            from oasr_models_nemo.streaming import NemotronStreamRuntime
+
+            rt = self.__dict__["_stream_runtime"] = NemotronStreamRuntime(self)
+        return rt
 
     def new_stream(self, options: DecodingOptions | None = None):
         """A new stream (``oasr_models_nemo.streaming.NemotronStreamState``); the family option
@@ -328,6 +346,31 @@ class NemotronASR(NemoASR):
         from oasr_models_nemo.streaming import stream_step
 
         return stream_step(self, states, chunks, is_last)
+
+    def release_stream(self, state) -> None:  # noqa: ANN001
+        """Return the stream's caches to the pool (finish, abort, disconnect; idempotent)."""
+        from oasr_models_nemo.streaming import release
+
+        release(self, state)
+
+    def stream_occupancy(self) -> dict[str, float]:
+        """The streaming cache pool's gauges and graph counters; empty before the first stream."""
+        rt = self.__dict__.get("_stream_runtime")
+        if rt is None:
+            return {}
+        out = dict(rt.pool.occupancy())
+        if rt.graphs is not None:
+            out.update({f"graph_{k}": v for k, v in rt.graphs.stats.items()})
+        return out
+
+    def capture_stream_graphs(self, max_batch: int, lookahead: int | None = None,
+                              streams: int | None = None) -> int:
+        """Capture now the CUDA graphs that steps of up to ``max_batch`` streams with
+        ``lookahead`` (default: the model's) replay, after growing the cache pool to
+        ``streams`` (default ``max_batch``) streams, so that serving captures nothing. Returns
+        the number captured (0 off CUDA or with ``stream_cuda_graphs`` off)."""
+        r = self.config.att_context[1] if lookahead is None or lookahead < 0 else int(lookahead)
+        return self.stream_runtime.capture(max_batch, r, streams)
 
 
 __all__ = ["NemoASR", "NemotronASR", "ParakeetCTC", "ParakeetRNNT", "ParakeetTDT"]

@@ -1,20 +1,41 @@
 """Cache-aware streaming of the Nemotron FastConformer (NeMo's ``chunked_limited`` streaming, as
-``transformers``' ``NemotronAsrStreamingForRNNT`` does it chunk by chunk).
+``transformers``' ``NemotronAsrStreamingForRNNT`` does it chunk by chunk), batched over streams
+of any ages with their caches in core's :class:`~oasr.stream_cache.StreamCachePool`.
 
 A stream with lookahead ``r`` consumes mel frames in chunks of ``1 + 8 r`` (the first) and
-``8 (r + 1)`` (then), each giving ``r + 1`` encoder frames. Per stream: the streaming mel (no
-normalisation), unconsumed mel frames, per strided subsampling layer its last ``k - s`` input
-frames, per Conformer layer the last ``left`` keys / values and the causal convolution's last
-``k - 1`` inputs, and its transducer search (greedy: its hypothesis and prediction-network state,
-resumed into one batched core search per step for all streams; beam: its own search). One step
-encodes the ready chunk of every stream in one batch: first chunks and later ones go through the subsampling in two groups
-(their padding differs), then all rows share the Conformer layers, caches right-aligned to a
-common length with the missing keys masked. At the end the last chunk is zero-padded and the
-frames past the utterance are masked as offline, so a stream's result equals offline decoding.
+``8 (r + 1)`` (then), each giving ``r + 1`` encoder frames (x8 subsampling). What a stream carries
+from one chunk to the next lives in the pool, one slot per stream, gathered by index for a step
+and written back by index (no per-stream copies):
+
+* per strided subsampling layer its last ``k - s`` input frames (``sub0``, ``sub1``, ..);
+* per Conformer layer the keys and values of the last ``left`` frames (``k``, ``v``: a window of
+  ``left`` frames, right-aligned; the frames a young stream does not have yet are masked) and the
+  causal depthwise convolution's last ``k - 1`` inputs (``conv``);
+* greedy transducer streams: the prediction network's state and output (``dec_h``, ``dec_c``,
+  ``dec_out``), so the chunk's greedy search is one batched core search
+  (:meth:`~oasr.decoders.transducer.TransducerGreedySearch.resume`) for all streams; on CUDA the
+  search's device loop (the label-looping loop the offline path uses, its steps replayed as a
+  CUDA graph). Beam streams keep their own incremental search.
+
+On the host a stream keeps only its pre-emphasised audio from the next chunk's first frame on and
+a few counters. One step builds, for every ready stream, the audio of its chunk (one array, one
+host-to-device copy), and one call computes the log-mel of every row, the subsampling, the
+Conformer layers and the projection into the joint: a fixed sequence of kernels for a given
+(batch, lookahead), captured as a CUDA graph per batch-size bucket on CUDA (padded rows read and
+write the pool's scratch slot 0) and run eagerly elsewhere.
+
+First and later chunks share that call: a first chunk is handed over as a later one whose first
+``8 - 1`` mel frames are zero, its caches zero (a new slot), and the output frames those zeros
+give zeroed after every strided layer (``s^(n-1-l) - 1`` frames of layer l for stride s and n
+strided layers: ``3, 1, 0`` for x8). A causal convolution of zeros then sees exactly what the
+first chunk's own ``k - 1`` frames of zero padding give, so the first chunk's frames are
+unchanged. At the end the last chunk is zero-padded and the frames past the utterance are masked
+as offline, so a stream's result equals offline decoding, whatever streams share its steps.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,48 +46,53 @@ import torch
 from oasr.audio import as_mono_waveform
 from oasr.decoders.hypothesis import Hypothesis
 from oasr.decoders.transducer import TransducerGreedySearch, TransducerModifiedBeamSearch
-from oasr.errors import InvalidRequestError
+from oasr.errors import InvalidRequestError, UnsupportedOptionError
 from oasr.model import StreamingUpdate
 from oasr.options import ResolvedOptions
+from oasr.stream_cache import BATCH_BUCKETS, GraphSteps, StreamCachePool, StreamContext, bucket
 from oasr_models_nemo.nn import LayerCache
 
 if TYPE_CHECKING:
     from oasr_models_nemo.model import NemotronASR
+
+#: "no limit" for the valid output frames of a chunk that is not a stream's last
+_UNLIMITED = 1 << 30
 
 
 @dataclass
 class NemotronStreamState:
     options: ResolvedOptions
     lookahead: int
-    mel: Any  # oasr.features.nemo.NemoMelStream
-    #: beam search: the stream's own incremental search; greedy: None (the stream's hypothesis
-    #: and prediction-network state below are resumed into one search per step for all streams)
+    #: beam search: the stream's own incremental search; greedy: None (its hypothesis is here,
+    #: its prediction-network state in the pool; one search per step serves all streams)
     search: Any
     hop: int
+    n_fft: int
     #: samples a mel frame needs past its own hop (the centred window's right half)
     window_extra: int
     subsampling: int
-    feats: torch.Tensor  # (n, F) mel frames not yet consumed
-    frames_consumed: int = 0  # mel frames consumed by chunks
-    mel_frames: int = 0  # mel frames received
+    #: the stream's slot in the model's cache pool (None once finished)
+    cache: StreamContext | None = None
+    #: pre-emphasised samples, left-padded by ``n_fft // 2`` zeros (the centred first frame),
+    #: from the sample of mel frame ``buffer_frame``'s window start on
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    buffer_frame: int = 0
+    prev: np.float32 | None = None  # the last raw sample (pre-emphasis)
     samples_received: int = 0
+    frames_consumed: int = 0  # mel frames handed to chunks
+    chunks: int = 0  # chunks cut so far
     emitted: int = 0  # encoder frames emitted
-    layer_out: list[int] = field(default_factory=list)  # output frames per strided layer so far
-    sub_cache: list[torch.Tensor] | None = None  # per strided layer (C, k - s, F')
-    k: torch.Tensor | None = None  # every layer's last keys (layers, H, C, dk)
-    v: torch.Tensor | None = None
-    conv: torch.Tensor | None = None  # every layer's causal-convolution inputs (layers, D, k - 1)
+    cached: int = 0  # attention history frames in the stream's window
     #: encoder output chunks, kept only when the model's ``keep_encoder_output`` is set (tests)
     encoder_output: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
     text: str = ""
+    tokens_seen: int = -1  # hypothesis length when ``text`` was last decoded
     hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
-    decoder_state: Any = None  # (h, c), each (layers, 1, hidden)
-    decoder_out: Any = None  # (1, hidden)
 
     @property
     def first(self) -> bool:
-        return self.sub_cache is None
+        return self.chunks == 0
 
     @property
     def chunk_frames(self) -> int:
@@ -75,11 +101,293 @@ class NemotronStreamState:
         return 1 + self.subsampling * r if self.first else self.subsampling * (r + 1)
 
     @property
+    def mel_frames(self) -> int:
+        """Mel frames the audio received so far holds (NeMo's ``get_seq_len``)."""
+        return (self.samples_received + 2 * (self.n_fft // 2) - self.n_fft) // self.hop
+
+    @property
     def samples_needed(self) -> int:
         if self.finished:
             return 0
         frames = self.frames_consumed + self.chunk_frames
         return max(1, frames * self.hop + self.window_extra - self.samples_received)
+
+    def frames_ready(self) -> int:
+        """Mel frames whose whole window has arrived (and that are certainly valid)."""
+        have = self.n_fft // 2 + self.samples_received  # padded samples
+        whole = (have - self.n_fft) // self.hop + 1 if have >= self.n_fft else 0
+        return max(0, min(whole, self.mel_frames))
+
+
+class NemotronStreamRuntime:
+    """A model's streaming machinery: the cache pool of all its streams, the step function and
+    its CUDA graphs. Created with the model's first stream (``NemotronASR.stream_runtime``)."""
+
+    def __init__(self, model: NemotronASR) -> None:
+        c = model.config
+        net = model.net
+        enc = net.encoder
+        sub = enc.subsampling
+        self.model = model
+        dev, dt = net.device, net.dtype
+        if sub.kernel < sub.stride:
+            raise UnsupportedOptionError(f"streaming needs a subsampling kernel >= its stride "
+                                         f"(got {sub.kernel} < {sub.stride})")
+        #: attention history a stream keeps (the model's left context; without one, a bound)
+        self.left = c.att_context[0] if c.att_context[0] >= 0 else model.stream_max_history
+        attn = enc.layers[0].self_attn
+        n_layers = len(enc.layers)
+        self.kpad = c.conv_kernel_size - 1
+        self.n_strided = sub.num_strided
+        # per strided layer: its input's channels and (padded) frequency bins
+        slots: dict[str, tuple[tuple[int, ...], Any]] = {}
+        channels, freq = 1, c.num_mel_bins
+        for s in range(sub.num_strided):
+            padded = freq + sum(sub.pad)
+            slots[f"sub{s}"] = ((channels, sub.kernel - sub.stride, padded), dt)
+            freq = (padded - sub.kernel) // sub.stride + 1
+            channels = c.subsampling_channels
+        slots["k"] = ((n_layers, attn.heads, self.left, attn.head_dim), dt)
+        slots["v"] = ((n_layers, attn.heads, self.left, attn.head_dim), dt)
+        slots["conv"] = ((n_layers, c.hidden_size, self.kpad), dt)
+        # the prediction network after its start symbol (blank), as NeMo starts: every new
+        # greedy stream's decoder state
+        tnet = model.transducer
+        with torch.no_grad():
+            blank = torch.full((1,), c.blank_id, dtype=torch.long, device=dev)
+            out, (h, cc) = tnet.predict(blank, tnet.initial_state(1, dev))
+        self.initial = {"dec_h": h[:, 0], "dec_c": cc[:, 0], "dec_out": out[0]}
+        for name, t in self.initial.items():
+            slots[name] = (tuple(t.shape), t.dtype)
+        self.pool = StreamCachePool(slots=slots, device=dev)
+        #: zero mel frames before a first chunk's (a later chunk's size less the first's) and
+        #: the output frames of strided layer l they give
+        s, n = sub.stride, sub.num_strided
+        if s ** n != c.subsampling_factor:
+            raise UnsupportedOptionError(f"streaming needs subsampling_factor = stride ** layers "
+                                         f"(got {c.subsampling_factor}, {s} ** {n})")
+        self.first_pad = s ** n - 1
+        self.first_junk = [s ** (n - 1 - layer) - 1 for layer in range(n)]
+        self.graphs: GraphSteps | None = None
+        if model.stream_cuda_graphs and dev.type == "cuda":
+            self.graphs = GraphSteps(self.compute, self.dummy_inputs)
+        self._pinned: dict[tuple[int, int], torch.Tensor] = {}
+
+    # -- shapes -------------------------------------------------------------------------------
+    def chunk_mel_frames(self, lookahead: int) -> int:
+        """Mel frames of a later chunk (a first one is padded to this size)."""
+        return self.model.config.subsampling_factor * (lookahead + 1)
+
+    def chunk_samples(self, lookahead: int) -> int:
+        fe = self.model.mel
+        return (self.chunk_mel_frames(lookahead) - 1) * fe.hop_length + fe.n_fft
+
+    @property
+    def n_ints(self) -> int:
+        # slot, cached frames, valid encoder frames, mel lo, mel hi, then per strided layer the
+        # first and the end of its valid output frames
+        return 5 + 2 * self.n_strided
+
+    # -- the device half of a step (captured as a CUDA graph on CUDA) ---------------------------
+    def compute(self, audio: torch.Tensor, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``audio`` (rows, samples) float32: each row's chunk of pre-emphasised samples;
+        ``ints`` (rows, :attr:`n_ints`). Log-mel, subsampling, Conformer layers with the pool's
+        caches (read and written back by slot), projection into the joint. Returns the encoder
+        output (rows, T, D) and its projection (rows, T, D_joint)."""
+        model = self.model
+        net, fe = model.net, model.mel
+        enc = net.encoder
+        pool = self.pool.slot_tensors
+        n = self.n_strided
+        frames = audio.unfold(-1, fe.n_fft, fe.hop_length)  # (rows, CF, n_fft)
+        cf = frames.shape[1]
+        right = cf // model.config.subsampling_factor - 1
+        t_out = right + 1
+        slots, cached, valid = ints[:, 0], ints[:, 1], ints[:, 2]
+        idx = torch.arange(cf, device=audio.device)
+        keep = (idx[None, :] >= ints[:, 3:4]) & (idx[None, :] < ints[:, 4:5])
+        feats = fe.log_mel_frames(frames).masked_fill(~keep[..., None], 0.0).to(net.dtype)
+        sub_caches = [pool[f"sub{s}"].index_select(0, slots) for s in range(n)]
+        starts = [ints[:, 5 + s] for s in range(n)]
+        limits = [ints[:, 5 + n + s] for s in range(n)]
+        x, new_sub = enc.subsampling.forward_stream(feats, sub_caches, limits, starts)
+        for s in range(n):
+            pool[f"sub{s}"].index_copy_(0, slots, new_sub[s])
+        left = self.left
+        position = torch.arange(left + t_out, device=audio.device)
+        key_valid = (position[None, :] >= left - cached[:, None]) & (position[None, :] < left + valid[:, None])
+        keys, values = pool["k"].index_select(0, slots), pool["v"].index_select(0, slots)
+        convs = pool["conv"].index_select(0, slots)
+        caches = [LayerCache(keys[:, i], values[:, i], convs[:, i]) for i in range(len(enc.layers))]
+        out, new = enc.forward_stream(x, key_valid[:, left:], key_valid, caches, right)
+        # the window slides by the chunk (only a stream's last chunk has fewer valid frames,
+        # and its caches are not read again)
+        for i, lc in enumerate(new):
+            pool["k"][:, i].index_copy_(0, slots, lc.k[:, :, t_out:])
+            pool["v"][:, i].index_copy_(0, slots, lc.v[:, :, t_out:])
+            pool["conv"][:, i].index_copy_(0, slots, lc.conv[:, :, t_out:])
+        return out, net.encoder_projector(out)
+
+    def dummy_inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs of a captured step's shapes that touch only the scratch slot 0."""
+        rows, lookahead = key
+        dev = self.model.device
+        audio = torch.zeros(rows, self.chunk_samples(lookahead), device=dev)
+        return audio, torch.zeros(rows, self.n_ints, dtype=torch.long, device=dev)
+
+    def capture(self, max_batch: int, lookahead: int, streams: int | None = None) -> int:
+        """Capture now the CUDA graphs of steps of up to ``max_batch`` streams (every batch
+        bucket up to it) with ``lookahead``, after growing the pool to ``streams`` (default
+        ``max_batch``) slots, and warm the greedy search's device loop for those buckets, so
+        that nothing is captured while streams are served. Returns the graphs captured (0 off
+        CUDA or with graphs off)."""
+        if self.graphs is None:
+            return 0
+        self.pool.ensure(streams or max_batch)
+        before = self.graphs.stats["captures"]
+        top = bucket(max_batch, BATCH_BUCKETS)
+        t_out = lookahead + 1
+        dev = self.model.device
+        with torch.no_grad():
+            for rows in (r for r in BATCH_BUCKETS if r <= top):
+                self.graphs.capture((rows, lookahead), self.pool.generation)
+                proj = torch.zeros(rows, t_out, self.initial["dec_out"].shape[-1], device=dev,
+                                   dtype=self.model.dtype)
+                state = tuple(self.initial[k][:, None].expand(-1, rows, -1).contiguous() for k in ("dec_h", "dec_c"))
+                out = self.initial["dec_out"][None].expand(rows, -1).contiguous()
+                for max_symbols in {1, self.model.config.max_symbols_per_step}:
+                    search = self._greedy_search([Hypothesis(tokens=[])] * rows, [0] * rows, state, out,
+                                                 max_symbols)  # fmt: skip
+                    search.step(proj, [t_out] * rows)
+        return self.graphs.stats["captures"] - before
+
+    # -- host side ----------------------------------------------------------------------------
+    def _greedy_search(self, hyps: list[Hypothesis], frames: list[int], state: Any, decoder_out: Any,
+                       max_symbols: int) -> TransducerGreedySearch:  # fmt: skip
+        model = self.model
+        search = TransducerGreedySearch.resume(
+            model.transducer, hyps, frames, state, decoder_out, blank_id=model.config.blank_id,
+            max_symbols_per_frame=max_symbols, cuda_graph=model.cuda_graphs)
+        if model.device.type == "cuda":
+            # a chunk has a few frames: the device loop (label looping, CUDA-graph steps) still
+            # beats the host frame loop's per-frame reads at several symbols per frame
+            search.label_looping_min_frames = 1
+        return search
+
+    def _host_audio(self, rows: int, samples: int) -> np.ndarray:
+        """A zeroed (rows, samples) float32 array; page-locked on CUDA (reused per shape: the
+        previous step's copy from it finished when that step read its results back)."""
+        if self.model.device.type != "cuda":
+            return np.zeros((rows, samples), np.float32)
+        buf = self._pinned.get((rows, samples))
+        if buf is None:
+            buf = self._pinned[(rows, samples)] = torch.zeros(rows, samples, pin_memory=True)
+        a = buf.numpy()
+        a.fill(0.0)
+        return a
+
+    def encode(self, states: list[NemotronStreamState], plans: list[tuple[int, int, int, bool]]) -> None:
+        """One chunk of each stream (same lookahead) in one call, then the search. ``plans[i]``:
+        (first mel frame, real mel frames, chunk index, last chunk) of stream i."""
+        model = self.model
+        fe = model.mel
+        hop, n_fft = fe.hop_length, fe.n_fft
+        lookahead = states[0].lookahead
+        t_out = lookahead + 1
+        n = self.n_strided
+        b = len(states)
+        graphs = self.graphs
+        rows = bucket(b, BATCH_BUCKETS) if graphs is not None else b
+        samples = self.chunk_samples(lookahead)
+        audio = self._host_audio(rows, samples)
+        ints = np.zeros((rows, self.n_ints), np.int64)
+        valid = np.empty(b, np.int64)
+        for i, (st, (f0, nf, index, last)) in enumerate(zip(states, plans, strict=True)):
+            first = index == 0
+            lo = self.first_pad if first else 0
+            a0 = (f0 - st.buffer_frame) * hop
+            seg = st.audio[a0: a0 + (nf - 1) * hop + n_fft] if nf else st.audio[:0]
+            if lo or seg.size < samples:  # the rest of the row is zero
+                audio[i].fill(0.0)
+            audio[i, lo * hop: lo * hop + seg.size] = seg
+            row = ints[i]
+            row[0], row[1], row[3], row[4] = st.cache.slot, st.cached, lo, lo + nf
+            junk = self.first_junk if first else (0,) * n
+            row[5: 5 + n] = junk
+            if last:
+                total = _offline_lengths(model, st.mel_frames)
+                done = _layer_frames(model, lookahead, index)  # the chunks before this one
+                limit = [max(0, total[s] - done[s]) for s in range(n)]
+                if st.mel_frames == 0:  # no audio: nothing to say (as offline)
+                    limit = [0] * n
+            else:
+                limit = [_UNLIMITED] * n
+            row[5 + n: 5 + 2 * n] = [j + min(x, _UNLIMITED) for j, x in zip(junk, limit, strict=True)]
+            valid[i] = min(t_out, limit[-1])
+        ints[:b, 2] = valid
+        dev = model.device
+        self.pool.reserve([st.cache for st in states], [0] * b)  # applies pending releases
+        audio_t = torch.from_numpy(audio) if dev.type != "cuda" else self._pinned[(rows, samples)]
+        audio_t = audio_t.to(dev, non_blocking=True)
+        ints_t = torch.from_numpy(ints).to(dev, non_blocking=True)
+        with torch.no_grad():
+            out = proj = None
+            if graphs is not None:
+                key = (rows, lookahead)
+                try:
+                    graphs.capture(key, self.pool.generation)
+                except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: eager
+                    warnings.warn(f"{model.name}: streaming CUDA-graph capture failed ({exc!r}); the "
+                                  "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=3)
+                    self.graphs = None
+                else:
+                    out, proj = graphs.run(key, self.pool.generation, audio_t, ints_t)
+            if out is None:
+                out, proj = self.compute(audio_t, ints_t)
+            self._search(states, out, proj, valid, rows)
+        for i, st in enumerate(states):
+            st.emitted += int(valid[i])
+            st.cached = min(st.cached + t_out, self.left)
+
+    def _search(self, states: list[NemotronStreamState], out: torch.Tensor, proj: torch.Tensor,
+                valid: np.ndarray, rows: int) -> None:
+        model = self.model
+        if model.keep_encoder_output:
+            host = out[: len(states)].detach().cpu()
+            for i, st in enumerate(states):
+                st.encoder_output.append(host[i, : int(valid[i])])
+        for i, st in enumerate(states):
+            if st.search is not None:
+                n = int(valid[i])
+                st.search.step(proj[i: i + 1, :n], [n])
+        greedy: dict[int, list[int]] = {}
+        for i, st in enumerate(states):
+            if st.search is None:
+                greedy.setdefault(st.options.max_symbols_per_frame, []).append(i)
+        pool = self.pool.slot_tensors
+        dev = model.device
+        for max_symbols, idx in greedy.items():
+            group = [states[i] for i in idx]
+            whole = len(idx) == len(states)
+            # every row of the step's bucket on CUDA (one device-loop shape per bucket); the
+            # padded rows read the scratch slot and have no frames
+            width = rows if whole and dev.type == "cuda" else len(idx)
+            slot_ids = np.zeros(width, np.int64)
+            slot_ids[: len(idx)] = self.pool.slot_ids([st.cache for st in group])
+            slots = torch.from_numpy(slot_ids).to(dev, non_blocking=True)
+            state = (pool["dec_h"].index_select(0, slots).transpose(0, 1).contiguous(),
+                     pool["dec_c"].index_select(0, slots).transpose(0, 1).contiguous())
+            hyps = [st.hyp for st in group] + [Hypothesis(tokens=[])] * (width - len(idx))
+            frames = [st.emitted for st in group] + [0] * (width - len(idx))
+            lens = [int(valid[i]) for i in idx] + [0] * (width - len(idx))
+            search = self._greedy_search(hyps, frames, state, pool["dec_out"].index_select(0, slots), max_symbols)
+            search.step(proj[:width] if whole else proj[torch.as_tensor(idx, device=dev)], lens)
+            for st, hyp in zip(group, search.results(), strict=False):
+                st.hyp = hyp
+            real = slots[: len(idx)]
+            pool["dec_h"].index_copy_(0, real, search.state[0][:, : len(idx)].transpose(0, 1))
+            pool["dec_c"].index_copy_(0, real, search.state[1][:, : len(idx)].transpose(0, 1))
+            pool["dec_out"].index_copy_(0, real, search.decoder_out[: len(idx)].to(pool["dec_out"].dtype))
 
 
 def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamState:
@@ -89,23 +397,23 @@ def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamSt
         raise InvalidRequestError(
             f"lookahead {r} is not one this model was trained with ({list(c.lookaheads)})",
             param="lookahead")
+    search = None
     if options.beam_size > 1:
-        search = TransducerModifiedBeamSearch(model.transducer, options.beam_size, 1,
-                                              blank_id=c.blank_id)
-    else:
-        search = None
-    n_strided = model.net.encoder.subsampling.num_strided
-    state = NemotronStreamState(
-        options=options, lookahead=r, mel=model.mel.stream(model.device), search=search, hop=c.hop_length,
-        window_extra=max(0, c.n_fft - c.n_fft // 2 - c.hop_length),
-        subsampling=c.subsampling_factor, feats=torch.zeros(0, c.num_mel_bins, device=model.device),
-        layer_out=[0] * n_strided)
-    if search is None:  # the prediction network after its start symbol (blank), as NeMo starts
-        net = model.transducer
-        with torch.no_grad():
-            blank = torch.full((1,), c.blank_id, dtype=torch.long, device=model.device)
-            state.decoder_out, state.decoder_state = net.predict(blank, net.initial_state(1, model.device))
-    return state
+        search = TransducerModifiedBeamSearch(model.transducer, options.beam_size, 1, blank_id=c.blank_id)
+    fe = model.mel
+    if fe.normalize is not None or fe.dither > 0:
+        raise UnsupportedOptionError("streaming NeMo mel needs normalize=None and dither=0 (per-utterance "
+                                     "statistics need the whole signal)", param="normalize")
+    st = NemotronStreamState(
+        options=options, lookahead=r, search=search, hop=fe.hop_length, n_fft=fe.n_fft,
+        window_extra=max(0, fe.n_fft - fe.n_fft // 2 - fe.hop_length),
+        subsampling=c.subsampling_factor, audio=np.zeros(fe.n_fft // 2, np.float32))
+    rt = model.stream_runtime
+    st.cache = rt.pool.open(owner=st)
+    tensors = rt.pool.slot_tensors
+    for name, value in rt.initial.items():  # open() zeroed the slot
+        tensors[name][st.cache.slot] = value
+    return st
 
 
 def _offline_lengths(model: NemotronASR, mel_frames: int) -> list[int]:
@@ -118,204 +426,114 @@ def _offline_lengths(model: NemotronASR, mel_frames: int) -> list[int]:
     return out
 
 
+def _layer_frames(model: NemotronASR, lookahead: int, chunks: int) -> list[int]:
+    """Output frames of each strided layer after ``chunks`` whole chunks: the first chunk's
+    ``1 + 8 r`` mel frames give ``4 r + 1``, ``2 r + 1``, ``r + 1``; later chunks ``4 (r + 1)``,
+    ``2 (r + 1)``, ``r + 1`` (x8)."""
+    sub = model.net.encoder.subsampling
+    out = []
+    for s in range(sub.num_strided):
+        scale = sub.stride ** (sub.num_strided - 1 - s)
+        out.append(0 if chunks <= 0 else lookahead * scale + 1 + (chunks - 1) * (lookahead + 1) * scale)
+    return out
+
+
+def _accept(st: NemotronStreamState, a: np.ndarray, preemph: float | None) -> None:
+    """Append raw samples to the stream's pre-emphasised buffer (as NeMo's preprocessor:
+    ``y[t] = x[t] - p x[t-1]``, the stream's first sample as is)."""
+    if preemph is not None:
+        p = np.float32(preemph)
+        y = np.empty_like(a)
+        y[0] = a[0] if st.prev is None else a[0] - p * st.prev
+        np.subtract(a[1:], p * a[:-1], out=y[1:])
+    else:
+        y = a
+    st.prev = a[-1]
+    st.audio = np.concatenate([st.audio, y])
+    st.samples_received += a.size
+
+
+def _plan(st: NemotronStreamState, last: bool) -> list[tuple[int, int, int, bool]]:
+    """The chunks the stream's audio allows now: (first mel frame, mel frames, chunk index,
+    last). At the end, the rest (possibly nothing) as a last, zero-padded chunk."""
+    out = []
+    avail = st.mel_frames if last else st.frames_ready()
+    while avail - st.frames_consumed >= st.chunk_frames:
+        n = st.chunk_frames
+        out.append((st.frames_consumed, n, st.chunks, last and avail - st.frames_consumed == n))
+        st.frames_consumed += n
+        st.chunks += 1
+    if last and (avail > st.frames_consumed or not out):
+        n = avail - st.frames_consumed
+        out.append((st.frames_consumed, n, st.chunks, True))
+        st.frames_consumed += n
+        st.chunks += 1
+    elif last and out:
+        out[-1] = (*out[-1][:3], True)
+    return out
+
+
 def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
                 chunks: Sequence[np.ndarray | None], is_last: Sequence[bool]) -> list[StreamingUpdate]:
     if not (len(states) == len(chunks) == len(is_last)):
         raise InvalidRequestError("states, chunks and is_last must have the same length")
-    # each stream frames its own audio; the log-mel of every stream's new frames is one call
-    windows: list[torch.Tensor] = []
+    rt = model.stream_runtime
+    prof = model.stream_profile
+    if prof is not None:
+        prof.start()
+    preemph = model.mel.preemph
+    plans = []
     for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
         if st.finished:
             raise InvalidRequestError("this stream already finished; start a new one")
-        a = as_mono_waveform(chunk, f"chunk #{k}") if chunk is not None and len(chunk) else None
-        parts = []
-        if a is not None:
-            st.samples_received += len(a)
-            parts.append(st.mel.accept_windows(torch.from_numpy(a)))  # on the model's device
-        if last:
-            parts.append(st.mel.finish_windows())
-        windows.append(torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None)
-    counts = [0 if w is None else w.shape[0] for w in windows]
-    if sum(counts):
-        mel = model.mel.log_mel_frames(torch.cat([w for w in windows if w is not None and len(w)]))
-        pieces = iter(mel.split([c for c in counts if c]))
-        for st, n in zip(states, counts, strict=True):
-            if n:
-                st.feats = torch.cat([st.feats, next(pieces).to(st.feats.dtype)])
-                st.mel_frames += n
-    pending = [_take_chunks(st, bool(last)) for st, last in zip(states, is_last, strict=True)]
-    rounds = max((len(p) for p in pending), default=0)
-    for r in range(rounds):
-        rows = [i for i, p in enumerate(pending) if len(p) > r]
-        by_lookahead: dict[int, list[int]] = {}
-        for i in rows:
-            by_lookahead.setdefault(states[i].lookahead, []).append(i)
-        for group in by_lookahead.values():
-            _encode(model, [states[i] for i in group], [pending[i][r] for i in group])
+        if chunk is not None and len(chunk):
+            a = as_mono_waveform(chunk, f"chunk #{k}")
+            if a.size:
+                _accept(st, a, preemph)
+        plans.append(_plan(st, bool(last)))
+    if prof is not None:
+        prof.lap("features")
+    # the r-th chunk of every stream in one call (streams of one lookahead share a call)
+    for r in range(max((len(p) for p in plans), default=0)):
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(plans):
+            if len(p) > r:
+                groups.setdefault(states[i].lookahead, []).append(i)
+        for rows in groups.values():
+            rt.encode([states[i] for i in rows], [plans[i][r] for i in rows])
+            if prof is not None:
+                prof.calls += 1
+    if prof is not None:
+        prof.lap("encoder")
+    hop = model.mel.hop_length
     updates = []
     for st, last in zip(states, is_last, strict=True):
         if last:
             updates.append(_finish(model, st))
-        else:
-            st.text = model.tokenizer.decode(_best(st).tokens)
-            updates.append(StreamingUpdate(text=st.text, is_final=False))
-    return updates
-
-
-def _take_chunks(st: NemotronStreamState, last: bool) -> list[tuple[torch.Tensor, bool]]:
-    """Whole chunks of buffered mel frames; at the end the rest, zero-padded to a chunk."""
-    out = []
-    while st.feats.shape[0] >= st.chunk_frames:
-        n = st.chunk_frames
-        is_final = last and st.feats.shape[0] == n
-        out.append((st.feats[:n], is_final))
-        st.feats = st.feats[n:]
-        st.frames_consumed += n
-        _mark_started(st)
-    if last and (st.feats.shape[0] or not out):
-        n = st.chunk_frames
-        pad = st.feats.new_zeros(n - st.feats.shape[0], st.feats.shape[1])
-        out.append((torch.cat([st.feats, pad]), True))
-        st.frames_consumed += st.feats.shape[0]
-        st.feats = st.feats[:0]
-        _mark_started(st)
-    elif last and out:
-        out[-1] = (out[-1][0], True)
-    return out
-
-
-def _mark_started(st: NemotronStreamState) -> None:
-    # chunk sizes are decided when chunks are cut; the subsampling caches arrive when the chunk
-    # is encoded. An empty list marks "past the first chunk" until then.
-    if st.sub_cache is None:
-        st.sub_cache = []
-
-
-def _encode(model: NemotronASR, states: list[NemotronStreamState],
-            chunks: list[tuple[torch.Tensor, bool]]) -> None:
-    net = model.net
-    enc = net.encoder
-    sub = enc.subsampling
-    c = model.config
-    dev, dt = net.device, net.dtype
-    right = states[0].lookahead
-    t_out = right + 1
-    n_strided = sub.num_strided
-    # per row: how many output frames of each strided layer are valid in this chunk
-    limits = []
-    for st, (_, final) in zip(states, chunks, strict=True):
-        if final:
-            total = _offline_lengths(model, st.mel_frames)
-            limits.append([max(0, total[s] - st.layer_out[s]) for s in range(n_strided)])
-        else:
-            limits.append([1 << 30] * n_strided)
-    # subsampling: first chunks and later chunks separately (different padding / sizes)
-    x = torch.zeros(len(states), t_out, c.hidden_size, device=dev, dtype=dt)
-    firsts = [i for i, st in enumerate(states) if not st.sub_cache]
-    laters = [i for i, st in enumerate(states) if st.sub_cache]
-    for group in (firsts, laters):
-        if not group:
             continue
-        feats = torch.stack([chunks[i][0] for i in group]).to(dev, dt)
-        caches: list[torch.Tensor | None] = [None] * n_strided
-        if group is laters:
-            caches = [torch.stack([states[i].sub_cache[s] for i in group]) for s in range(n_strided)]
-        lim = [torch.tensor([limits[i][s] for i in group], device=dev) for s in range(n_strided)]
-        with torch.no_grad():
-            out, new = sub.forward_stream(feats, caches, lim)
-        if out.shape[1] != t_out:
-            raise AssertionError(f"a chunk gave {out.shape[1]} frames, expected {t_out}")
-        x[group] = out
-        for j, i in enumerate(group):
-            states[i].sub_cache = [n[j] for n in new]
-            for s in range(n_strided):
-                states[i].layer_out[s] += min(limits[i][s], _chunk_out(sub, s, group is firsts, right))
-    # Conformer layers: every row gives t_out frames; caches right-aligned to a common length
-    lens = [0 if st.k is None else st.k.shape[2] for st in states]
-    cmax = max(lens)
-    b = len(states)
-    n_layers = len(enc.layers)
-    heads, dk = enc.layers[0].self_attn.heads, enc.layers[0].self_attn.head_dim
-    kpad = c.conv_kernel_size - 1
-    valid = [min(t_out, limits[i][-1]) for i in range(b)]  # encoder frames of each row
-    # which keys are real: each stream's own cache, then the chunk's valid frames (built on the
-    # host, one copy)
-    position = torch.arange(cmax + t_out)
-    starts = torch.tensor([cmax - n for n in lens])
-    ends = torch.tensor([cmax + n for n in valid])
-    key_valid = ((position[None, :] >= starts[:, None]) & (position[None, :] < ends[:, None])).to(dev)
-    valid_mask = key_valid[:, cmax:]
-
-    def stacked(get, shape) -> torch.Tensor:  # noqa: ANN001
-        """(B, layers, ...) from each stream's tensor (zeros for a new stream), left-padded on
-        the cache axis to ``cmax`` (one stack, not a copy per layer and stream)."""
-        rows = []
-        for st in states:
-            t = get(st)
-            if t is None:
-                rows.append(torch.zeros(shape, device=dev, dtype=dt))
-            elif t.shape[2] < shape[2]:
-                rows.append(torch.nn.functional.pad(t, (0, 0, shape[2] - t.shape[2], 0)))
-            else:
-                rows.append(t)
-        return torch.stack(rows)
-
-    keys = stacked(lambda st: st.k, (n_layers, heads, cmax, dk))
-    values = stacked(lambda st: st.v, (n_layers, heads, cmax, dk))
-    convs = torch.stack([st.conv if st.conv is not None else
-                         torch.zeros(n_layers, c.hidden_size, kpad, device=dev, dtype=dt)
-                         for st in states])
-    caches = [LayerCache(keys[:, li], values[:, li], convs[:, li]) for li in range(n_layers)]
-    left = c.att_context[0]
-    with torch.no_grad():
-        out, new = enc.forward_stream(x, valid_mask, key_valid, caches, right)
-        proj = net.encoder_projector(out)
-        new_k = torch.stack([lc.k for lc in new], dim=1)  # (B, layers, H, cmax + T, dk)
-        new_v = torch.stack([lc.v for lc in new], dim=1)
-        new_conv = torch.stack([lc.conv for lc in new], dim=1)  # (B, layers, D, k - 1 + T)
-    for i, st in enumerate(states):
-        n = valid[i]
-        keep = min(lens[i] + n, left) if left >= 0 else lens[i] + n
-        end = cmax + n
-        st.k = new_k[i, :, :, end - keep:end]
-        st.v = new_v[i, :, :, end - keep:end]
-        # the depthwise convolution's input: cache (k - 1) then the chunk's frames
-        st.conv = new_conv[i, :, :, n: n + kpad]
-        if model.keep_encoder_output:
-            st.encoder_output.append(out[i, :n].detach().cpu())
-        if st.search is not None:
-            st.search.step(proj[i: i + 1, :n], [n])
-    # greedy streams: one search over all of them, resumed from each stream's state
-    greedy: dict[int, list[int]] = {}
-    for i, st in enumerate(states):
-        if st.search is None:
-            greedy.setdefault(st.options.max_symbols_per_frame, []).append(i)
-    for max_symbols, rows in greedy.items():
-        group = [states[i] for i in rows]
-        search = TransducerGreedySearch.resume(
-            model.transducer, [st.hyp for st in group], [st.emitted for st in group],
-            tuple(torch.cat([st.decoder_state[j] for st in group], dim=1) for j in (0, 1)),
-            torch.cat([st.decoder_out for st in group]), blank_id=c.blank_id,
-            max_symbols_per_frame=max_symbols)
-        search.step(proj[rows] if len(rows) < len(states) else proj, [valid[i] for i in rows])
-        for k, (st, hyp) in enumerate(zip(group, search.results(), strict=True)):
-            st.hyp = hyp
-            st.decoder_state = tuple(x[:, k:k + 1] for x in search.state)
-            st.decoder_out = search.decoder_out[k:k + 1]
-    for i, st in enumerate(states):
-        st.emitted += valid[i]
-
-
-def _chunk_out(sub: Any, s: int, first: bool, right: int) -> int:
-    """Output frames of strided layer ``s`` for one chunk (before masking): the first chunk's
-    ``1 + 8 r`` mel frames give ``4 r + 1``, ``2 r + 1``, ``r + 1``; later chunks ``4 (r + 1)``,
-    ``2 (r + 1)``, ``r + 1`` (x8)."""
-    scale = 2 ** (sub.num_strided - 1 - s)
-    return right * scale + 1 if first else (right + 1) * scale
+        drop = st.frames_consumed - st.buffer_frame
+        if drop:  # the samples before the next chunk's first window
+            st.audio = st.audio[drop * hop:]
+            st.buffer_frame = st.frames_consumed
+        best = _best(st)
+        if st.search is not None or len(best.tokens) != st.tokens_seen:
+            st.text = model.tokenizer.decode(best.tokens)
+            st.tokens_seen = len(best.tokens)
+        updates.append(StreamingUpdate(text=st.text, is_final=False))
+    if prof is not None:
+        prof.lap("results")
+        prof.steps += 1
+        prof.rows += len(states)
+    return updates
 
 
 def _best(st: NemotronStreamState) -> Any:
     return st.hyp if st.search is None else st.search.best()[0]
+
+
+def release(model: NemotronASR, st: NemotronStreamState) -> None:
+    if st.cache is not None:
+        model.stream_runtime.pool.release(st.cache)
 
 
 def _finish(model: NemotronASR, st: NemotronStreamState) -> StreamingUpdate:
@@ -323,6 +541,6 @@ def _finish(model: NemotronASR, st: NemotronStreamState) -> StreamingUpdate:
     duration = st.samples_received / model.feature_spec.sample_rate
     tr = model.transcript(_best(st), duration, st.emitted, st.options)
     st.text = tr.text
-    st.k = st.v = st.conv = None
-    st.sub_cache = []
+    release(model, st)
+    st.audio = st.audio[:0]
     return StreamingUpdate(text=tr.text, is_final=True, transcript=tr)

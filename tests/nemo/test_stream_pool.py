@@ -1,0 +1,164 @@
+"""Nemotron streams with their caches in core's ``StreamCachePool`` (``oasr_models_nemo.streaming``):
+
+* property (hypothesis, few examples): a stream's tokens and encoder output do not depend on the
+  streams that share its steps: alone, or batched with streams of other ages, lookaheads and
+  chunk sizes, rows in any order, after other streams took and returned slots; eagerly and
+  through the CUDA-graph path's bucketing (``GraphSteps(simulate=True)``: batch padded to its
+  bucket with scratch rows, static buffers, captured on scratch inputs first);
+* every slot is returned on finish and abort (through the engine's scheduler), and an empty
+  stream says what offline decoding says (nothing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from oasr.types import DecodingOptions
+
+from .conftest import SR  # noqa: TID252
+
+FEW = settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.generate],
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def nemotron(hf_checkpoints):
+    from oasr_models_nemo.model import NemoASR
+
+    model = NemoASR.from_hf(hf_checkpoints["nemotron"].path)
+    model.keep_encoder_output = True
+    return model
+
+
+@pytest.fixture(scope="module")
+def clips(waves) -> list[np.ndarray]:
+    return [*waves, np.concatenate([waves[2], waves[0]])]
+
+
+def _feed(model, streams, *, starts=None, order_seed=None):
+    """Feed (state, audio, piece) streams together until each is final; stream k joins at step
+    ``starts[k]``; rows in a shuffled order when ``order_seed`` is set. Returns per stream its
+    final update and its encoder output."""
+    rng = np.random.default_rng(order_seed)
+    pos = [0] * len(streams)
+    finals: list = [None] * len(streams)
+    step = 0
+    while any(f is None for f in finals):
+        rows = [i for i, f in enumerate(finals) if f is None and step >= (starts[i] if starts else 0)]
+        if order_seed is not None:
+            rng.shuffle(rows)
+        if rows:
+            chunks, lasts = [], []
+            for i in rows:
+                state, audio, piece = streams[i]
+                chunks.append(audio[pos[i]: pos[i] + piece])
+                pos[i] += piece
+                lasts.append(pos[i] >= len(audio))
+            for i, up in zip(rows, model.stream_step([streams[i][0] for i in rows], chunks, lasts),
+                             strict=True):
+                if up.is_final:
+                    finals[i] = up
+        step += 1
+    return [(f, torch.cat(s[0].encoder_output) if s[0].encoder_output else None)
+            for f, s in zip(finals, streams, strict=True)]
+
+
+def _tokens(update) -> list[int]:
+    return update.transcript.segments[0].tokens if update.transcript.segments else []
+
+
+@FEW
+@given(specs=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8000), st.sampled_from([0, 2]),
+                                st.integers(1, 6), st.integers(0, 3), st.sampled_from([1, 3])),
+                      min_size=2, max_size=4),
+       noise=st.integers(0, 4), seed=st.integers(0, 99))
+@pytest.mark.parametrize("bucketed", [False, True], ids=["eager", "bucketed"])
+def test_results_do_not_depend_on_the_batch(nemotron, clips, specs, noise, seed, bucketed) -> None:
+    from oasr.stream_cache import GraphSteps
+
+    model = nemotron
+
+    def make():
+        out = []
+        for clip, start, lookahead, pieces, _, max_sym in specs:
+            opts = DecodingOptions(model_options={"lookahead": lookahead, "max_symbols_per_frame": max_sym})
+            out.append((model.new_stream(opts), clips[clip][start:], 800 * pieces + 160 * clip))
+        return out
+
+    rt = model.stream_runtime
+    saved = rt.graphs
+    try:
+        solo = [_feed(model, [s])[0] for s in make()]
+        if bucketed:  # the CUDA-graph path's padded buckets, on the CPU
+            rt.graphs = GraphSteps(rt.compute, rt.dummy_inputs, simulate=True)
+        others = [(model.new_stream(DecodingOptions()), clips[0][:9000], 2400) for _ in range(noise)]
+        _feed(model, others[: noise // 2])  # these finish: their slots go back in another order
+        together = _feed(model, make(), order_seed=seed, starts=[s[4] for s in specs])
+        if bucketed:
+            assert rt.graphs.stats["replays"] > 0
+    finally:
+        rt.graphs = saved
+    for (f1, e1), (f2, e2) in zip(solo, together, strict=True):
+        assert f1.text == f2.text
+        assert _tokens(f1) == _tokens(f2)
+        if e1 is None:
+            assert e2 is None
+        else:
+            assert e1.shape == e2.shape and (e1 - e2).abs().max().item() < 1e-4
+    for s, _, _ in others[noise // 2:]:
+        model.release_stream(s)
+
+
+def test_bucketed_steps_equal_offline_and_capture_counts(nemotron, clips) -> None:
+    """Padded buckets (simulated graphs) captured ahead: streams of different ages give offline
+    decoding's tokens, and serving captures nothing more."""
+    from oasr.stream_cache import GraphSteps
+
+    model = nemotron
+    rt = model.stream_runtime
+    saved = rt.graphs
+    rt.graphs = GraphSteps(rt.compute, rt.dummy_inputs, simulate=True)
+    try:
+        assert model.capture_stream_graphs(max_batch=4) == 3  # buckets 1, 2, 4
+        captures = rt.graphs.stats["captures"]
+        opts = DecodingOptions(word_timestamps=True)
+        streams = [(model.new_stream(opts), c, 2000 + 900 * k) for k, c in enumerate(clips)]
+        got = _feed(model, streams, starts=[0, 1, 1, 3])
+        assert rt.graphs.stats["captures"] == captures
+    finally:
+        rt.graphs = saved
+    offline = model.transcribe(clips, opts)
+    for (f, _), o in zip(got, offline, strict=True):
+        assert f.text == o.text and _tokens(f) == (o.segments[0].tokens if o.segments else [])
+        assert [(w.word, w.start, w.end) for w in f.transcript.words] == [(w.word, w.start, w.end) for w in o.words]
+
+
+def test_empty_and_tiny_streams_equal_offline(nemotron, waves) -> None:
+    model = nemotron
+    for n in (0, 100, 700):
+        w = waves[0][:n]
+        offline = model.transcribe([w], DecodingOptions())[0].text
+        st = model.new_stream(DecodingOptions())
+        assert model.stream_step([st], [w], [True])[0].text == offline
+
+
+def test_finish_and_abort_return_every_slot(hf_checkpoints, waves) -> None:
+    from oasr.streaming import StreamingScheduler
+    from oasr_models_nemo.model import NemoASR
+
+    model = NemoASR.from_hf(hf_checkpoints["nemotron"].path)
+    sched = StreamingScheduler(model, max_batch_size=3)
+    rids = [sched.add_request(DecodingOptions(beam_size=1 + 2 * (i % 3 == 2))) for i in range(6)]
+    assert model.stream_occupancy()["streams"] == 6
+    for i, rid in enumerate(rids):
+        sched.feed_chunk(rid, waves[i % 3][: SR // 2], is_last=i % 2 == 0)
+    sched.run()
+    for rid in rids[1::2]:
+        assert sched.abort(rid)
+    model.stream_runtime.pool.reserve([], [])  # apply pending releases
+    occ = model.stream_occupancy()
+    assert occ["streams"] == 0 and model.stream_runtime.pool.stats["released"] == 6

@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true",
                     help="also time the stages and profile one OASR call (top operators to "
                          "stderr and in the JSON)")  # fmt: skip
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="CUDA graphs for the encoder and decoder (default: OASR_FUNASR_GRAPHS); "
+                         "with them the report also times the eager call and compares texts")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args(argv)
 
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = EngineConfig(ckpt_dir=str(ckpt), device=args.device, dtype=args.dtype,
                            max_batch_size=args.batch)  # fmt: skip
         model = load_model(cfg)
+        if args.graphs is not None:
+            model.cuda_graphs = args.graphs
         out["parameters_m"] = round(num_parameters(model.net) / 1e6, 1)
         out["oasr_dtype"] = str(model.net.dtype).removeprefix("torch.")
         opts = DecodingOptions()
@@ -124,6 +129,18 @@ def main(argv: list[str] | None = None) -> dict:
         out["oasr_seconds"] = round(t, 4)
         out["oasr_rtfx"] = round(audio_s / t, 1)
         out["oasr_chars"] = sum(len(x) for x in texts)
+        if model.cuda_graphs and args.device.startswith("cuda"):
+            # the same call without CUDA graphs: what the graphs win, and that they agree
+            eager_texts: list[str] = []
+            model.cuda_graphs = False
+            try:
+                t = _best(lambda: eager_texts.__setitem__(slice(None), [
+                    x.text for x in model.transcribe(waves, opts)]), args.repeats, args.device)  # fmt: skip
+            finally:
+                model.cuda_graphs = True
+            out["oasr_eager_seconds"] = round(t, 4)
+            out["texts_equal_eager"] = sum(a == b for a, b in zip(texts, eager_texts, strict=True))
+            out["cuda_graphs"] = dict(model._graphs.stats, disabled=model._graphs.disabled)
         if args.profile:
             out["stages"] = stages(model, waves, args)
         engine = ASREngine(cfg, model=model)
@@ -171,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def stages(model, waves: list[np.ndarray], args: argparse.Namespace) -> dict:  # noqa: ANN001
-    """Where one call's time goes: features alone, features + encoder, features + encoder +
-    predictor and CIF, the whole call; and a torch-profiler breakdown of one call."""
+    """Where one call's time goes: features alone, features + encoder + CIF predictor, the
+    whole call; and a torch-profiler breakdown of one call."""
     import torch
 
     from benchmarks.profiling import profile_call
@@ -181,11 +198,13 @@ def stages(model, waves: list[np.ndarray], args: argparse.Namespace) -> dict:  #
     opts = DecodingOptions()
     with torch.no_grad():
         feats_s = _best(lambda: model.features(waves), args.repeats, args.device)
-        enc_s = _best(lambda: model.encode(*model.features(waves)), args.repeats, args.device)
+        enc_s = _best(lambda: model.encode_and_predict(*model.features(waves)), args.repeats,
+                      args.device)  # fmt: skip
         whole_s = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
         prof = profile_call(lambda: model.transcribe(waves, opts), args.device)
-    return {"features_s": round(feats_s, 4), "encoder_s": round(enc_s - feats_s, 4),
-            "cif_decoder_rest_s": round(whole_s - enc_s, 4), "profile": prof}  # fmt: skip
+    out = {"features_s": round(feats_s, 4), "encoder_predictor_s": round(enc_s - feats_s, 4),
+           "cif_decoder_rest_s": round(whole_s - enc_s, 4), "profile": prof}  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

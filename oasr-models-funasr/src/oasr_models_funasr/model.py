@@ -49,6 +49,7 @@ from oasr.types import (
     Word,
 )
 from oasr_models_funasr.checkpoints import ParaformerConfig, load_release
+from oasr_models_funasr.graphs import ParaformerGraphs, graphs_enabled
 from oasr_models_funasr.nn import ParaformerNet
 from oasr_models_funasr.options import ParaformerOptions
 from oasr_models_funasr.plugin import CAPABILITIES
@@ -135,6 +136,11 @@ class ParaformerASR:
                 f"frontend features have {self.frontend.dim} dims but the encoder takes {cfg.encoder.input_size}"
             )
         self.default_options = ParaformerOptions()
+        #: on CUDA the encoder + predictor and the decoder replay CUDA graphs at bucketed shapes
+        #: (:mod:`oasr_models_funasr.graphs`); opt-in (``OASR_FUNASR_GRAPHS=1``) until measured
+        #: on a GPU
+        self.cuda_graphs = graphs_enabled()
+        self._graphs: ParaformerGraphs | None = None
         lfr_n = int(self.feature_spec.options["lfr_n"])
         #: seconds per encoder frame (one LFR frame: 60 ms for lfr_n 6)
         self.frame_shift = lfr_n * self.feature_spec.hop_length / self.feature_spec.sample_rate
@@ -239,6 +245,14 @@ class ParaformerASR:
     def device(self) -> torch.device:
         return self.net.device
 
+    def _cuda_graphs(self) -> ParaformerGraphs | None:
+        """The encoder / decoder graphs on CUDA (``cuda_graphs`` True), else None."""
+        if not self.cuda_graphs or self.net.device.type != "cuda":
+            return None
+        if self._graphs is None:
+            self._graphs = ParaformerGraphs(self.net)
+        return self._graphs
+
     # ------------------------------------------------------------------ features and network
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """LFR + CMVN features (B, T, D) float32 on the model's device, and their lengths."""
@@ -251,6 +265,21 @@ class ParaformerASR:
         return self.net.encoder(feats.to(self.net.dtype), lens).float()
 
     @torch.no_grad()
+    def encode_and_predict(
+        self, feats: torch.Tensor, lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Encoder output (B, T, d) in the model's dtype and in float32, the CIF predictor's
+        convolution (B, d, T) and weights (B, T) (float32); from CUDA graphs when on."""
+        graphs = self._cuda_graphs()
+        if graphs is not None:
+            return graphs.encode_predict(feats, lens)
+        net = self.net
+        enc_h = net.encoder(feats.to(net.dtype), lens)
+        enc = enc_h.float()
+        conv, alphas = net.predictor(enc, lens)
+        return enc_h, enc, conv, alphas.float()
+
+    @torch.no_grad()
     def decode_batch(
         self,
         waves: Sequence[np.ndarray],
@@ -260,11 +289,10 @@ class ParaformerASR:
         """One non-autoregressive pass over a batch of waveforms; ``hotwords`` (token ids, the
         last one ``[<s>]``) bias a SeACo model."""
         feats, flens = self.features(waves)
-        enc = self.encode(feats, flens)
         net, cfg = self.net, self.config
         pc = cfg.predictor
-        conv, alphas = net.predictor(enc, flens)
-        alphas = alphas.float()
+        graphs = self._cuda_graphs()
+        enc_h, enc, conv, alphas = self.encode_and_predict(feats, flens)
         if pc.tail_threshold > 0:
             # the tail weight goes right after each row's last frame: what FunASR does for an
             # input decoded alone (with or without its tail_mask), whatever the padding
@@ -282,11 +310,14 @@ class ParaformerASR:
             embeds = embeds[:, :most]  # token_num is whole there: its max is ntok's
         if b == 0 or most < 1:
             return [Decoded([], [], [], [] if timestamps else None) for _ in range(b)]
-        logits, hidden = net.decoder(enc.to(net.dtype), flens, embeds.to(net.dtype), ntok)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        if hotwords:
-            logp = self._bias(logp, embeds.to(net.dtype), hidden, ntok, hotwords)
-        best, ids = logp.max(dim=-1)
+        if graphs is not None and not hotwords:
+            best, ids, _ = graphs.decode(enc_h, flens, embeds.to(net.dtype), ntok)
+        else:
+            logits, hidden = net.decoder(enc_h, flens, embeds.to(net.dtype), ntok)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            if hotwords:
+                logp = self._bias(logp, embeds.to(net.dtype), hidden, ntok, hotwords)
+            best, ids = logp.max(dim=-1)
         us_alphas = None
         if timestamps and pc.kind == "CifPredictorV3":
             us_alphas = net.predictor.upsampled_alphas(enc, conv, flens, ntok).float().cpu()

@@ -130,13 +130,22 @@ def fsmn_pads(kernel_size: int, shift: int) -> tuple[int, int]:
     return left, kernel_size - 1 - left
 
 
+def fsmn_block(d: int, kernel_size: int, pads: tuple[int, int]) -> DepthwiseConv1d:
+    """The FSMN convolution; symmetric zero padding goes into the convolution itself (no padded
+    copy of the input), asymmetric padding is applied by :func:`fsmn_memory`."""
+    return DepthwiseConv1d(d, kernel_size, padding=pads[0] if pads[0] == pads[1] else 0, bias=False)
+
+
 def fsmn_memory(
     block: DepthwiseConv1d, pads: tuple[int, int], x: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """The FSMN memory: a depthwise convolution (no bias) over the masked input, plus it."""
     if mask is not None:
         x = x * mask
-    y = block(F.pad(x.transpose(1, 2), pads)).transpose(1, 2) + x
+    xt = x.transpose(1, 2)
+    if block.padding == 0 and pads != (0, 0):
+        xt = F.pad(xt, pads)
+    y = block(xt).transpose(1, 2) + x
     return y * mask if mask is not None else y
 
 
@@ -149,8 +158,8 @@ class SANMAttention(nn.Module):
         self.h, self.d_k = heads, d // heads
         self.linear_q_k_v = Linear(in_feat, 3 * d)
         self.linear_out = Linear(d, d)
-        self.fsmn_block = DepthwiseConv1d(d, kernel_size, padding=0, bias=False)
         self.pads = fsmn_pads(kernel_size, shift)
+        self.fsmn_block = fsmn_block(d, kernel_size, self.pads)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -189,6 +198,19 @@ class SANMEncoder(nn.Module):
             [EncoderLayer(cfg.output_size, cfg) for _ in range(cfg.num_blocks - 1)]
         )
         self.after_norm = LayerNorm(cfg.output_size, eps=LN_EPS)
+        self._positions: dict[tuple, torch.Tensor] = {}
+
+    def positions(self, t: int, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``t`` rows of a cached position table (each row is computed on its own,
+        so a slice equals the table of ``t`` rows; no host-to-device copy per call, which a
+        CUDA graph capture would refuse)."""
+        key = (dim, device, dtype)
+        table = self._positions.get(key)
+        if table is None or table.shape[0] < t:
+            n = max(t, 2 * table.shape[0] if table is not None else 1024)
+            table = sinusoid_positions(n, dim, device, torch.float32).to(dtype)
+            self._positions[key] = table
+        return table[:t]
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """(B, T, input_size) -> (B, T, d), zero past each row's length."""
@@ -197,7 +219,7 @@ class SANMEncoder(nn.Module):
         mask = valid[:, :, None].to(feats.dtype)
         attn_mask = valid[:, None, None, :]
         x = feats * self.cfg.output_size**0.5
-        x = x + sinusoid_positions(t, dim, feats.device, torch.float32).to(x.dtype)
+        x = x + self.positions(t, dim, feats.device, x.dtype)
         for layer in self.encoders0:
             x = layer(x, mask, attn_mask)
         for layer in self.encoders:
@@ -297,8 +319,8 @@ class DecoderSelfMemory(nn.Module):
 
     def __init__(self, d: int, kernel_size: int, shift: int) -> None:
         super().__init__()
-        self.fsmn_block = DepthwiseConv1d(d, kernel_size, padding=0, bias=False)
         self.pads = fsmn_pads(kernel_size, shift)
+        self.fsmn_block = fsmn_block(d, kernel_size, self.pads)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return fsmn_memory(self.fsmn_block, self.pads, x, mask)

@@ -1,0 +1,232 @@
+"""Paraformer's encoder + CIF predictor and its decoder replayed from CUDA graphs.
+
+Without graphs the host needs longer to launch a batch's ~1500 kernels (50 encoder layers, 16
+decoder layers, about 15-20 small kernels each) than the device needs to run them: the device
+waits on Python. A graph launches all of a stage's kernels at once.
+
+Shapes are bucketed so that a few graphs serve real traffic: the batch rounds up to a power of
+two up to 8 and to a multiple of 8 above, the frames to a multiple of ``FRAME_STEP`` LFR frames
+(about a second), the tokens to a multiple of ``TOKEN_STEP``. A call copies its inputs into the
+bucket's static inputs (rows and frames past the input zero, padded rows one frame long),
+replays, and returns copies of its rows and frames of the static outputs. Padding never reaches
+a row's values: attention masks padded keys, the FSMN memory zeroes padded frames before and
+after its convolution, everything else is per frame, and the predictor zeroes the weights past
+each length (what lets the eager path batch rows of different lengths). Only the matrix
+products see other shapes, which may pick other GEMM kernels: results agree with the eager path
+to float rounding (tests/funasr/test_gpu.py compares both).
+
+Opt-in (``OASR_FUNASR_GRAPHS=1``, or ``model.cuda_graphs = True``): written without a GPU at
+hand, the captures have not run on one yet (tests/funasr/test_gpu.py and ``python -m
+benchmarks.funasrbench --graphs`` check and measure them there).
+
+A shape is captured the second time it is needed (one seen once, such as a run's last partial
+batch, runs eagerly and is never captured); a capture is one eager warm-up pass on a side stream
+(kernels load, cuDNN plans) and the capture itself. All graphs share one memory pool (replays
+never overlap: one lock); at most ``max_graphs`` are kept, the least recently used is dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FRAME_STEP",
+    "TOKEN_STEP",
+    "ParaformerGraphs",
+    "batch_bucket",
+    "graphs_enabled",
+    "round_up",
+]
+
+#: encoder frames round up to a multiple of this (16 LFR frames: 0.96 s)
+FRAME_STEP = 16
+#: decoder tokens round up to a multiple of this
+TOKEN_STEP = 8
+
+
+def graphs_enabled() -> bool:
+    """``OASR_FUNASR_GRAPHS=1`` (off by default: not yet run on a GPU)."""
+    return os.environ.get("OASR_FUNASR_GRAPHS", "0").lower() in ("1", "true", "yes")
+
+
+def round_up(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+def batch_bucket(n: int) -> int:
+    """1, 2, 4, 8, then multiples of 8."""
+    if n <= 8:
+        return 1 << max(0, (n - 1).bit_length())
+    return round_up(n, 8)
+
+
+class _Graph:
+    """One captured graph: its static inputs and outputs."""
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.inputs = inputs
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class ParaformerGraphs:
+    """``encode_predict`` and ``decode`` of a CUDA :class:`~oasr_models_funasr.nn.ParaformerNet`
+    from CUDA graphs; both return exactly what their eager versions in
+    :mod:`oasr_models_funasr.model` return (up to the GEMMs' float rounding)."""
+
+    def __init__(self, net: Any, capture_after: int = 2, max_graphs: int = 32) -> None:
+        self.net = net
+        self.capture_after = max(1, int(capture_after))
+        self.max_graphs = max(1, int(max_graphs))
+        self._uses: dict[tuple, int] = {}
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._pool: Any = None
+        self._lock = threading.Lock()
+        self.stats = {"captures": 0, "replays": 0, "eager": 0}
+        #: why graphs were turned off (a capture failed), else None
+        self.disabled: str | None = None
+
+    # ------------------------------------------------------------------ the captured functions
+    def _encode_predict(self, feats: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, T, D) features in the net's dtype -> (encoder output (B, T, d) in the net's
+        dtype, the same in float32, predictor conv (B, d, T) float32, alphas (B, T) float32)."""
+        net = self.net
+        enc_h = net.encoder(feats, lens)
+        enc = enc_h.float()
+        conv, alphas = net.predictor(enc, lens)
+        return enc_h, enc, conv, alphas.float()
+
+    def _decode(
+        self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, ntok: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """-> (best log-probability (B, N) float32, token ids (B, N), decoder hidden (B, N, d))."""
+        logits, hidden = self.net.decoder(memory, mem_lens, embeds, ntok)
+        best, ids = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
+        return best, ids, hidden
+
+    # ------------------------------------------------------------------ public calls
+    def encode_predict(
+        self, feats: torch.Tensor, lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, d = feats.shape
+        feats = feats.to(self.net.dtype)
+        key = ("enc", batch_bucket(b), round_up(t, FRAME_STEP), d, feats.dtype)
+        shapes = ((key[1], key[2], d), (key[1],))
+        out = self._run(key, self._encode_predict, (feats, lens), shapes, (b, t))
+        if out is None:
+            return self._encode_predict(feats, lens)  # type: ignore[return-value]
+        enc_h, enc, conv, alphas = out
+        return (
+            enc_h[:b, :t].clone(),
+            enc[:b, :t].clone(),
+            conv[:b, :, :t].clone(),
+            alphas[:b, :t].clone(),
+        )
+
+    def decode(
+        self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, ntok: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, d = memory.shape
+        n = embeds.shape[1]
+        bb = batch_bucket(b)
+        key = ("dec", bb, round_up(t, FRAME_STEP), round_up(n, TOKEN_STEP), d, memory.dtype)
+        shapes = ((bb, key[2], d), (bb,), (bb, key[3], embeds.shape[2]), (bb,))
+        out = self._run(key, self._decode, (memory, mem_lens, embeds, ntok), shapes, (b, t, n))
+        if out is None:
+            return self._decode(memory, mem_lens, embeds, ntok)  # type: ignore[return-value]
+        best, ids, hidden = out
+        return best[:b, :n].clone(), ids[:b, :n].clone(), hidden[:b, :n].clone()
+
+    # ------------------------------------------------------------------ machinery
+    def _run(
+        self,
+        key: tuple,
+        fn: Callable[..., tuple[torch.Tensor, ...]],
+        args: tuple[torch.Tensor, ...],
+        shapes: tuple[tuple[int, ...], ...],
+        real: tuple[int, ...],
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Replay ``key``'s graph on ``args`` (capturing it on its second use); None: run
+        eagerly instead (first use, or a capture in progress elsewhere)."""
+        if self.disabled is not None or torch.cuda.is_current_stream_capturing():
+            self.stats["eager"] += 1
+            return None
+        with self._lock:
+            g = self._graphs.get(key)
+            if g is None:
+                uses = self._uses[key] = self._uses.get(key, 0) + 1
+                if uses < self.capture_after:
+                    self.stats["eager"] += 1
+                    return None
+                try:
+                    g = self._capture(key, fn, args, shapes)
+                except Exception as exc:  # noqa: BLE001 - any capture failure: stay eager
+                    # an op that reads back to the host (a quantized layer's scale, a kernel
+                    # provider's override) cannot be captured; the eager path still works
+                    self.disabled = f"{type(exc).__name__}: {exc}"
+                    warnings.warn(f"Paraformer CUDA graphs off, the capture failed: {self.disabled}",
+                                  RuntimeWarning, stacklevel=3)  # fmt: skip
+                    torch.cuda.synchronize()
+                    self.stats["eager"] += 1
+                    return None
+            else:
+                self._graphs.move_to_end(key)
+            self._fill(g.inputs, args, real)
+            assert g.graph is not None
+            g.graph.replay()
+            self.stats["replays"] += 1
+            return g.outputs
+
+    @staticmethod
+    def _fill(
+        static: tuple[torch.Tensor, ...], args: tuple[torch.Tensor, ...], real: tuple[int, ...]
+    ) -> None:
+        """Copy the call's inputs into the static ones: float inputs zero-padded, length inputs
+        1 on padded rows (a one-frame / one-token row: finite values, then dropped)."""
+        b = real[0]
+        for s, a in zip(static, args, strict=True):
+            if s.dim() == 1:
+                s.fill_(1)
+                s[:b].copy_(a)
+            else:
+                s.zero_()
+                s[:b, : a.shape[1]].copy_(a)
+
+    def _capture(
+        self,
+        key: tuple,
+        fn: Callable[..., tuple[torch.Tensor, ...]],
+        args: tuple[torch.Tensor, ...],
+        shapes: tuple[tuple[int, ...], ...],
+    ) -> _Graph:
+        dev = args[0].device
+        static = tuple(
+            torch.ones(s, dtype=a.dtype, device=dev)
+            if len(s) == 1
+            else torch.zeros(s, dtype=a.dtype, device=dev)
+            for s, a in zip(shapes, args, strict=True)
+        )
+        g = _Graph(static)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn(*static)  # warm-up outside the capture: kernels load, cuDNN plans, caches fill
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            g.outputs = fn(*static)
+        g.graph = graph
+        self._graphs[key] = g
+        self.stats["captures"] += 1
+        return g

@@ -364,13 +364,16 @@ class NemotronASR(NemoASR):
         return out
 
     def capture_stream_graphs(self, max_batch: int, lookahead: int | None = None,
-                              streams: int | None = None) -> int:
+                              streams: int | None = None, max_symbols: int | None = None) -> int:
         """Capture now the CUDA graphs that steps of up to ``max_batch`` streams with
         ``lookahead`` (default: the model's) replay, after growing the cache pool to
-        ``streams`` (default ``max_batch``) streams, so that serving captures nothing. Returns
-        the number captured (0 off CUDA or with ``stream_cuda_graphs`` off)."""
+        ``streams`` (default ``max_batch``) streams, and warm the greedy search's device loop
+        for ``max_symbols`` symbols per frame (default: the model's), so that serving captures
+        nothing. Returns the number of step graphs captured (0 off CUDA or with
+        ``stream_cuda_graphs`` off)."""
         r = self.config.att_context[1] if lookahead is None or lookahead < 0 else int(lookahead)
-        return self.stream_runtime.capture(max_batch, r, streams)
+        symbols = self.default_options.max_symbols_per_frame if max_symbols is None else max_symbols
+        return self.stream_runtime.capture(max_batch, r, streams, (symbols,))
 
 
 __all__ = ["NemoASR", "NemotronASR", "ParakeetCTC", "ParakeetRNNT", "ParakeetTDT"]

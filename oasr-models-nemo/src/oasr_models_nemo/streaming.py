@@ -172,6 +172,7 @@ class NemotronStreamRuntime:
         if model.stream_cuda_graphs and dev.type == "cuda":
             self.graphs = GraphSteps(self.compute, self.dummy_inputs)
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}
+        self._copied: Any = None  # CUDA event: the last copy from a page-locked buffer is done
 
     # -- shapes -------------------------------------------------------------------------------
     def chunk_mel_frames(self, lookahead: int) -> int:
@@ -235,12 +236,14 @@ class NemotronStreamRuntime:
         audio = torch.zeros(rows, self.chunk_samples(lookahead), device=dev)
         return audio, torch.zeros(rows, self.n_ints, dtype=torch.long, device=dev)
 
-    def capture(self, max_batch: int, lookahead: int, streams: int | None = None) -> int:
+    def capture(self, max_batch: int, lookahead: int, streams: int | None = None,
+                max_symbols: Sequence[int] = ()) -> int:
         """Capture now the CUDA graphs of steps of up to ``max_batch`` streams (every batch
         bucket up to it) with ``lookahead``, after growing the pool to ``streams`` (default
-        ``max_batch``) slots, and warm the greedy search's device loop for those buckets, so
-        that nothing is captured while streams are served. Returns the graphs captured (0 off
-        CUDA or with graphs off)."""
+        ``max_batch``) slots, and warm the greedy search's device loop of those buckets for each
+        of ``max_symbols`` (symbols per frame; the loop's graphs are captured on first use), so
+        that serving captures nothing. Returns the step graphs captured (0 off CUDA or with
+        graphs off)."""
         if self.graphs is None:
             return 0
         self.pool.ensure(streams or max_batch)
@@ -251,13 +254,14 @@ class NemotronStreamRuntime:
         with torch.no_grad():
             for rows in (r for r in BATCH_BUCKETS if r <= top):
                 self.graphs.capture((rows, lookahead), self.pool.generation)
-                proj = torch.zeros(rows, t_out, self.initial["dec_out"].shape[-1], device=dev,
-                                   dtype=self.model.dtype)
-                state = tuple(self.initial[k][:, None].expand(-1, rows, -1).contiguous() for k in ("dec_h", "dec_c"))
-                out = self.initial["dec_out"][None].expand(rows, -1).contiguous()
-                for max_symbols in {1, self.model.config.max_symbols_per_step}:
+                for symbols in sorted({int(m) for m in max_symbols if int(m) > 1}):
+                    proj = torch.zeros(rows, t_out, self.initial["dec_out"].shape[-1], device=dev,
+                                       dtype=self.model.dtype)
+                    state = tuple(self.initial[k][:, None].expand(-1, rows, -1).contiguous()
+                                  for k in ("dec_h", "dec_c"))
+                    out = self.initial["dec_out"][None].expand(rows, -1).contiguous()
                     search = self._greedy_search([Hypothesis(tokens=[])] * rows, [0] * rows, state, out,
-                                                 max_symbols)  # fmt: skip
+                                                 symbols)  # fmt: skip
                     search.step(proj, [t_out] * rows)
         return self.graphs.stats["captures"] - before
 
@@ -275,16 +279,17 @@ class NemotronStreamRuntime:
         return search
 
     def _host_audio(self, rows: int, samples: int) -> np.ndarray:
-        """A zeroed (rows, samples) float32 array; page-locked on CUDA (reused per shape: the
-        previous step's copy from it finished when that step read its results back)."""
+        """A (rows, samples) float32 array (the caller writes every row it uses; the others
+        feed padded rows); page-locked on CUDA (reused per shape, once the previous copy from it
+        has finished)."""
         if self.model.device.type != "cuda":
             return np.zeros((rows, samples), np.float32)
+        if self._copied is not None:
+            self._copied.synchronize()
         buf = self._pinned.get((rows, samples))
         if buf is None:
             buf = self._pinned[(rows, samples)] = torch.zeros(rows, samples, pin_memory=True)
-        a = buf.numpy()
-        a.fill(0.0)
-        return a
+        return buf.numpy()
 
     def encode(self, states: list[NemotronStreamState], plans: list[tuple[int, int, int, bool]]) -> None:
         """One chunk of each stream (same lookahead) in one call, then the search. ``plans[i]``:
@@ -325,11 +330,17 @@ class NemotronStreamRuntime:
             row[5 + n: 5 + 2 * n] = [j + min(x, _UNLIMITED) for j, x in zip(junk, limit, strict=True)]
             valid[i] = min(t_out, limit[-1])
         ints[:b, 2] = valid
+        prof = model.stream_profile
         dev = model.device
         self.pool.reserve([st.cache for st in states], [0] * b)  # applies pending releases
         audio_t = torch.from_numpy(audio) if dev.type != "cuda" else self._pinned[(rows, samples)]
         audio_t = audio_t.to(dev, non_blocking=True)
+        if dev.type == "cuda":
+            self._copied = self._copied or torch.cuda.Event()
+            self._copied.record()
         ints_t = torch.from_numpy(ints).to(dev, non_blocking=True)
+        if prof is not None:
+            prof.lap("features")
         with torch.no_grad():
             out = proj = None
             if graphs is not None:
@@ -344,10 +355,16 @@ class NemotronStreamRuntime:
                     out, proj = graphs.run(key, self.pool.generation, audio_t, ints_t)
             if out is None:
                 out, proj = self.compute(audio_t, ints_t)
+            if prof is not None:
+                prof.lap("encoder")
             self._search(states, out, proj, valid, rows)
+        if prof is not None:
+            prof.lap("search")
         for i, st in enumerate(states):
             st.emitted += int(valid[i])
             st.cached = min(st.cached + t_out, self.left)
+        if prof is not None:
+            prof.lap("scatter")
 
     def _search(self, states: list[NemotronStreamState], out: torch.Tensor, proj: torch.Tensor,
                 valid: np.ndarray, rows: int) -> None:
@@ -503,8 +520,6 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
             rt.encode([states[i] for i in rows], [plans[i][r] for i in rows])
             if prof is not None:
                 prof.calls += 1
-    if prof is not None:
-        prof.lap("encoder")
     hop = model.mel.hop_length
     updates = []
     for st, last in zip(states, is_last, strict=True):

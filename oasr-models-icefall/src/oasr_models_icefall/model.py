@@ -24,6 +24,10 @@ batch size, and a finished or aborted stream returns its slot (``release_stream`
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,7 +58,7 @@ from oasr.features.kaldi import KaldiFbank
 from oasr.layers import default_dtype, resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.options import ResolvedOptions
-from oasr.stream_cache import StreamCachePool, StreamContext
+from oasr.stream_cache import BATCH_BUCKETS, GraphSteps, StreamCachePool, StreamContext, bucket
 from oasr.types import (
     DecodingOptions,
     EngineConfig,
@@ -146,7 +150,7 @@ class IcefallStream:
     left: int
     fbank: CenteredFbankStream
     search: Any
-    feats: torch.Tensor  # (n, F) fbank frames received, not yet consumed
+    raw: np.ndarray  # (n, win) samples of the fbank frames received, not yet consumed
     cache: StreamContext | None = None  # this stream's slot in the model's cache pool
     samples_received: int = 0
     frames_consumed: int = 0
@@ -154,6 +158,8 @@ class IcefallStream:
     finished: bool = False
     #: greedy search, batched across the streams of a step: this stream's row of it
     hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
+    text: str = ""  # the partial text of ``hyp`` (decoded again only when it grew)
+    tokens_seen: int = 0
 
     @property
     def window(self) -> int:
@@ -171,6 +177,12 @@ class IcefallStream:
 class _IcefallASR:
     capabilities: ModelCapabilities = TRANSDUCER_CAPABILITIES
     default_head = "transducer"
+    #: on CUDA, a stream step's device half (fbank, caches, encoder, one-symbol greedy search)
+    #: is a CUDA-graph replay per batch-size bucket. Opt-in (``OASR_ICEFALL_STREAM_GRAPHS=1`` or
+    #: True here): not yet run on a GPU; its CPU simulation is tested
+    stream_cuda_graphs = os.environ.get("OASR_ICEFALL_STREAM_GRAPHS", "0") == "1"
+    #: tests: the graph steps' bucketing and padding on the CPU (GraphSteps(simulate=True))
+    _simulate_stream_graphs = False
 
     def __init__(self, net: IcefallNet, tokens: Sequence[str], *, name: str | None = None,
                  source_path: Path | None = None) -> None:  # fmt: skip
@@ -455,7 +467,7 @@ class _IcefallASR:
             options=o, method=method, chunk=o.chunk_size, left=o.left_context_frames,
             fbank=CenteredFbankStream(self.fbank),
             search=None if method == "greedy_search" else self._new_search(o, method, 1),
-            feats=torch.zeros(0, self.fbank.dim),
+            raw=np.zeros((0, self.feature_spec.win_length), np.float32),
         )  # fmt: skip
         pool, init, nonzero, _ = self._cache_pool(st.left)
         st.cache = pool.open(owner=st)
@@ -496,48 +508,54 @@ class _IcefallASR:
         for pool, *_ in self.__dict__.get("_stream_pools", {}).values():
             for k, v in pool.occupancy().items():
                 out[k] = out.get(k, 0) + v
+        for graphs in self.__dict__.get("_graphs", {}).values():
+            for k, v in graphs.stats.items():
+                out[f"graph_{k}"] = out.get(f"graph_{k}", 0) + v
         return out
 
-    def _windows(self, st: IcefallStream, last: bool) -> list[torch.Tensor]:
+    def _windows(self, st: IcefallStream, last: bool) -> list[tuple[np.ndarray, int]]:
+        """The stream's chunk windows its frames allow now: (raw frames, how many of the window's
+        frames are real; the rest are icefall's padding of ``log(1e-10)`` features)."""
         out = []
-        while st.feats.shape[0] >= st.window:
-            out.append(st.feats[: st.window])
-            st.feats = st.feats[2 * st.chunk :]
-            st.frames_consumed += 2 * st.chunk
+        step = 2 * st.chunk
+        while st.raw.shape[0] >= st.window:
+            out.append((st.raw[: st.window], st.window))
+            st.raw = st.raw[step:]
+            st.frames_consumed += step
         if last:
             if st.fbank.emitted == 0:  # not one fbank frame: nothing to say (as offline)
                 return out
-            tail = torch.full((STREAM_PAD, self.fbank.dim), LOG_EPS)
-            st.feats = torch.cat([st.feats, tail])
-            while st.feats.shape[0] > 0:
-                w = st.feats[: st.window]
-                if w.shape[0] < st.window:
-                    w = torch.cat([w, torch.full((st.window - w.shape[0], w.shape[1]), LOG_EPS)])
-                out.append(w)
-                st.feats = st.feats[2 * st.chunk :]
-                st.frames_consumed += 2 * st.chunk
+            left = st.raw.shape[0] + STREAM_PAD  # icefall pads the end with 13 frames
+            while left > 0:
+                out.append((st.raw[: st.window], min(st.raw.shape[0], st.window)))
+                st.raw = st.raw[step:]
+                st.frames_consumed += step
+                left -= step
         return out
 
     def stream_step(self, states: Sequence[IcefallStream], chunks: Sequence[np.ndarray],
                     is_last: Sequence[bool]) -> list[StreamingUpdate]:  # fmt: skip
         if not len(states) == len(chunks) == len(is_last):
             raise InvalidRequestError("states, chunks and is_last must have the same length")
-        raw: list[torch.Tensor] = []
+        pending = []
         for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
             if st.finished:
                 raise InvalidRequestError("this stream already finished; start a new one")
-            a = np.zeros(0, np.float32) if chunk is None or not len(chunk) else as_mono_waveform(chunk, f"chunk #{k}")
-            st.samples_received += a.size
-            frames = st.fbank.accept_raw(torch.from_numpy(a)) if a.size else torch.zeros(0, st.fbank.win)
+            if chunk is None or not len(chunk):
+                a = None
+            elif isinstance(chunk, np.ndarray) and chunk.dtype == np.float32 and chunk.ndim == 1:
+                a = chunk  # the engine hands over checked float32 mono arrays
+            else:
+                a = as_mono_waveform(chunk, f"chunk #{k}")
+            if a is not None and a.size:
+                st.samples_received += a.size
+                frames = st.fbank.accept_raw(a)
+                if frames.shape[0]:
+                    st.raw = np.concatenate([st.raw, frames]) if st.raw.shape[0] else frames
             if last:
-                frames = torch.cat([frames, st.fbank.finish_raw()])
-            raw.append(frames)
-        # the new fbank frames of every stream in one call
-        feats = self.fbank.compute_frames(torch.cat(raw)).split([r.shape[0] for r in raw])
-        pending = []
-        for st, new, last in zip(states, feats, is_last, strict=True):
-            if new.shape[0]:
-                st.feats = torch.cat([st.feats, new])
+                frames = st.fbank.finish_raw()
+                if frames.shape[0]:
+                    st.raw = np.concatenate([st.raw, frames]) if st.raw.shape[0] else frames
             pending.append(self._windows(st, bool(last)))
         for r in range(max((len(p) for p in pending), default=0)):
             groups: dict[tuple[int, int], list[int]] = {}
@@ -554,8 +572,10 @@ class _IcefallASR:
                 self.release_stream(st)
                 tr = self._transcript(hyp, st.samples_received / self.feature_spec.sample_rate, st.offset, st.options)
                 updates.append(StreamingUpdate(text=tr.text, is_final=True, transcript=tr))
-            else:
-                updates.append(StreamingUpdate(text=self.tokens.decode(hyp.tokens), is_final=False))
+                continue
+            if st.search is not None or len(hyp.tokens) != st.tokens_seen:  # greedy only grows
+                st.text, st.tokens_seen = self.tokens.decode(hyp.tokens), len(hyp.tokens)
+            updates.append(StreamingUpdate(text=st.text, is_final=False))
         return updates
 
     @staticmethod
@@ -571,23 +591,67 @@ class _IcefallASR:
             return s.results()[0]
         return s.best()[0]
 
-    def _encode_chunk(self, states: list[IcefallStream], windows: list[torch.Tensor]) -> None:
-        """One chunk of each stream (same chunk and left context) in one batch."""
-        left = states[0].left
-        pool, _, _, layout = self._cache_pool(left)
+    def _encode_chunk(self, states: list[IcefallStream], windows: list[tuple[np.ndarray, int]]) -> None:
+        """One chunk of each stream (same chunk and left context) in one batched step: the
+        device half (:meth:`_chunk_compute`: cache gather, encoder, cache scatter, the greedy
+        search of the one-symbol-per-frame greedy streams) is one CUDA-graph replay on CUDA
+        (per batch-size bucket, padded rows on the pool's scratch slot 0); one device-to-host
+        copy brings their tokens back. Other searches advance on the encoder output after it."""
+        b = len(states)
+        chunk, left = states[0].chunk, states[0].left
+        pool, *_ = self._cache_pool(left)
         ctxs = [st.cache for st in states]
-        pool.reserve(ctxs, [0] * len(ctxs))  # applies pending releases
-        slots = torch.from_numpy(pool.slot_ids(ctxs)).to(self.device)
-        tensors = list(pool.slot_tensors.values())[: len(_flatten_caches(layout))]  # encoder caches
-        feats = torch.stack(windows).to(self.device, self.dtype)
+        pool.reserve(ctxs, [0] * b)  # applies pending releases
+        graphs = self._stream_graphs(left)
+        rows = bucket(b, BATCH_BUCKETS) if graphs is not None else b
+        raw = self._raw_buffer(rows, states[0].window)  # (rows, window, win) frame samples
+        for i, (w, _) in enumerate(windows):
+            raw[i, : w.shape[0]] = w
+        in_step = np.zeros(b, bool)  # greedy with one symbol per frame: searched in the step
+        if self.decoder_network is not None:
+            in_step[:] = [st.search is None and st.options.max_sym_per_frame == 1 for st in states]
+        ints = np.zeros((rows, 3), np.int64)
+        ints[:b, 0], ints[:b, 1], ints[:b, 2] = pool.slot_ids(ctxs), in_step, [n for _, n in windows]
+        penalty = np.zeros(rows, np.float32)
+        penalty[:b] = [st.options.blank_penalty for st in states]
+        dev = self.device
+        pinned = self.__dict__["_raw_store"].is_pinned()
+        inputs = (self.__dict__["_raw_tensor"].to(dev, non_blocking=pinned), torch.from_numpy(ints).to(dev),
+                  torch.from_numpy(penalty).to(dev))  # fmt: skip
+        if pinned:  # the buffer is refilled only once this copy is done
+            self._h2d_done = torch.cuda.Event()
+            self._h2d_done.record()
         with torch.no_grad():
-            caches = _unflatten_caches([t.index_select(0, slots) for t in tensors], layout)
-            out, new = self.net.streaming_forward(feats, caches, left)
-            for t, n in zip(tensors, _flatten_caches(new), strict=True):
-                t.index_copy_(0, slots, n.to(t.dtype))
-        greedy = [i for i, st in enumerate(states) if st.search is None]
-        if greedy:
-            self._greedy_rows([states[i] for i in greedy], out[greedy] if len(greedy) < len(states) else out)
+            outs = None
+            if graphs is not None:
+                key = (rows, chunk)
+                try:
+                    graphs.capture(key, pool.generation)
+                except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run eagerly
+                    warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); the "
+                                  "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=2)
+                    self.stream_cuda_graphs = False
+                    inputs = tuple(t[:b] for t in inputs)
+                else:
+                    outs = graphs.run(key, pool.generation, *inputs)
+            if outs is None:
+                outs = self._chunk_compute(left, *inputs)
+            out = outs[0][:b]
+            host = outs[1][:b].cpu().numpy() if in_step.any() else None  # (b, 2, T): tokens, logps
+            if not in_step.all() and graphs is not None:
+                out = out.clone()  # the graph's output buffer is reused by its next replay
+        if host is not None:
+            for i in np.nonzero(in_step)[0].tolist():
+                st = states[i]
+                hyp, lps = st.hyp, host[i, 1].astype(np.float64)
+                hyp.score += float(lps.sum())
+                at = np.nonzero(host[i, 0] >= 0)[0]
+                hyp.tokens += host[i, 0, at].astype(np.int64).tolist()
+                hyp.times += (at + st.offset).tolist()
+                hyp.token_logprobs += lps[at].tolist()
+        greedy = [i for i, st in enumerate(states) if st.search is None and not in_step[i]]
+        if greedy:  # several symbols per frame: the core's search, batched
+            self._greedy_rows([states[i] for i in greedy], out[greedy] if len(greedy) < b else out)
         tensor_beams: list[tuple[GPUCTCPrefixBeamSearch, torch.Tensor]] = []
         for i, st in enumerate(states):
             st.offset += out.shape[1]
@@ -607,6 +671,111 @@ class _IcefallASR:
                 st.search.step(f, [f.shape[1]])
         if tensor_beams:  # every tensor prefix beam of this chunk in one batched step
             step_streams([b for b, _ in tensor_beams], [lp for _, lp in tensor_beams])
+
+    def _raw_buffer(self, rows: int, window: int) -> np.ndarray:
+        """A host buffer (rows, window, win) for a step's frame samples (page-locked on CUDA and
+        reused: one asynchronous copy to the device). Not zeroed: frames past a row's real ones
+        are masked on the device."""
+        shape = (rows, window, self.feature_spec.win_length)
+        n = math.prod(shape)
+        store = self.__dict__.get("_raw_store")
+        if store is None or store.numel() < n:
+            pinned = self.device.type == "cuda" and self.stream_cuda_graphs  # (opt-in path)
+            store = torch.zeros(max(n, 2 * store.numel() if store is not None else 0), pin_memory=pinned)
+            self.__dict__["_raw_store"] = store
+        done = self.__dict__.pop("_h2d_done", None)
+        if done is not None:  # the previous step's copy out of it has finished
+            done.synchronize()
+        view = store[:n].view(shape)
+        self.__dict__["_raw_tensor"] = view
+        return view.numpy()
+
+    def _chunk_compute(self, left: int, raw: torch.Tensor, ints: torch.Tensor,
+                       penalty: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The device half of a chunk step (captured as a CUDA graph on CUDA). ``raw`` (R, 2
+        chunk + 13, win): the samples of each row's window of fbank frames; ``ints`` (R, 3):
+        cache slot, 1 where the row's greedy search (one symbol per frame) runs here, how many
+        of the window's frames are real (the rest get icefall's ``log(1e-10)`` padding);
+        ``penalty`` (R,) blank penalties. Returns the
+        encoder output (R, chunk / 2, D) and, with a transducer head, (R, 2, chunk / 2): each
+        frame's token (-1: none) and log-probability, as the core's device greedy search
+        (``TransducerGreedySearch`` on CUDA) computes them."""
+        pool, init, _, layout = self._cache_pool(left)
+        tensors = list(pool.slot_tensors.values())
+        n_enc = len(_flatten_caches(layout))
+        slots = ints[:, 0]
+        feats = self.fbank.compute_frames(raw)
+        real = torch.arange(raw.shape[1], device=raw.device)[None, :] < ints[:, 2:3]
+        feats = torch.where(real.unsqueeze(2), feats, LOG_EPS)
+        caches = _unflatten_caches([t.index_select(0, slots) for t in tensors[:n_enc]], layout)
+        out, new = self.net.streaming_forward(feats.to(self.dtype), caches, left)
+        for t, n in zip(tensors[:n_enc], _flatten_caches(new), strict=True):
+            t.index_copy_(0, slots, n.to(t.dtype))
+        net = self.decoder_network
+        if net is None:
+            return (out,)
+        dec_state, dec_out = tensors[n_enc], tensors[n_enc + 1]  # by slot
+        state0, d0 = dec_state.index_select(0, slots), dec_out.index_select(0, slots)
+        state, dec = state0, d0
+        frames = self.net.joiner.encoder_proj(out)
+        blank = self.blank_id
+        blanks = torch.full_like(slots, blank)
+        tokens, logps = [], []
+        for t in range(out.shape[1]):
+            logits = net.join(frames[:, t], dec).float()
+            logits[:, blank] -= penalty
+            best = logits.argmax(dim=-1)
+            logps.append(logits.log_softmax(dim=-1).gather(1, best.unsqueeze(1)).squeeze(1))
+            emit = best != blank
+            tokens.append(torch.where(emit, best, -1))
+            d, s = net.predict(torch.where(emit, best, blanks), state)
+            state = net.merge_state(state, s, emit)
+            dec = torch.where(emit.unsqueeze(1), d.to(dec.dtype), dec)
+        use = ints[:, 1].bool().unsqueeze(1)  # other rows keep their decoder state
+        dec_state.index_copy_(0, slots, torch.where(use, state, state0))
+        dec_out.index_copy_(0, slots, torch.where(use, dec, d0))
+        return out, torch.stack([torch.stack(tokens, 1).to(torch.float32), torch.stack(logps, 1)], 1)
+
+    def _graph_inputs(self, left: int, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """Inputs of a captured step's shapes that touch only the scratch slot 0."""
+        rows, chunk = key
+        dev = self.device
+        return (torch.zeros(rows, 2 * chunk + STREAM_PAD, self.feature_spec.win_length, device=dev),
+                torch.zeros(rows, 3, dtype=torch.long, device=dev), torch.zeros(rows, device=dev))  # fmt: skip
+
+    def _stream_graphs(self, left: int) -> GraphSteps | None:
+        """The captured chunk steps of streams with ``left`` context frames (None off CUDA or
+        with ``stream_cuda_graphs`` off)."""
+        simulate = self._simulate_stream_graphs and self.device.type != "cuda"
+        if not self.stream_cuda_graphs or (self.device.type != "cuda" and not simulate):
+            return None
+        graphs = self.__dict__.setdefault("_graphs", {})
+        if left not in graphs:
+            graphs[left] = GraphSteps(functools.partial(self._chunk_compute, left),
+                                      functools.partial(self._graph_inputs, left), simulate=simulate)  # fmt: skip
+        return graphs[left]
+
+    def capture_stream_graphs(self, max_batch: int, chunk_size: int | None = None,
+                              left_context_frames: int | None = None, streams: int | None = None,
+                              buckets: Sequence[int] | None = None) -> int:  # fmt: skip
+        """Capture now the CUDA graphs that steps of up to ``max_batch`` streams with these chunk
+        and left-context sizes (defaults: the model's) replay (every batch bucket up to
+        ``max_batch``'s, or only ``buckets``), after growing the cache pool to ``streams``
+        (default ``max_batch``) streams, so that no capture or growth happens while streams are
+        served. Returns the number of graphs captured (0 off CUDA or with graphs off)."""
+        chunk = chunk_size or self.default_options.chunk_size
+        left = self.default_options.left_context_frames if left_context_frames is None else left_context_frames
+        graphs = self._stream_graphs(left)
+        if graphs is None:
+            return 0
+        pool, *_ = self._cache_pool(left)
+        pool.ensure(streams or max_batch)
+        top = bucket(max_batch, BATCH_BUCKETS)
+        before = graphs.stats["captures"]
+        with torch.no_grad():
+            for rows in buckets or [r for r in BATCH_BUCKETS if r <= top]:
+                graphs.capture((bucket(rows, BATCH_BUCKETS), chunk), pool.generation)
+        return graphs.stats["captures"] - before
 
     def _greedy_rows(self, states: list[IcefallStream], enc: torch.Tensor) -> None:
         """Greedy search of one chunk for several streams in one batched search (each stream

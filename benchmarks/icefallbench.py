@@ -14,7 +14,14 @@ process. RTFx = audio seconds / wall seconds, best of ``--repeats`` after a warm
 
 Streaming (causal variant of the same shape): N concurrent streams each fed 320 ms of audio per
 tick (icefall's chunk 16 at 50 Hz) through a streaming ``ASREngine``; the latency of the engine
-step that serves all of them, p50 / p99, for each N in ``--streams``.
+step that serves all of them, p50 / p99, for each N in ``--streams``. A count is *held* when its
+p99 is at most ``--p99-target-ms`` (100); ``--find-max`` doubles N from the first ``--streams``
+value until a count is not held, bisects twice, and reports the most streams held.
+``--stream-graphs`` turns on the opt-in CUDA-graph step (``OASR_ICEFALL_STREAM_GRAPHS``; not yet
+run on a GPU), its one bucket captured before the timed steps.
+
+    python -m benchmarks.icefallbench --device cuda --skip-offline --find-max --streams 32
+    python -m benchmarks.icefallbench --device cuda --skip-offline --find-max --streams 32 --stream-graphs
 
 Prints one JSON object. The reference is the PyPI package ``zipformer`` (installed with
 ``--no-deps``; its training-only imports are faked as in ``tests/icefall/_reference.py``).
@@ -159,42 +166,82 @@ def offline(args, ref, shape: dict) -> dict:
     }  # fmt: skip
 
 
-def streaming(args, ref, shape: dict) -> dict:
+def _stream_run(args, path: Path, n: int) -> dict:
+    """``n`` streams fed 320 ms each per tick in lockstep; the engine step serving all of them."""
     import torch
 
     from oasr.engine import ASREngine
     from oasr.types import DecodingOptions, EngineConfig
 
+    engine = ASREngine(EngineConfig(ckpt_dir=str(path), device=args.device, dtype=args.dtype,
+                                    service_mode="streaming", max_batch_size=max(n, 1)))  # fmt: skip
+    model = engine.model
+    chunk = 5120  # 320 ms
+    try:
+        waves = _waves(n, args.stream_seconds, seed=n)
+        rids = [engine.add_streaming_request(DecodingOptions()) for _ in range(n)]
+        captured = 0
+        if args.stream_graphs:  # the one bucket a lockstep run replays, captured before timing
+            model.stream_cuda_graphs = True
+            with torch.no_grad():
+                captured = model.capture_stream_graphs(n, 16, 128, streams=n, buckets=[n])
+        lat = []
+        ticks = int(args.stream_seconds * 16000) // chunk
+        for k in range(ticks):
+            for r, w in zip(rids, waves, strict=True):
+                engine.feed_chunk(r, w[k * chunk : (k + 1) * chunk], is_last=k == ticks - 1)
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(args.device)
+            if k >= 2:  # warm-up steps excluded
+                lat.append(time.perf_counter() - t0)
+        engine.run()  # the finals
+        stats = model.stream_occupancy()
+    finally:
+        engine.shutdown()
+    lat_ms = np.array(lat) * 1000
+    p99 = float(np.percentile(lat_ms, 99))
+    return {"streams": n, "steps": len(lat), "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
+            "p99_ms": round(p99, 2), "real_time": bool(p99 <= args.p99_target_ms),
+            "graphs_captured": captured, "graph_replays": int(stats.get("graph_replays", 0))}  # fmt: skip
+
+
+def streaming(args, ref, shape: dict) -> dict:
+    import torch
+
     torch.manual_seed(0)
     m = ref.model.AsrModel(feature_dim=80, causal=True, use_ctc=False, chunk_size="16",
                            left_context_frames="128", **shape).eval()  # fmt: skip
-    chunk = 5120  # 320 ms
-    out = {"chunk_ms": 320, "runs": []}
+    out = {"chunk_ms": 320, "p99_target_ms": args.p99_target_ms, "cuda_graphs": bool(args.stream_graphs),
+           "find_max": bool(args.find_max), "runs": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         path = _write_release(Path(tmp), m, shape["vocab_size"])
-        for n in args.streams:
-            engine = ASREngine(EngineConfig(ckpt_dir=str(path), device=args.device, dtype=args.dtype,
-                                            service_mode="streaming", max_batch_size=max(n, 1)))  # fmt: skip
-            waves = _waves(n, args.stream_seconds, seed=n)
-            rids = [engine.add_streaming_request(DecodingOptions()) for _ in range(n)]
-            lat = []
-            ticks = int(args.stream_seconds * 16000) // chunk
-            for k in range(ticks):
-                for r, w in zip(rids, waves, strict=True):
-                    engine.feed_chunk(r, w[k * chunk : (k + 1) * chunk], is_last=k == ticks - 1)
-                t0 = time.perf_counter()
-                done = engine.step()
-                _sync(args.device)
-                if k >= 2:  # warm-up steps excluded
-                    lat.append(time.perf_counter() - t0)
-                assert len(done) >= 0
-            engine.shutdown()
-            lat_ms = np.array(lat) * 1000
-            out["runs"].append({"streams": n, "steps": len(lat), "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
-                                "p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
-                                "real_time": bool(np.percentile(lat_ms, 99) <= 100.0)})  # fmt: skip
-    held = [r["streams"] for r in out["runs"] if r["real_time"]]
-    out["max_streams_p99_le_100ms"] = max(held) if held else 0
+        runs: dict[int, dict] = {}
+
+        def held(n: int) -> bool:
+            if n not in runs:
+                runs[n] = _stream_run(args, path, n)
+                print(json.dumps(runs[n]), file=sys.stderr)
+            return runs[n]["real_time"]
+
+        if args.find_max:  # double until a count is not held, then bisect twice
+            lo, hi = 0, args.streams[0]
+            while held(hi) and hi < args.max_streams:
+                lo, hi = hi, min(2 * hi, args.max_streams)
+            if held(hi):
+                lo = hi
+            else:
+                for _ in range(2):
+                    if hi - lo <= 1:
+                        break
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if held(mid) else (lo, mid)
+        else:
+            for n in args.streams:
+                held(n)
+        out["runs"] = [runs[n] for n in sorted(runs)]
+    ok = [r["streams"] for r in out["runs"] if r["real_time"]]
+    out["max_streams_held"] = max(ok) if ok else 0
     return out
 
 
@@ -209,6 +256,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 128, 256])
     p.add_argument("--stream-seconds", type=float, default=6.4)
     p.add_argument("--skip-streaming", action="store_true")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--find-max", action="store_true",
+                   help="streaming: double the stream count from the first --streams value until p99 "
+                        "exceeds --p99-target-ms, bisect twice; report the most streams held")
+    p.add_argument("--max-streams", type=int, default=2048)
+    p.add_argument("--p99-target-ms", type=float, default=100.0)
+    p.add_argument("--stream-graphs", action="store_true",
+                   help="replay the streaming step as CUDA graphs (opt-in, OASR_ICEFALL_STREAM_GRAPHS)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one OASR call (top operators to stderr and in the JSON)")
     p.add_argument("--reference-compile", action=argparse.BooleanOptionalAction, default=None,
@@ -224,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     shape = FULL if args.shape == "full" else TINY
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     with _reference_module().icefall_reference(compile_activations=args.reference_compile) as ref:
-        result["offline"] = offline(args, ref, shape)
+        if not args.skip_offline:
+            result["offline"] = offline(args, ref, shape)
         if not args.skip_streaming:
             result["streaming"] = streaming(args, ref, shape)
     text = json.dumps(result, indent=2)

@@ -114,6 +114,39 @@ def test_stream_loop_honours_the_hold() -> None:
     assert elapsed < 0.15 * steps + 10
 
 
+def test_last_partial_chunk_does_not_depend_on_batch_mates() -> None:
+    """A server batches streams of any phase: a stream's last, partial chunk may share a step
+    with another stream's full chunk. In this model (centred convolutions) the shorter window
+    padded to the full one saw GLU(bias) past its end and changed a token (stream 42 of the
+    serverstream benchmark's audio, 6 s); its final must equal the stream alone."""
+    from benchmarks.serverstreambench import stream_pcm
+    from oasr.types import DecodingOptions
+
+    engine = _engine(0.0)
+    assert engine.model._centred_conv
+    audio = [stream_pcm(i, 6.0, 16000).astype(np.float32) / 32768.0 for i in (42, 0)]
+
+    def finals(offset: int | None) -> str:
+        """Stream 42 fed in 0.1 s chunks; stream 0 starts ``offset`` chunks later (None: alone)."""
+        feeds = [(0, 0)] + ([] if offset is None else [(1, offset)])
+        rids = [engine.add_streaming_request(DecodingOptions()) for _ in feeds]
+        result = {}
+        for t in range(70 + (offset or 0)):
+            for (k, start), rid in zip(feeds, rids, strict=True):
+                lo = (t - start) * 1600
+                if 0 <= lo < len(audio[k]):
+                    engine.feed_chunk(rid, audio[k][lo : lo + 1600], is_last=lo + 1600 >= len(audio[k]))
+            while outs := engine.step():
+                result.update({o.request_id: o.text for o in outs if o.is_final})
+        for rid in rids:
+            engine.streaming.release(rid)
+        return result[rids[0]]
+
+    alone = finals(None)
+    assert finals(1) == alone  # 42's last chunk shares its step with 0's full chunk
+    assert finals(0) == alone
+
+
 @pytest.mark.slow
 def test_many_streams_and_uploads_through_the_server() -> None:
     """12 realtime sessions at real time (two client processes) + 3 uploads through a real

@@ -666,7 +666,18 @@ class WenetASR:
         rounds = max((len(p) for p in plans), default=0)
         for r in range(rounds):
             rows = [i for i, p in enumerate(plans) if len(p) > r]
-            self._encode_chunks([states[i] for i in rows], [plans[i][r] for i in rows])
+            if self._centred_conv:
+                # a centred convolution of a shorter window padded to its batch mates' would see
+                # GLU(bias) past its end, not the zeros it sees alone: one call per window length
+                # (only last, partial chunks differ), so results do not depend on batch mates
+                by_len: dict[int, list[int]] = {}
+                for i in rows:
+                    by_len.setdefault(plans[i][r][1], []).append(i)
+                groups = list(by_len.values())
+            else:
+                groups = [rows]
+            for g in groups:
+                self._encode_chunks([states[i] for i in g], [plans[i][r] for i in g])
 
     # one batched chunk step -------------------------------------------------------------------
     def stream_features(self, st: WenetStreamState, feats: torch.Tensor) -> None:

@@ -7,8 +7,6 @@ with a 45 s per-test limit)."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -70,9 +68,8 @@ def test_graph_steps_equal_eager_and_offline(hf_checkpoints, waves) -> None:
                for la, ms in ((2, 1), (2, 3), (0, 3), (2, 3), (2, 1))]
     rt = model.stream_runtime
     assert rt.graphs is not None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns and goes eager
-        graph_finals, graph_enc = _run(model, clips, options)
+    graph_finals, graph_enc = _run(model, clips, options)
+    # a failed capture warns and drops the graphs (eager from then on)
     assert rt.graphs is not None and rt.graphs.stats["replays"] >= 6
     saved, rt.graphs = rt.graphs, None
     try:

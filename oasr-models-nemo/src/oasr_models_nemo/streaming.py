@@ -305,31 +305,36 @@ class NemotronStreamRuntime:
         rows = bucket(b, BATCH_BUCKETS) if graphs is not None else b
         samples = self.chunk_samples(lookahead)
         audio = self._host_audio(rows, samples)
-        ints = np.zeros((rows, self.n_ints), np.int64)
-        valid = np.empty(b, np.int64)
-        for i, (st, (f0, nf, index, last)) in enumerate(zip(states, plans, strict=True)):
-            first = index == 0
-            lo = self.first_pad if first else 0
+        # per row: slot, cached frames, then the chunk's first / end mel frame and per strided
+        # layer the first / end valid output frame (a first chunk is left-padded; a last one
+        # ends where the utterance does)
+        first = np.fromiter((p[2] == 0 for p in plans), bool, b)
+        nf = np.fromiter((p[1] for p in plans), np.int64, b)
+        lo = np.where(first, self.first_pad, 0)
+        starts = np.where(first[:, None], np.asarray(self.first_junk, np.int64)[None, :], 0)
+        limits = np.full((b, n), _UNLIMITED, np.int64)
+        for i, (st, (f0, count, index, last)) in enumerate(zip(states, plans, strict=True)):
             a0 = (f0 - st.buffer_frame) * hop
-            seg = st.audio[a0: a0 + (nf - 1) * hop + n_fft] if nf else st.audio[:0]
-            if lo or seg.size < samples:  # the rest of the row is zero
+            seg = st.audio[a0: a0 + (count - 1) * hop + n_fft] if count else st.audio[:0]
+            pad = int(lo[i]) * hop
+            if pad or seg.size < samples:  # the rest of the row is zero
                 audio[i].fill(0.0)
-            audio[i, lo * hop: lo * hop + seg.size] = seg
-            row = ints[i]
-            row[0], row[1], row[3], row[4] = st.cache.slot, st.cached, lo, lo + nf
-            junk = self.first_junk if first else (0,) * n
-            row[5: 5 + n] = junk
-            if last:
+            audio[i, pad: pad + seg.size] = seg
+            if last and st.mel_frames:
                 total = _offline_lengths(model, st.mel_frames)
                 done = _layer_frames(model, lookahead, index)  # the chunks before this one
-                limit = [max(0, total[s] - done[s]) for s in range(n)]
-                if st.mel_frames == 0:  # no audio: nothing to say (as offline)
-                    limit = [0] * n
-            else:
-                limit = [_UNLIMITED] * n
-            row[5 + n: 5 + 2 * n] = [j + min(x, _UNLIMITED) for j, x in zip(junk, limit, strict=True)]
-            valid[i] = min(t_out, limit[-1])
+                limits[i] = [max(0, total[s] - done[s]) for s in range(n)]
+            elif last:  # no audio: nothing to say (as offline)
+                limits[i] = 0
+        ints = np.zeros((rows, self.n_ints), np.int64)
+        ints[:b, 0] = self.pool.slot_ids([st.cache for st in states])
+        ints[:b, 1] = np.fromiter((st.cached for st in states), np.int64, b)
+        valid = np.minimum(limits[:, -1], t_out)
         ints[:b, 2] = valid
+        ints[:b, 3] = lo
+        ints[:b, 4] = lo + nf
+        ints[:b, 5: 5 + n] = starts
+        ints[:b, 5 + n: 5 + 2 * n] = starts + limits
         prof = model.stream_profile
         dev = model.device
         self.pool.reserve([st.cache for st in states], [0] * b)  # applies pending releases
@@ -504,7 +509,9 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
         if st.finished:
             raise InvalidRequestError("this stream already finished; start a new one")
         if chunk is not None and len(chunk):
-            a = as_mono_waveform(chunk, f"chunk #{k}")
+            # the engine hands over checked float32 mono arrays: no second check
+            ok = isinstance(chunk, np.ndarray) and chunk.dtype == np.float32 and chunk.ndim == 1
+            a = chunk if ok else as_mono_waveform(chunk, f"chunk #{k}")
             if a.size:
                 _accept(st, a, preemph)
         plans.append(_plan(st, bool(last)))

@@ -62,6 +62,8 @@ def _feed(model, streams, *, starts=None, order_seed=None):
                              strict=True):
                 if up.is_final:
                     finals[i] = up
+                elif streams[i][0].search is None:  # greedy partials: decoded incrementally
+                    assert up.text == model.tokenizer.decode(streams[i][0].hyp.tokens)
         step += 1
     return [(f, torch.cat(s[0].encoder_output) if s[0].encoder_output else None)
             for f, s in zip(finals, streams, strict=True)]

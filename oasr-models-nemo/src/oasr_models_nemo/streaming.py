@@ -87,7 +87,8 @@ class NemotronStreamState:
     encoder_output: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
     text: str = ""
-    tokens_seen: int = -1  # hypothesis length when ``text`` was last decoded
+    tokens_seen: int = 0  # greedy: hypothesis tokens whose bytes are in ``raw_text``
+    raw_text: bytearray = field(default_factory=bytearray)
     hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
 
     @property
@@ -538,9 +539,12 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
             st.audio = st.audio[drop * hop:]
             st.buffer_frame = st.frames_consumed
         best = _best(st)
-        if st.search is not None or len(best.tokens) != st.tokens_seen:
+        if st.search is not None:  # a beam's best may change anywhere
             st.text = model.tokenizer.decode(best.tokens)
+        elif len(best.tokens) != st.tokens_seen:  # greedy only appends: decode the new tokens
+            st.raw_text += model.tokenizer.decode_bytes(best.tokens[st.tokens_seen:])
             st.tokens_seen = len(best.tokens)
+            st.text = model.tokenizer.text(st.raw_text)
         updates.append(StreamingUpdate(text=st.text, is_final=False))
     if prof is not None:
         prof.lap("results")

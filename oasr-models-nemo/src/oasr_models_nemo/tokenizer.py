@@ -136,6 +136,11 @@ class SentencePieceDecoder:
         return ""
 
     def decode(self, ids: Sequence[int]) -> str:
+        return self.text(self.decode_bytes(ids))
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytearray:
+        """The UTF-8 bytes of ``ids`` before :meth:`text` (``decode(a + b) ==
+        text(decode_bytes(a) + decode_bytes(b))``: a stream appends its new tokens' bytes)."""
         out = bytearray()
         for i in ids:
             if not 0 <= i < len(self.pieces):
@@ -151,7 +156,12 @@ class SentencePieceDecoder:
                 out.append(int(m.group(1), 16))
             else:
                 out += self.pieces[i].encode("utf-8")
-        text = out.decode("utf-8", errors="replace").replace(WORD_BOUNDARY, " ")
+        return out
+
+    @staticmethod
+    def text(raw: bytes | bytearray) -> str:
+        """Text of :meth:`decode_bytes` output (word boundaries as single spaces)."""
+        text = raw.decode("utf-8", errors="replace").replace(WORD_BOUNDARY, " ")
         return re.sub(r" +", " ", text).strip()
 
 

@@ -470,6 +470,60 @@ def run_streams(
     )  # fmt: skip
 
 
+def run_lockstep(model, n: int, seconds: float, chunk_ms: float, *, device: str, threads: int,
+                 beam: int = 1, max_batch: int | None = None, phases: bool = False) -> dict:
+    """``--lockstep``: no real-time pacing. Every round feeds all ``n`` streams their next chunk
+    and steps the engine until nothing is ready (batches of up to ``max_batch``, default all n),
+    so each step carries the whole ready set: the cost of a step as the ready set grows, host
+    and compute, with ``phases`` split as in the paced runs."""
+    from oasr.engine import ASREngine
+    from oasr.stream_cache import StepProfile
+    from oasr.types import DecodingOptions, EngineConfig
+
+    sr = model.feature_spec.sample_rate
+    engine = ASREngine(EngineConfig(service_mode="streaming", device=device, max_batch_size=max_batch or n,
+                                    num_threads=threads), model=model)  # fmt: skip
+    audios = [stream_audio(i, seconds, sr) for i in range(n)]
+    csz = int(round(chunk_ms * sr / 1000))
+    rids = [engine.add_streaming_request(DecodingOptions(beam_size=beam), request_id=f"s{i}") for i in range(n)]
+    profile = StepProfile() if phases and hasattr(model, "stream_profile") else None
+    saved = getattr(model, "stream_profile", None)
+    if profile is not None:
+        model.stream_profile = profile
+    step_s, round_s, steps, rows, finals = [], [], 0, 0, 0
+    k = 0
+    with GCPauses() as gc_pauses:
+        while finals < n:
+            lo, hi = k * csz, (k + 1) * csz
+            for i, a in enumerate(audios):
+                if lo < len(a):
+                    engine.feed_chunk(rids[i], a[lo:hi], is_last=hi >= len(a))
+            t_round = time.perf_counter()
+            while True:
+                t = time.perf_counter()
+                outs = engine.step()
+                if not outs:
+                    break
+                step_s.append(time.perf_counter() - t)
+                steps += 1
+                rows += len(outs)
+                finals += sum(o.is_final for o in outs)
+            round_s.append(time.perf_counter() - t_round)
+            k += 1
+    for rid in rids:
+        engine.streaming.release(rid)
+    out = {"streams": n, "rounds": k, "steps": steps, "rows": rows, "max_batch": max_batch or n,
+           "step_s": round(sum(step_s), 6), "ms_per_step": round(1e3 * sum(step_s) / max(steps, 1), 4),
+           "us_per_row": round(1e6 * sum(step_s) / max(rows, 1), 3),
+           "round_ms_median": round(1e3 * float(np.median(round_s)), 3),
+           "last_round_ms": round(1e3 * round_s[-1], 3), "gc": gc_pauses.report()}  # fmt: skip
+    if profile is not None:
+        model.stream_profile = saved
+        out["phases"] = profile.as_dict()
+        out["phases"]["scheduler_s"] = round(max(0.0, sum(step_s) - profile.total), 6)
+    return out
+
+
 def run_streaming(
     *,
     ckpt_dir: str | None = None,
@@ -491,6 +545,8 @@ def run_streaming(
     refine: int = 2,
     phases: bool = False,
     gc_freeze: bool = True,
+    lockstep: bool = False,
+    max_batch: int | None = None,
 ) -> dict:
     import gc
 
@@ -525,6 +581,24 @@ def run_streaming(
                     streams=most)  # fmt: skip
             torch.cuda.synchronize()
             capture_s += time.perf_counter() - t
+
+    if lockstep:  # host + compute cost of steps that carry the whole ready set (no pacing)
+        prepare(1)
+        run_lockstep(model, 2, 2 * chunk_ms / 1000 + 0.2, chunk_ms, device=device, threads=threads, beam=beam)
+        runs = []
+        for n in streams:
+            prepare(n if max_batch is None else min(n, max_batch))
+            gc.collect()
+            if gc_freeze:
+                gc.freeze()
+            r = run_lockstep(model, n, seconds, chunk_ms, device=device, threads=threads, beam=beam,
+                             max_batch=max_batch, phases=phases)  # fmt: skip
+            runs.append(r)
+            _print_lockstep(r)
+        return {"workload": "streaming-lockstep", "model": model.name, "shape": "ckpt" if ckpt_dir else shape,
+                "device": device, "dtype": str(model.net.dtype).replace("torch.", ""), "threads": threads,
+                "chunk_ms": chunk_ms, "seconds": seconds, "beam_size": beam, "gc_freeze": gc_freeze,
+                "phases": phases, "results": runs}  # fmt: skip
 
     # warm-up: one short stream through the same path
     prepare(1)
@@ -606,6 +680,16 @@ def _print_row(r: StreamResult) -> None:
     )
 
 
+def _print_lockstep(r: dict) -> None:
+    print(f"lockstep N={r['streams']}: {r['steps']} steps, {r['rows']} rows, {r['ms_per_step']:.2f} ms/step, "
+          f"{r['us_per_row']:.1f} us/row, round median {r['round_ms_median']:.1f} ms, last round "
+          f"{r['last_round_ms']:.1f} ms; gc {r['gc']['collections']} {r['gc']['pause_total_ms']:.0f} ms", flush=True)
+    ph = r.get("phases")
+    if ph:
+        print("      us/row: " + " ".join(f"{k} {v:.1f}" for k, v in ph["us_per_row"].items())
+              + f" scheduler {1e6 * ph['scheduler_s'] / max(ph['rows'], 1):.1f}", flush=True)
+
+
 def _print_phases(r: StreamResult) -> None:
     """One line per run: host time per step (ms) of each phase of the model's step, the
     scheduler around it, and per stream row (us); GC pauses; step durations."""
@@ -653,8 +737,10 @@ def main_streaming(args) -> dict:  # noqa: ANN001 - argparse namespace from asrb
         find_max=args.find_max, aligned=args.aligned, keep_texts=smoke,
         batch_wait_ms=getattr(args, "batch_wait_ms", None), target_ms=getattr(args, "p99_target_ms", None),
         phases=bool(getattr(args, "phases", False)), gc_freeze=getattr(args, "gc", "freeze") == "freeze",
+        lockstep=bool(getattr(args, "lockstep", False)), max_batch=getattr(args, "max_batch", None),
     )  # fmt: skip
-    print_table(report)
+    if report["workload"] == "streaming":
+        print_table(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
     return report
@@ -689,6 +775,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gc", choices=("freeze", "default"), default="freeze",
                    help="freeze: gc.freeze() after warm-up so collections skip the objects that exist "
                         "then (default); default: leave Python's collector as it is")
+    p.add_argument("--lockstep", action="store_true",
+                   help="no real-time pacing: every round feeds all streams a chunk and steps until none "
+                        "is ready; reports ms per step and us per stream row (host + compute)")
+    p.add_argument("--max-batch", type=int, default=None, help="--lockstep: most streams per step (default all)")
     p.add_argument("--json", default=None)
     return main_streaming(p.parse_args(argv))
 

@@ -267,10 +267,13 @@ class StreamCachePool:
             if total > len(self._free_blocks):
                 self._grow_blocks(max(2 * self.num_blocks, self.num_blocks + total - len(self._free_blocks) + 1))
                 self.stats["grows"] += 1
-            for i in rows.tolist():
-                slot = ctxs[i].slot
-                for b in range(int(have[i]), int(need[i])):
-                    self._table[slot, b % w] = self._free_blocks.pop()
+            if total:  # handed out as one pop() per block would: row by row, blocks ascending
+                cnt = (need - have)[rows]
+                blocks = self._free_blocks[-total:][::-1]
+                del self._free_blocks[-total:]
+                first = np.repeat(have[rows] - (np.cumsum(cnt) - cnt), cnt) + np.arange(total)
+                slots = np.fromiter((ctxs[i].slot for i in rows.tolist()), np.int64, rows.size)
+                self._table[np.repeat(slots, cnt), first % w] = blocks
 
     def read_index(self, ctxs: Sequence[StreamContext], width: int) -> tuple[np.ndarray, np.ndarray]:
         """Pool rows of each stream's readable history, left-aligned and padded to ``width``:
@@ -305,16 +308,25 @@ class StreamCachePool:
         """Record ``new_frames[i]`` frames appended to ``ctxs[i]`` and drop history older than
         ``keep[i]`` frames (capped by ``max_frames``; < 0: only the cap), freeing whole blocks."""
         bs, w = self.block_size, self.table_width
-        freed: list[int] = []
-        for i, c in enumerate(ctxs):
-            c.length += int(new_frames[i])
-            k = self.max_frames if keep is None or keep[i] < 0 else min(int(keep[i]), self.max_frames)
-            start = max(c.start, c.length - k)
-            if start > c.start and self._frame_shape is not None:
-                for b in range(c.start // bs, start // bs):
-                    freed.append(int(self._table[c.slot, b % w]))
-            c.start = start
-        if freed:
+        n = len(ctxs)
+        length = np.fromiter((c.length for c in ctxs), np.int64, n) + np.asarray(new_frames, np.int64)
+        old = np.fromiter((c.start for c in ctxs), np.int64, n)
+        k = np.full(n, self.max_frames, np.int64)
+        if keep is not None:
+            kk = np.asarray(keep, np.int64)
+            k = np.where(kk < 0, k, np.minimum(kk, k))
+        start = np.maximum(old, length - k)
+        for c, ln, st in zip(ctxs, length.tolist(), start.tolist(), strict=True):
+            c.length, c.start = ln, st
+        if self._frame_shape is None:
+            return
+        lo, hi = old // bs, start // bs  # blocks wholly before the new start are free
+        cnt = hi - lo
+        total = int(cnt.sum())
+        if total:  # in stream order, blocks ascending
+            slots = np.fromiter((c.slot for c in ctxs), np.int64, n)
+            b = np.repeat(lo - (np.cumsum(cnt) - cnt), cnt) + np.arange(total)
+            freed = self._table[np.repeat(slots, cnt), b % w].tolist()
             with self._lock:
                 self._free_blocks.extend(freed)
 

@@ -216,18 +216,31 @@ class StreamingScheduler:
 
     def _take(self, s: _Stream) -> tuple[np.ndarray, bool]:
         need = int(s.state.samples_needed)
-        buf = np.concatenate(s.chunks) if len(s.chunks) > 1 else (s.chunks[0] if s.chunks else np.zeros(0, np.float32))
-        if s.last_received and buf.size <= max(need, 0):
-            take, last = buf.size, True
-        elif s.last_received and need <= 0:
-            take, last = buf.size, True
+        size = s.buffered
+        if s.last_received and (size <= max(need, 0) or need <= 0):
+            take, last = size, True
         else:
             take, last = max(need, 0), False
             if take == 0:  # a model that needs nothing more: hand over what there is
-                take = buf.size
-        chunk, rest = buf[:take], buf[take:]
-        s.chunks = [rest] if rest.size else []
-        s.buffered = rest.size
+                take = size
+        take = min(take, size)
+        # only the pieces the chunk covers are joined (one copy of ``take`` samples at most);
+        # the rest stays as it was fed
+        chunks, got, k = s.chunks, 0, 0
+        while k < len(chunks) and got + chunks[k].size <= take:
+            got += chunks[k].size
+            k += 1
+        head, rest = chunks[:k], chunks[k:]
+        if got < take:  # the chunk ends inside ``rest[0]``
+            cut = take - got
+            head.append(rest[0][:cut])
+            rest[0] = rest[0][cut:]
+        if len(head) == 1:
+            chunk = head[0]
+        else:
+            chunk = np.concatenate(head) if head else np.zeros(0, np.float32)
+        s.chunks = rest
+        s.buffered = size - take
         return chunk, last
 
     def step(self) -> list[tuple[str, StreamingUpdate]]:
@@ -249,7 +262,9 @@ class StreamingScheduler:
                     self._hold_until = 0.0
                     return []
                 if hold and self.max_batch_wait_s > 0 and len(ready) < self.max_batch_size:
-                    oldest = min(s.ready_since for s in ready)
+                    # the ready set is kept in the order streams became ready (monotonic
+                    # times under the lock): its first entry waited longest
+                    oldest = ready[0].ready_since
                     until = oldest + self.max_batch_wait_s
                     if time.monotonic() < until and len(ready) < self._live:
                         self._hold_until = until

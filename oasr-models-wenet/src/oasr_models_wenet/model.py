@@ -16,6 +16,7 @@ attention rescoring over the whole utterance's encoder output.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -509,6 +510,9 @@ class WenetASR:
     #: a :class:`~oasr.stream_cache.StepProfile` to time each phase of ``stream_step`` into
     #: (host seconds; ``benchmarks.streambench --phases``); None: no timing
     stream_profile: StepProfile | None = None
+    #: on CUDA, build each step's inputs in page-locked host memory and let the graph replay copy
+    #: them (DMA, no staging copy). Off by default: not yet run on a GPU (``OASR_STREAM_PINNED=1``)
+    stream_pinned_inputs = os.environ.get("OASR_STREAM_PINNED", "") == "1"
 
     @property
     def stream_pool(self) -> StreamCachePool:
@@ -730,9 +734,10 @@ class WenetASR:
         read, _ = pool.read_index(ctxs, s_max)
         write = pool.write_index(ctxs, new, t_max)
         dev = net.device
-        # the step's inputs are built in place in host buffers (page-locked on CUDA: the copies
-        # to the device are plain DMA, no staging, no new pages touched per step)
-        ints_t, ints = _host_buffer((rows, 4 + s_max + t_max), torch.int64, dev)
+        # the step's inputs are built in place in host buffers (page-locked on CUDA with
+        # ``stream_pinned_inputs``: the copies to the device are then plain DMA, no staging)
+        pinned = self.stream_pinned_inputs and dev.type == "cuda"
+        ints_t, ints = _host_buffer((rows, 4 + s_max + t_max), torch.int64, pinned)
         ints[:b, 0], ints[:b, 1], ints[:b, 2], ints[:b, 3] = flen, offsets, hist_lens, pool.slot_ids(ctxs)
         ints[:b, 4 : 4 + s_max] = read
         ints[:b, 4 + s_max :] = write
@@ -745,7 +750,7 @@ class WenetASR:
             prof.calls += 1
         if feats is None:  # the audio of each window, (rows, samples), one host -> device copy
             n_samp = (w_max - 1) * hop + win
-            audio_t, audio = _host_buffer((rows, n_samp), torch.float32, dev)
+            audio_t, audio = _host_buffer((rows, n_samp), torch.float32, pinned)
             for i, (st, (f0, nf)) in enumerate(zip(states, windows, strict=True)):
                 lo = (f0 - st.frames_consumed) * hop
                 seg = st.audio[lo : lo + (nf - 1) * hop + win]
@@ -771,7 +776,11 @@ class WenetASR:
             if feats is not None:
                 f = torch.nn.utils.rnn.pad_sequence([x.float() for x in feats], batch_first=True)
                 out, logp, best = self._chunk_core(f.to(dev), ints_t.to(dev))
-            elif graphs is not None:  # the replay copies the host buffers into its inputs
+            elif graphs is not None:
+                if not self.stream_pinned_inputs:  # the path verified on the H200: device copies first
+                    audio_t = audio_t.to(dev, non_blocking=True)
+                    ints_t = ints_t.to(dev, non_blocking=True)
+                # (page-locked inputs: the replay copies the host buffers into its inputs itself)
                 key = (rows, w_max, s_max)
                 generation = (pool.generation, enc.pos_enc.pe.data_ptr())
                 try:
@@ -780,7 +789,7 @@ class WenetASR:
                     warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); "
                                   "the chunk step runs eagerly from now on", RuntimeWarning, stacklevel=2)
                     self.stream_cuda_graphs = False
-                    out, logp, best = self._chunk_compute(audio_t[:b].to(dev), ints_t[:b].to(dev))
+                    out, logp, best = self._chunk_compute(audio_t[:b].to(dev), ints_t[:b].to(dev))  # fmt: skip
                 else:
                     out, logp, best = graphs.run(key, generation, audio_t, ints_t)
             else:
@@ -949,26 +958,47 @@ def _greedy_advance(searches: list[CTCGreedySearch], vals: np.ndarray, toks: np.
                     lens: np.ndarray, blank: int) -> None:
     """:meth:`CTCGreedySearch._advance` for a batch at once: ``vals`` / ``toks`` (B, T) each
     frame's best log-probability and token, ``lens`` (B,) valid frames. Same hypotheses, scores
-    summed in the same order; Python runs only where a token starts or extends its run."""
+    summed in the same order. No Python per frame or per token: a token's run (its first frame
+    and the frames repeating it) is one segment of the batch's speech frames, its log-probability
+    the segment's maximum (``np.maximum.reduceat``); Python only extends each row's lists."""
     b, t = toks.shape
     valid = np.arange(t)[None, :] < lens[:, None]
     prev = np.fromiter((s.prev for s in searches), np.int64, b)
     before = np.concatenate([prev[:, None], toks[:, :-1]], axis=1)
     speech = valid & (toks != blank)
     emit = speech & (toks != before)
-    extend = speech & (toks == before)
     # sequential float64 sums, as the one-row search adds its frames
     score = np.cumsum(np.concatenate([np.fromiter((s.hyp.score for s in searches), np.float64, b)[:, None],
                                       np.where(valid, vals, 0.0)], axis=1), axis=1)[:, -1]
-    for r, j in zip(*np.nonzero(emit | extend), strict=True):
-        h, f, v = searches[r].hyp, int(j), float(vals[r, j])
-        if emit[r, j]:
-            h.tokens.append(int(toks[r, j]))
-            h.times.append(searches[r].frame + f)
-            h.token_logprobs.append(v)
-        elif v > h.token_logprobs[-1]:
-            h.token_logprobs[-1] = v
+    # speech frames in row-major order; a run is contiguous there: an emitted token's first frame
+    # and its repeats, or (first in its row) repeats of the previous chunk's last token
+    pos = np.flatnonzero(speech)
+    if pos.size:
+        rows, frames = np.divmod(pos, t)
+        first = np.ones(pos.size, bool)
+        first[1:] = (rows[1:] != rows[:-1]) | emit.ravel()[pos[1:]]
+        starts = np.flatnonzero(first)
+        run_max = np.maximum.reduceat(vals.ravel()[pos], starts).tolist()
+        run_row = rows[starts]
+        run_emit = emit.ravel()[pos[starts]].tolist()
+        run_tok = toks.ravel()[pos[starts]].tolist()
+        run_frame = frames[starts].tolist()
+        bounds = np.searchsorted(run_row, np.arange(b + 1)).tolist()
+    else:
+        bounds = [0] * (b + 1)
     for r, s in enumerate(searches):
+        lo, hi = bounds[r], bounds[r + 1]
+        if lo < hi:
+            h = s.hyp
+            if not run_emit[lo]:  # the previous chunk's last token goes on: its best frame
+                if run_max[lo] > h.token_logprobs[-1]:
+                    h.token_logprobs[-1] = run_max[lo]
+                lo += 1
+            if lo < hi:
+                f0 = s.frame
+                h.tokens.extend(run_tok[lo:hi])
+                h.times.extend([f0 + f for f in run_frame[lo:hi]])
+                h.token_logprobs.extend(run_max[lo:hi])
         n = int(lens[r])
         if n:
             s.hyp.score = float(score[r])
@@ -976,11 +1006,11 @@ def _greedy_advance(searches: list[CTCGreedySearch], vals: np.ndarray, toks: np.
             s.frame += n
 
 
-def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
-    """An uninitialised host tensor for a step's inputs and its numpy view: page-locked when
-    the step runs on CUDA (torch's host allocator caches these blocks and hands one back only
-    after the copies that read it have run, so refilling the next step's buffer is safe)."""
-    t = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """An uninitialised host tensor for a step's inputs and its numpy view; ``pinned``:
+    page-locked (torch's host allocator caches those blocks and hands one back only after the
+    copies that read it have run, so refilling the next step's buffer is safe)."""
+    t = torch.empty(shape, dtype=dtype, pin_memory=pinned)
     return t, t.numpy()
 
 

@@ -698,7 +698,8 @@ def _print_phases(r: StreamResult) -> None:
         per_step = " ".join(f"{k} {v:.2f}" for k, v in ph["ms_per_step"].items())
         per_row = " ".join(f"{k} {v:.0f}" for k, v in ph["us_per_row"].items())
         print(f"      phases N={r.streams} ({ph['steps']} steps, {ph['rows']} rows, {ph['encoder_calls']} "
-              f"encoder calls) ms/step: {per_step} scheduler {ph['scheduler_ms_per_step']:.2f} | us/row: "
+              f"encoder calls, {ph['finals']} finals at {ph['us_per_final']:.0f} us each) ms/step: {per_step} "
+              f"scheduler {ph['scheduler_ms_per_step']:.2f} | us/row: "
               f"{per_row} | loop s: " + " ".join(f"{k} {v:.2f}" for k, v in ph["loop_seconds"].items()),
               flush=True)  # fmt: skip
     if st:

@@ -85,3 +85,4 @@ def test_partials_final_words_and_step_profile(u2pp, speech) -> None:
     assert all(v >= 0 for v in prof.seconds.values()) and prof.seconds["encoder"] > 0
     report = prof.as_dict()
     assert report["steps"] == steps and report["us_per_row"]["encoder"] > 0
+    assert prof.finals == 2 and prof.seconds["finals"] > 0

@@ -427,19 +427,21 @@ class StepProfile:
     ``encoder`` the encoder call launched (a CUDA-graph replay, or the eager forward on the CPU);
     ``wait`` the host waiting for the device's results (the one device->host copy of the step);
     ``search`` CTC / transducer search on the results; ``scatter`` per-stream bookkeeping after the
-    call (pool advance, offsets, audio trimmed); ``results`` partial texts and final transcripts.
+    call (pool advance, offsets, audio trimmed); ``results`` partial texts; ``finals`` the final
+    transcripts of the streams that ended (search n-best, rescoring, transcript, caches freed).
     On CUDA the device work of features, gather, encoder and scatter all sits inside ``wait``."""
 
-    PHASES = ("features", "gather", "encoder", "wait", "search", "scatter", "results")
+    PHASES = ("features", "gather", "encoder", "wait", "search", "scatter", "results", "finals")
 
-    __slots__ = ("seconds", "steps", "rows", "calls", "_t")
+    __slots__ = ("seconds", "steps", "rows", "calls", "finals", "_t")
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
-        #: ``stream_step`` calls, stream rows they advanced, encoder calls they made
+        #: ``stream_step`` calls, stream rows they advanced, encoder calls they made, streams ended
         self.steps = 0
         self.rows = 0
         self.calls = 0
+        self.finals = 0
         self._t = 0.0
 
     def start(self) -> None:
@@ -458,7 +460,8 @@ class StepProfile:
     def as_dict(self) -> dict[str, Any]:
         """Seconds per phase, and per step (ms) / per stream row (us) for a report."""
         steps, rows = max(self.steps, 1), max(self.rows, 1)
-        return {"steps": self.steps, "rows": self.rows, "encoder_calls": self.calls,
+        return {"steps": self.steps, "rows": self.rows, "encoder_calls": self.calls, "finals": self.finals,
+                "us_per_final": round(1e6 * self.seconds["finals"] / max(self.finals, 1), 3),
                 "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
                 "ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in self.seconds.items()},
                 "us_per_row": {k: round(1e6 * v / rows, 3) for k, v in self.seconds.items()}}  # fmt: skip

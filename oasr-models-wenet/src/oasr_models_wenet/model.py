@@ -641,7 +641,12 @@ class WenetASR:
         units = self.units
         for st, last in zip(states, is_last, strict=True):
             if last:
+                if prof is not None:
+                    prof.lap("results")
+                    prof.finals += 1
                 updates.append(self._finish(st))
+                if prof is not None:
+                    prof.lap("finals")
                 continue
             search = st.search
             if isinstance(search, CTCGreedySearch):

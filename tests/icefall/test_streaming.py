@@ -182,8 +182,8 @@ def test_silence_too_short_for_a_frame_is_empty(causal) -> None:
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_batched_step_independent_of_other_streams(causal_release, ws, graphs) -> None:
-    """A stream's tokens, token times and log-probabilities do not depend on which streams share
-    its steps: streams of different ages (and, with the graph steps simulated on the CPU, a
+    """A stream's tokens and token times (and, within float rounding, log-probabilities) do not
+    depend on which streams share its steps: streams of different ages (and, with the graph steps simulated on the CPU, a
     batch padded to its bucket with scratch rows) equal each stream run alone."""
     model = load_model(EngineConfig(ckpt_dir=str(causal_release[1])))
     model.stream_cuda_graphs = model._simulate_stream_graphs = graphs
@@ -207,8 +207,9 @@ def test_batched_step_independent_of_other_streams(causal_release, ws, graphs) -
             pos[k] += 5120
     for st, one in zip(states, solo, strict=True):
         assert st.hyp.tokens == one.tokens and st.hyp.times == one.times
-        assert np.allclose(st.hyp.token_logprobs, one.token_logprobs, atol=1e-5)
-        assert abs(st.hyp.score - one.score) < 1e-3
+        # float rounding of a GEMM may depend on its row count (CPU BLAS): within 1e-4
+        assert np.allclose(st.hyp.token_logprobs, one.token_logprobs, rtol=0, atol=1e-4)
+        assert abs(st.hyp.score - one.score) < 1e-2
     assert sum(len(h.tokens) for h in solo) >= 10
     if graphs:
         stats = model.stream_occupancy()

@@ -469,20 +469,26 @@ class _IcefallASR:
             search=None if method == "greedy_search" else self._new_search(o, method, 1),
             raw=np.zeros((0, self.feature_spec.win_length), np.float32),
         )  # fmt: skip
-        pool, init, nonzero, _ = self._cache_pool(st.left)
+        pool, init, _ = self._cache_pool(st.left)
         st.cache = pool.open(owner=st)
-        tensors = list(pool.slot_tensors.values())  # the encoder caches, then the decoder's
-        for i in nonzero:  # the initial state's non-zero parts (open() zeroed the slot)
-            tensors[i][st.cache.slot] = init[i][0]
+        for name, t in init.items():  # the initial state's non-zero parts (open() zeroed the slot)
+            pool.slot_tensors[name][st.cache.slot] = t[0]
         return st
 
-    def _cache_pool(self, left: int) -> tuple[StreamCachePool, list[torch.Tensor], list[int], StreamCaches]:
+    def _cache_pool(self, left: int) -> tuple[StreamCachePool, dict[str, torch.Tensor], _CacheLayout]:
         """The cache pool of streams with ``left`` context frames (created on first use), the
-        initial state's tensors, which of them are not all zeros, and the initial state."""
+        initial state's slot values that are not all zeros, and the encoder caches' layout.
+
+        Slots: ``encoder`` every encoder cache of a stream in one flat row (a step gathers and
+        scatters them with one ``index_select`` / ``index_copy_``), ``processed`` (embed frames
+        seen), and with a transducer head ``dec_state`` / ``dec_out`` (the greedy search's
+        prediction-network state and output)."""
         pools = self.__dict__.setdefault("_stream_pools", {})
         if left not in pools:
-            layout = self.net.initial_state(1, left)
-            init = _flatten_caches(layout)
+            caches = self.net.initial_state(1, left)
+            layout = _CacheLayout.of(caches)
+            flat, processed = layout.pack(caches)
+            init = {"encoder": flat, "processed": processed}
             if self.decoder_network is not None:
                 # greedy transducer streams: the prediction network's state and output after
                 # the initial blank, the same for every new stream
@@ -490,11 +496,11 @@ class _IcefallASR:
                 blank = torch.full((1,), self.blank_id, dtype=torch.long, device=self.device)
                 with torch.no_grad():
                     dec_out, dec_state = net.predict(blank, net.initial_state(1, self.device))
-                init = [*init, dec_state, dec_out]
+                init.update(dec_state=dec_state, dec_out=dec_out)
             pool = StreamCachePool(
-                slots={str(i): (tuple(t.shape[1:]), t.dtype) for i, t in enumerate(init)}, device=self.device
+                slots={k: (tuple(t.shape[1:]), t.dtype) for k, t in init.items()}, device=self.device
             )  # fmt: skip
-            pools[left] = (pool, init, [i for i, t in enumerate(init) if bool(t.any())], layout)
+            pools[left] = (pool, {k: t for k, t in init.items() if bool(t.any())}, layout)
         return pools[left]
 
     def release_stream(self, st: IcefallStream) -> None:
@@ -700,21 +706,21 @@ class _IcefallASR:
         encoder output (R, chunk / 2, D) and, with a transducer head, (R, 2, chunk / 2): each
         frame's token (-1: none) and log-probability, as the core's device greedy search
         (``TransducerGreedySearch`` on CUDA) computes them."""
-        pool, init, _, layout = self._cache_pool(left)
-        tensors = list(pool.slot_tensors.values())
-        n_enc = len(_flatten_caches(layout))
+        pool, _, layout = self._cache_pool(left)
+        tensors = pool.slot_tensors
         slots = ints[:, 0]
         feats = self.fbank.compute_frames(raw)
         real = torch.arange(raw.shape[1], device=raw.device)[None, :] < ints[:, 2:3]
         feats = torch.where(real.unsqueeze(2), feats, LOG_EPS)
-        caches = _unflatten_caches([t.index_select(0, slots) for t in tensors[:n_enc]], layout)
+        caches = layout.unpack(tensors["encoder"].index_select(0, slots), tensors["processed"].index_select(0, slots))
         out, new = self.net.streaming_forward(feats.to(self.dtype), caches, left)
-        for t, n in zip(tensors[:n_enc], _flatten_caches(new), strict=True):
-            t.index_copy_(0, slots, n.to(t.dtype))
+        flat, processed = layout.pack(new)
+        tensors["encoder"].index_copy_(0, slots, flat)
+        tensors["processed"].index_copy_(0, slots, processed)
         net = self.decoder_network
         if net is None:
             return (out,)
-        dec_state, dec_out = tensors[n_enc], tensors[n_enc + 1]  # by slot
+        dec_state, dec_out = tensors["dec_state"], tensors["dec_out"]  # by slot
         state0, d0 = dec_state.index_select(0, slots), dec_out.index_select(0, slots)
         state, dec = state0, d0
         frames = self.net.joiner.encoder_proj(out)
@@ -782,8 +788,8 @@ class _IcefallASR:
         keeps its hypothesis and decoder state between steps)."""
         net = self.decoder_network
         dev = enc.device
-        pool, init, _, _ = self._cache_pool(states[0].left)
-        dec_state, dec_out = list(pool.slot_tensors.values())[len(init) - 2 :]  # per stream, by slot
+        pool, *_ = self._cache_pool(states[0].left)
+        dec_state, dec_out = pool.slot_tensors["dec_state"], pool.slot_tensors["dec_out"]  # by slot
         by_settings: dict[tuple[int, float], list[int]] = {}
         for i, st in enumerate(states):
             by_settings.setdefault((st.options.max_sym_per_frame, st.options.blank_penalty), []).append(i)
@@ -803,14 +809,35 @@ class _IcefallASR:
 
 
 def _flatten_caches(c: StreamCaches) -> list[torch.Tensor]:
-    return [c.embed, *(t for stack in c.layers for layer in stack for t in layer), c.processed]
+    return [c.embed, *(t for stack in c.layers for layer in stack for t in layer)]
 
 
-def _unflatten_caches(flat: list[torch.Tensor], like: StreamCaches) -> StreamCaches:
-    """:func:`_flatten_caches` reversed, with the layout of ``like``."""
-    it = iter(flat[1:-1])
-    layers = [[[next(it) for _ in layer] for layer in stack] for stack in like.layers]
-    return StreamCaches(flat[0], layers, flat[-1])
+@dataclass(frozen=True)
+class _CacheLayout:
+    """Where each encoder cache of a stream lies in its flat row of the cache pool."""
+
+    like: StreamCaches  # the nesting (stacks, layers)
+    shapes: tuple[tuple[int, ...], ...]  # per cache tensor, without the batch dimension
+    offsets: tuple[int, ...]  # first element of each in the row, then the row's length
+
+    @classmethod
+    def of(cls, caches: StreamCaches) -> _CacheLayout:
+        shapes = tuple(tuple(t.shape[1:]) for t in _flatten_caches(caches))
+        sizes = [math.prod(s) for s in shapes]
+        return cls(caches, shapes, tuple(int(x) for x in np.cumsum([0, *sizes])))
+
+    def pack(self, caches: StreamCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, row) every cache of each stream (one concatenation), and ``processed``."""
+        parts = _flatten_caches(caches)
+        return torch.cat([t.reshape(t.shape[0], -1) for t in parts], dim=1), caches.processed
+
+    def unpack(self, flat: torch.Tensor, processed: torch.Tensor) -> StreamCaches:
+        """:meth:`pack` reversed: views of ``flat`` (B, row), no copies."""
+        o = self.offsets
+        parts = iter([flat[:, o[i] : o[i + 1]].view(flat.shape[0], *s) for i, s in enumerate(self.shapes)])
+        embed = next(parts)
+        layers = [[[next(parts) for _ in layer] for layer in stack] for stack in self.like.layers]
+        return StreamCaches(embed, layers, processed)
 
 
 class ZipformerTransducer(_IcefallASR):

@@ -99,7 +99,7 @@ class Bypass(nn.Module):
         self.bypass_scale = nn.Parameter(torch.full((channels,), 0.5))
 
     def forward(self, orig: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return orig + (x - orig) * self.bypass_scale
+        return torch.lerp(orig, x, self.bypass_scale)  # orig + (x - orig) * scale, one kernel
 
 
 def _valid_mask(lengths: torch.Tensor, t: int) -> torch.Tensor:
@@ -240,9 +240,19 @@ class AttentionWeights(nn.Module):
         k_len = k.shape[1]
         k = k.reshape(b, k_len, h, dq).permute(0, 2, 3, 1)
         scores = q @ k
-        pe = self.linear_pos(pos).reshape(pos.shape[0], h, dp).permute(1, 2, 0)  # (H, dp, n)
-        scores += _rel_shift(p @ pe, k_len)  # in place: (B, H, T, T) is the largest tensor here
+        scores += _rel_shift(p @ self._pos_proj(pos), k_len)  # in place: (B, H, T, T) is the largest tensor here
         return scores, new_key
+
+    def _pos_proj(self, pos: torch.Tensor) -> torch.Tensor:
+        """(H, dp, n) projected positional encoding; kept while ``pos`` is the same tensor (a
+        streaming step passes the same one every step)."""
+        w = self.linear_pos.weight
+        last = self.__dict__.get("_pe")
+        if last is not None and last[0] is pos and last[1] == (w.data_ptr(), w._version):
+            return last[2]
+        pe = self.linear_pos(pos).reshape(pos.shape[0], self.heads, self.pdim).permute(1, 2, 0)
+        self.__dict__["_pe"] = (pos, (w.data_ptr(), w._version), pe)
+        return pe
 
     def forward(self, x, pos, mask: torch.Tensor | None) -> torch.Tensor:
         scores, _ = self._scores(x, pos, None)
@@ -316,6 +326,18 @@ class ChunkCausalDepthwiseConv1d(nn.Module):
         self.chunkwise_conv_scale = nn.Parameter(torch.zeros(2, channels, kernel))
 
     def _chunk_scale(self, chunk: int) -> torch.Tensor:
+        """(C, chunk) scale of the chunk-local convolution; a function of the weights and the
+        chunk size only, so kept per chunk size (a streaming step would rebuild it per layer)."""
+        w = self.chunkwise_conv_scale
+        key = (chunk, w.dtype, w.device, w.data_ptr(), w._version)
+        cache = self.__dict__.setdefault("_scales", {})
+        if key not in cache:
+            if len(cache) > 16:
+                cache.clear()
+            cache[key] = self._build_chunk_scale(chunk)
+        return cache[key]
+
+    def _build_chunk_scale(self, chunk: int) -> torch.Tensor:
         left, right = self.chunkwise_conv_scale[0], self.chunkwise_conv_scale[1]
         if chunk < self.kernel:
             left, right = left[:, :chunk], right[:, -chunk:]
@@ -338,13 +360,10 @@ class ChunkCausalDepthwiseConv1d(nn.Module):
         xc = xc.reshape(b, n, c, chunk_size).transpose(1, 2).reshape(b, c, n * chunk_size)[..., :t]
         return xc + causal
 
-    def streaming_forward(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def streaming_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, C, kernel // 2 + T): the cached left frames, then the chunk's -> (B, C, T)."""
         lp = self.kernel // 2
-        t = x.shape[2]
-        x = torch.cat([cache, x], dim=2)
-        cache = x[..., x.shape[2] - lp :]
-        out = self.causal_conv(x) + self.chunkwise_conv(x[..., lp:]) * self._chunk_scale(t)
-        return out, cache
+        return self.causal_conv(x) + self.chunkwise_conv(x[..., lp:]) * self._chunk_scale(x.shape[2] - lp)
 
 
 class ConvolutionModule(nn.Module):
@@ -368,8 +387,13 @@ class ConvolutionModule(nn.Module):
         x = self.depthwise_conv(x, chunk_size) if self.causal else self.depthwise_conv(x)
         return self.out_proj(swoosh_r(x.transpose(1, 2)))
 
-    def streaming_forward(self, x, valid, cache):
-        x, cache = self.depthwise_conv.streaming_forward(self._gate(x, valid), cache)
+    def streaming_forward(self, x, cache):
+        """cache (B, kernel // 2, C): the last gated frames, time-major, so that the new cache is a
+        view (one flat row per stream in the cache pool)."""
+        x, s = self.in_proj(x).chunk(2, dim=-1)
+        x = torch.cat([cache, x * torch.sigmoid(s)], dim=1)
+        cache = x[:, x.shape[1] - cache.shape[1] :]
+        x = self.depthwise_conv.streaming_forward(x.transpose(1, 2))
         return self.out_proj(swoosh_r(x.transpose(1, 2))), cache
 
 
@@ -406,8 +430,8 @@ class ZipformerEncoderLayer(nn.Module):
         src = src + self.feed_forward3(src)
         return self.bypass(orig, self.norm(src))
 
-    def streaming_forward(self, src, pos, cache: list[torch.Tensor], mask, valid):
-        """cache: [key, nonlin, val1, val2, conv1, conv2] as (B, left, .) / (B, C, k // 2)."""
+    def streaming_forward(self, src, pos, cache: list[torch.Tensor], mask):
+        """cache: [key, nonlin, val1, val2, conv1, conv2] as (B, left, .) / (B, k // 2, C)."""
         orig = src
         w, key = self.self_attn_weights.streaming_forward(src, pos, cache[0], mask)
         src = src + self.feed_forward1(src)
@@ -415,13 +439,13 @@ class ZipformerEncoderLayer(nn.Module):
         src = src + na
         sa, val1 = self.self_attn1(src, w, cache[2])
         src = src + sa
-        cv, conv1 = self.conv_module1.streaming_forward(src, valid, cache[4])
+        cv, conv1 = self.conv_module1.streaming_forward(src, cache[4])
         src = src + cv
         src = src + self.feed_forward2(src)
         src = self.bypass_mid(orig, src)
         sa, val2 = self.self_attn2(src, w, cache[3])
         src = src + sa
-        cv, conv2 = self.conv_module2.streaming_forward(src, valid, cache[5])
+        cv, conv2 = self.conv_module2.streaming_forward(src, cache[5])
         src = src + cv
         src = src + self.feed_forward3(src)
         return self.bypass(orig, self.norm(src)), [key, nonlin, val1, val2, conv1, conv2]
@@ -442,12 +466,15 @@ class LayerStack(nn.Module):
             x = layer(x, pos, mask, valid, chunk_size)
         return x
 
-    def streaming_forward(self, x, caches, left: int, mask, valid):
+    def streaming_forward(self, x, caches, left: int, mask):
         t = x.shape[1]
-        pos = compact_rel_pos(t + left, t, self.pos_dim, x.device, x.dtype)
+        key = (t, left, x.device, x.dtype)  # a streaming step's encoding: the same every step
+        pos = self.__dict__.get("_pos")
+        if pos is None or pos[0] != key:
+            pos = self.__dict__["_pos"] = (key, compact_rel_pos(t + left, t, self.pos_dim, x.device, x.dtype))
         new = []
         for layer, cache in zip(self.layers, caches, strict=True):
-            x, c = layer.streaming_forward(x, pos, cache, mask, valid)
+            x, c = layer.streaming_forward(x, pos[1], cache, mask)
             new.append(c)
         return x, new
 
@@ -490,10 +517,9 @@ class DownsampledStack(nn.Module):
         y = y.repeat_interleave(ds, dim=1)[:, : x.shape[1]]
         return self.out_combiner(x, y)
 
-    def streaming_forward(self, x, caches, left: int, mask, valid):
+    def streaming_forward(self, x, caches, left: int, mask):
         ds = self.ds
-        y, new = self.encoder.streaming_forward(self.downsample(x), caches, left // ds,
-                                                mask[..., ::ds], valid[:, ::ds])  # fmt: skip
+        y, new = self.encoder.streaming_forward(self.downsample(x), caches, left // ds, mask[..., ::ds])
         y = y.repeat_interleave(ds, dim=1)[:, : x.shape[1]]
         return self.out_combiner(x, y), new
 
@@ -562,11 +588,10 @@ class Zipformer(nn.Module):
         b, t, _ = x.shape
         old = (processed[:, None] <= torch.arange(left, device=x.device)[None, :]).flip(1)
         mask = torch.cat([old, old.new_zeros(b, t)], dim=1)[:, None, None, :]  # (B, 1, 1, left + t)
-        valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
         outputs, new = [], []
         for i, module in enumerate(self.encoders):
             x = _channels(x, self.cfg.encoder_dim[i])
-            x, c = module.streaming_forward(x, caches[i], left, mask, valid)
+            x, c = module.streaming_forward(x, caches[i], left, mask)
             outputs.append(x)
             new.append(c)
         return self.downsample_output(self._merge(outputs)), new
@@ -581,7 +606,7 @@ class Zipformer(nn.Module):
             out.append([
                 [z(batch, n, h * cfg.query_head_dim[i]), z(batch, n, 3 * d // 4),
                  z(batch, n, h * cfg.value_head_dim[i]), z(batch, n, h * cfg.value_head_dim[i]),
-                 z(batch, d, k), z(batch, d, k)]
+                 z(batch, k, d), z(batch, k, d)]
                 for _ in range(cfg.num_encoder_layers[i])
             ])  # fmt: skip
         return out

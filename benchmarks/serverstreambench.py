@@ -101,6 +101,10 @@ class Report:
     uploads_equal: int
     p99_target_ms: float
     held: bool
+    #: CPU seconds of the server process (all its threads) during the measured round, and per
+    #: append event received (model host work included): what one core must keep up with
+    server_cpu_s: float | None = None
+    server_cpu_per_append_us: float | None = None
     server_steps: dict[str, float] = field(default_factory=dict)
     leftover: dict[str, float] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
@@ -249,6 +253,16 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> Non
             pass
         time.sleep(0.2)
     raise RuntimeError("oasr-server did not become ready")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux ``/proc``;
+    None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def read_metrics(base: str) -> str:
@@ -546,10 +560,10 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 pool.shutdown(wait=True)
             before = read_metrics(base)
             answers, pool = uploads_in_threads(base, blobs, 1.0)
-            t = time.monotonic()
+            t, cpu0 = time.monotonic(), cpu_seconds(proc.pid)
             records, failed = group.round(timeout)
             pool.shutdown(wait=True)
-            wall = time.monotonic() - t
+            wall, cpu1 = time.monotonic() - t, cpu_seconds(proc.pid)
             time.sleep(0.5)  # the server releases the sessions after their sockets close
             after = read_metrics(base)
         finally:
@@ -609,6 +623,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
     if not partial_lat:
         mismatches.append("no delta event could be timed (the model's text never grew)")
     up_lat = [s for *_, s in answers]
+    appends = sum(len(rec["sent"]) for rec in records)
+    cpu = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)
     return Report(
         streams=streams, seconds=seconds, chunk_ms=chunk / sr * ms, model_chunk_ms=model_chunk_s * ms,
         uploads=uploads, clients=clients, device=device, batch_wait_ms=batch_wait_ms, wall_s=round(wall, 2),
@@ -620,6 +636,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         upload_latency_p50_s=_pct(up_lat, 50), upload_latency_max_s=max(up_lat, default=0.0),
         partials_measured=len(partial_lat), finals_equal=finals_equal, uploads_equal=uploads_equal,
         p99_target_ms=p99_target_ms, held=not mismatches and p99 <= p99_target_ms,
+        server_cpu_s=cpu,
+        server_cpu_per_append_us=round(cpu / appends * 1e6, 1) if cpu is not None and appends else None,
         server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0},
         leftover=leftover, mismatches=mismatches,
     )  # fmt: skip
@@ -644,6 +662,10 @@ def print_report(r: Report) -> None:
         f"  client send lag ms  p99 {r.send_lag_p99_ms:7.1f}  max {r.send_lag_max_ms:7.1f};  "
         f"uploads p50 {r.upload_latency_p50_s:.2f} s max {r.upload_latency_max_s:.2f} s;  "
         f"server batches {r.server_steps.get('batches', 0):g} (mean {r.server_steps.get('mean_batch', 0)})"
+    )
+    print(
+        f"  server process CPU {r.server_cpu_s} s in {r.wall_s} s ({r.server_cpu_per_append_us} us "
+        "per append event, model host work included)"
     )
     print(
         f"  finals equal to the engine's {r.finals_equal}/{r.streams}, uploads {r.uploads_equal}/{r.uploads}; "

@@ -35,7 +35,9 @@ of a turn concatenate to its final transcript; when the final transcript revised
 last delta is sent and the final transcript is what counts.
 
 Heavy work never runs on the event loop: decoding, resampling and VAD run in a thread
-(``state.run_vad``), the model in the engine worker or the streaming engine loop. Calls into one
+(``state.run_vad``), the model in the engine worker or the streaming engine loop. The one
+exception is tiny: an append of at most ``INLINE_APPEND_S`` of raw PCM at the model's rate with
+server VAD off is decoded (scaled to float32) in place, which costs less than the thread hop. Calls into one
 ``TurnStream`` must be sequential (each transport drives it from one task).
 """
 
@@ -68,6 +70,8 @@ END_PAD_MS = 200
 MIN_COMMIT_MS = 100
 #: shortest turn audio worth an interim transcription
 MIN_PARTIAL_MS = 300
+#: longest append (seconds) decoded on the event loop when it needs no resampling and no VAD
+INLINE_APPEND_S = 0.5
 
 
 class CommitEmptyError(InvalidRequestError):
@@ -348,7 +352,15 @@ class TurnStream:
         incoming = len(data) // max(1, fmt.bytes_per_frame) * self.rate / fmt.sample_rate
         if incoming > self.max_buffer:  # refused whole, before any decoding
             raise self._too_long("this append holds")
-        y, events = await self.state.run_vad(self._ingest, data)
+        if self._endpointer is None and incoming <= self.rate * INLINE_APPEND_S and (
+            self._resampler.src_rate == self._resampler.dst_rate
+        ):
+            # raw PCM of a short append at the model's rate, no VAD: a table lookup or a scale
+            # of a few thousand samples, cheaper than the hop to a thread and back (the hop per
+            # append was most of the event loop's time with hundreds of streams)
+            y, events = self._ingest(data)
+        else:
+            y, events = await self.state.run_vad(self._ingest, data)
         await self._take(y, events)
 
     async def _take(self, y: np.ndarray, events: list[Any]) -> None:

@@ -86,3 +86,28 @@ def test_partials_final_words_and_step_profile(u2pp, speech) -> None:
     report = prof.as_dict()
     assert report["steps"] == steps and report["us_per_row"]["encoder"] > 0
     assert prof.finals == 2 and prof.seconds["finals"] > 0
+
+
+def test_stream_audio_pieces_read_like_one_array() -> None:
+    """A stream's audio kept as the pieces it was fed in: windows copied out of them and
+    samples dropped from the front equal the same operations on the joined array."""
+    from oasr_models_wenet.model import WenetStreamState
+
+    rng = np.random.default_rng(0)
+    st = WenetStreamState(options=None, chunk_size=4, num_left_chunks=-1, window=19, stride=16,
+                          win_length=400, hop_length=160, search=None)  # fmt: skip
+    ref = np.zeros(0, np.float32)
+    for _ in range(40):
+        a = rng.standard_normal(int(rng.integers(1, 700))).astype(np.float32)
+        st.pieces.append(a)
+        ref = np.concatenate([ref, a])
+        lo, n = int(rng.integers(0, ref.size + 5)), int(rng.integers(0, 900))
+        dst = np.full(n, np.nan, np.float32)
+        got = st.copy_audio(lo, dst)
+        assert got == min(n, max(0, ref.size - lo))
+        np.testing.assert_array_equal(dst[:got], ref[lo : lo + got])
+        assert np.isnan(dst[got:]).all()  # nothing written past the audio
+        k = int(rng.integers(0, 600))
+        st.drop_audio(k)
+        ref = ref[k:]
+        np.testing.assert_array_equal(st.audio, ref)

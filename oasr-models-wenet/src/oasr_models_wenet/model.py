@@ -133,7 +133,9 @@ class WenetStreamState:
     hop_length: int
     search: Any
     cache: StreamContext | None = None
-    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # from frame frames_consumed
+    #: the audio from feature frame ``frames_consumed`` on, as the arrays it was fed in (views):
+    #: a chunk's window is copied from them straight into the batch, never joined first
+    pieces: list[np.ndarray] = field(default_factory=list)
     samples_received: int = 0
     frames_consumed: int = 0  # feature frames before the next chunk's first
     offset: int = 0  # encoder frames emitted
@@ -152,6 +154,37 @@ class WenetStreamState:
         frames = self.frames_consumed + self.window
         total = self.win_length + (frames - 1) * self.hop_length
         return max(1, total - self.samples_received)
+
+    @property
+    def audio(self) -> np.ndarray:
+        """The buffered audio (from feature frame ``frames_consumed``) as one array."""
+        if len(self.pieces) == 1:
+            return self.pieces[0]
+        return np.concatenate(self.pieces) if self.pieces else np.zeros(0, np.float32)
+
+    def copy_audio(self, lo: int, dst: np.ndarray) -> int:
+        """Copy the buffered samples from ``lo`` on into ``dst`` (as many as fit and exist);
+        returns how many were copied."""
+        n, done = dst.size, 0
+        for p in self.pieces:
+            if lo >= p.size:
+                lo -= p.size
+                continue
+            k = min(p.size - lo, n - done)
+            dst[done : done + k] = p[lo : lo + k]
+            done += k
+            lo = 0
+            if done == n:
+                break
+        return done
+
+    def drop_audio(self, n: int) -> None:
+        """Forget the first ``n`` buffered samples (all of them when there are fewer)."""
+        ps = self.pieces
+        while ps and n >= ps[0].size:
+            n -= ps.pop(0).size
+        if ps and n > 0:
+            ps[0] = ps[0][n:]
 
     @property
     def frames_available(self) -> int:
@@ -626,7 +659,7 @@ class WenetASR:
                 a = chunk if ok else self._wave(chunk, k)
                 if len(a):
                     st.samples_received += len(a)
-                    st.audio = np.concatenate([st.audio, a]) if st.audio.size else a
+                    st.pieces.append(a)
             plans.append(self._plan(st, bool(last)))
         if prof is not None:
             prof.lap("features")
@@ -758,10 +791,9 @@ class WenetASR:
             audio_t, audio = _host_buffer((rows, n_samp), torch.float32, pinned)
             for i, (st, (f0, nf)) in enumerate(zip(states, windows, strict=True)):
                 lo = (f0 - st.frames_consumed) * hop
-                seg = st.audio[lo : lo + (nf - 1) * hop + win]
-                audio[i, : seg.size] = seg
-                if seg.size < n_samp:
-                    audio[i, seg.size :] = 0.0
+                got = st.copy_audio(lo, audio[i, : (nf - 1) * hop + win])
+                if got < n_samp:
+                    audio[i, got:] = 0.0
             audio[b:] = 0.0
             if prof is not None:
                 prof.lap("features")
@@ -818,10 +850,10 @@ class WenetASR:
         for st, n, (_, nf) in zip(states, new_l, windows, strict=True):
             st.offset += n
             if nf == st.window:
-                st.audio = st.audio[st.stride * hop :]
+                st.drop_audio(st.stride * hop)
                 st.frames_consumed += st.stride
             else:
-                st.audio = st.audio[:0]
+                st.pieces.clear()
                 st.frames_consumed += nf
         for j, i in enumerate(keep_rows):
             states[i].enc.append(kept[j, : new_l[i]])
@@ -944,7 +976,7 @@ class WenetASR:
         keep = [torch.cat(st.enc)] if (st.return_encoder_output and st.enc) else []
         self.release_stream(st)
         st.enc = keep
-        st.audio = st.audio[:0]
+        st.pieces.clear()
         return StreamingUpdate(text=tr.text, is_final=True, transcript=tr)
 
     # ------------------------------------------------------------------ VAD support

@@ -34,6 +34,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                      "encoder_ffn_dim": 5120},
            "text": {"vocab_size": 156032, "hidden_size": 4096, "intermediate_size": 11008,
                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}},
+    # CPU before/after checks at the real prompt length (750 audio tokens per 30 s): small widths
+    "small": {"audio": {"d_model": 256, "encoder_layers": 4, "encoder_attention_heads": 4,
+                        "encoder_ffn_dim": 1024},
+              "text": {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1376,
+                       "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8}},
     "tiny": {"audio": {"d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 2,
                        "encoder_ffn_dim": 128},
              "text": {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,

@@ -159,6 +159,22 @@ def test_greedy_tokens_equal_generate_chat(ours_chat, hf_chat, clips):
     assert [a.segments[0].tokens for a in alone] == want
 
 
+def test_whole_30s_windows_equal_generate(ours_chat, hf_chat, clips):
+    """Whole 30 s windows (the encoder runs without a padding mask; equal lengths share one
+    log-mel batch) beside a short clip: greedy tokens identical to generate()."""
+    model, processor = hf_chat
+    rng = np.random.default_rng(5)
+    t = np.arange(16000 * 30) / 16000
+    full = [(0.3 * np.sin(2 * np.pi * f * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+            for f in (250.0, 390.0)]  # fmt: skip
+    batch = [full[0], clips[0], full[1]]
+    text = _chat_text(processor, "Transcribe the speech.")
+    want = [_hf_greedy(model, _hf_inputs(processor, text, c)) for c in batch]
+    got = ours_chat.transcribe(batch, DecodingOptions(max_new_tokens=N_NEW))
+    assert [g.segments[0].tokens for g in got] == want
+    assert want[0] != want[2] and all(len(w) > 4 for w in want)
+
+
 def test_greedy_tokens_equal_generate_base_with_options(ours_base, hf_base, clips):
     model, processor = hf_base
     base = "<|audio_bos|><|AUDIO|><|audio_eos|>Detect the language and recognize the speech:"

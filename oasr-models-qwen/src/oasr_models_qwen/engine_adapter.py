@@ -27,7 +27,7 @@ import torch
 from oasr.audio import as_mono_waveform
 from oasr.errors import MissingPluginError
 from oasr.executors.autoregressive import AttentionContext, AutoregressiveExecutor, Row, Window
-from oasr.features.whisper import HOP_LENGTH, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
+from oasr.features.whisper import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
 from oasr.layers.attention import fixed_shape_attention
 from oasr.types import Segment, Transcript
 from oasr_models_qwen.nn import encoder_lengths
@@ -80,7 +80,8 @@ def plan_windows(wave: np.ndarray, long_form: str) -> list[tuple[int, int]]:
 
 
 def window_mel(wave: torch.Tensor, n_mels: int) -> tuple[torch.Tensor, int]:
-    """The (n_mels, 3000) log-mel of a window of at most 30 s, zero-padded to 30 s as
+    """The (n_mels, 3000) log-mel of a window of at most 30 s (or (B, n_mels, 3000) of a batch
+    of equal-length windows (B, n)), zero-padded to 30 s as
     ``WhisperFeatureExtractor(padding="max_length")`` pads it, and its valid frame count
     (the extractor's attention mask: one frame per started hop)."""
     n = int(wave.shape[-1])
@@ -106,8 +107,9 @@ class QwenStepModel:
         self.cross_shape = None
         self.extra_bytes = 0
 
-    def encode(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        mel, frames = inputs
+    def encode(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``inputs``: (mel,) when every window is a full 30 s, else (mel, valid frames)."""
+        mel, frames = inputs[0], (inputs[1] if len(inputs) > 1 else None)
         with fixed_shape_attention():  # the encoder's length is always 30 s
             return self.net.encode(mel, frames)
 
@@ -181,14 +183,33 @@ class QwenDriver:
                           duration=st.wave.shape[0] / SAMPLE_RATE, segments=st.segments,
                           task=st.options.task)  # fmt: skip
 
-    def encoder_inputs(self, windows: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
-        mels, frames = [], []
-        for w in windows:
+    def encoder_inputs(self, windows: list[Window]) -> tuple[torch.Tensor, ...]:
+        """(mel,) when every window fills the encoder's 30 s (no padding mask needed), else
+        (mel, valid frames). Windows of one length share one batched log-mel (one host copy,
+        one STFT: per window it is a dozen small kernels; on the CPU the batched values are
+        the one-at-a-time values exactly)."""
+        mels: list[torch.Tensor] = []
+        frames: list[int] = []
+        order: list[int] = []
+        by_len: dict[int, list[int]] = {}
+        for k, w in enumerate(windows):
             start, end = w.info
-            mel, n = window_mel(w.state.wave[start:end].to(self.device), self.n_mels)
-            mels.append(mel)
-            frames.append(n)
-        mel = torch.stack(mels).to(self.device, self.model.network.dtype)
+            by_len.setdefault(end - start, []).append(k)
+        for ks in by_len.values():
+            waves = torch.stack([windows[k].state.wave[windows[k].info[0] : windows[k].info[1]] for k in ks])
+            if self.device.type == "cuda":
+                waves = waves.pin_memory()
+            batch, valid = window_mel(waves.to(self.device, non_blocking=True), self.n_mels)
+            mels.append(batch)
+            frames.extend([valid] * len(ks))
+            order.extend(ks)
+        mel = torch.cat(mels) if len(mels) > 1 else mels[0]
+        if order != sorted(order):  # back to the windows' order
+            mel = mel[torch.tensor(order, device=mel.device).argsort()]
+            frames = [frames[i] for i in np.argsort(order)]
+        mel = mel.to(self.device, self.model.network.dtype)
+        if all(f >= N_FRAMES for f in frames):
+            return (mel,)
         return mel, torch.tensor(frames, dtype=torch.long, device=self.device)
 
     def encoded(self, windows: list[Window], features: torch.Tensor, ex: AutoregressiveExecutor) -> None:

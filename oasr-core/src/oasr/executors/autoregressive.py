@@ -13,7 +13,8 @@ is decoding owns a *row* of the decoder batch. Every :meth:`AutoregressiveExecut
    later step); the driver turns the features into a prompt (:meth:`RequestDriver.encoded`);
 3. windows whose KV blocks can be reserved start: their cross-attention K/V (when the step model
    has cross-attention) is projected once into the row's slot of the cross pool, and their
-   prompts run as a prefill grouped by length;
+   prompts run as a prefill grouped by length (its keys/values go into the cache, its attention
+   reads them as computed: one causal SDPA call per layer, not a read back from the pools);
 4. all rows advance by one token in one decoder call over the paged self-attention cache
    (:class:`oasr.kv_cache.PagedKVCache`), replayed from a captured CUDA graph per (batch, blocks)
    bucket on GPU;
@@ -44,7 +45,12 @@ import torch
 
 from oasr.errors import InvalidRequestError
 from oasr.kv_cache import PagedKVCache, blocks_for
-from oasr.layers import install_kernel_providers, paged_decode_attention, paged_prefill_attention
+from oasr.layers import (
+    attention,
+    install_kernel_providers,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from oasr.layers.quantized import paged_decode_attention_fp8
 
 if TYPE_CHECKING:
@@ -222,6 +228,9 @@ class AttentionContext:
         self.rows = rows  # cross-pool rows: an int n for rows [0, n), or indices (B,)
         #: embeddings given for some inputs: (flat indices into B*T, vectors (n, d)), or None
         self.embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the new tokens are each row's whole sequence (a prefill from position 0): attention
+        #: reads their keys/values as given instead of back from the pools
+        self.fresh = False
 
     def input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder inputs ``x`` (B, T, d) (token embeddings) with the given embeddings in
@@ -251,7 +260,10 @@ class AttentionContext:
             return paged_prefill_attention(q, k_pool, v_pool, tables, self.lengths)
         if t == 1:
             return paged_decode_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
-        # the new tokens are each row's last t (a prefill: positions 0 .. t - 1, lengths t)
+        if self.fresh:  # causal attention over the new keys/values themselves (flash / cuDNN)
+            return _causal_attention(q, k.reshape(b, t, cache.num_heads, cache.head_dim),
+                                     v.reshape(b, t, cache.num_heads, cache.head_dim))  # fmt: skip
+        # the new tokens are each row's last t (lengths[b] - t earlier keys in the pools)
         return paged_prefill_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
 
     def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,6 +272,18 @@ class AttentionContext:
         if isinstance(self.rows, int):
             return ex.cross_k[layer][: self.rows], ex.cross_v[layer][: self.rows]
         return ex.cross_k[layer].index_select(0, self.rows), ex.cross_v[layer].index_select(0, self.rows)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of ``q`` (B, H, T, D) over ``k``/``v`` (B, T, H_kv, D), query
+    head ``h`` reading key/value head ``h // (H // H_kv)``: a whole prompt's attention as one
+    fused SDPA call (a paged kernel re-reading the pools is slow for long prompts)."""
+    h, hkv = q.shape[1], k.shape[2]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if hkv != h:  # grouped-query attention: each key/value head serves H / H_kv query heads
+        k = k.repeat_interleave(h // hkv, dim=1)
+        v = v.repeat_interleave(h // hkv, dim=1)
+    return attention(q, k, v, is_causal=True)
 
 
 class _Graph:
@@ -388,6 +412,7 @@ class AutoregressiveExecutor:
         self._pool = None
         self._sup_key: tuple | None = None
         self._sup: torch.Tensor | None = None
+        self._no_suppress: torch.Tensor | None = None  # the mask of a row without suppressed tokens
         self.graph_batch_sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_rows} | {self.max_rows})
         self._done: Finished = []
         self.stats = {"steps": 0, "graph_replays": 0, "eager_steps": 0, "max_rows": 0,
@@ -596,6 +621,7 @@ class AutoregressiveExecutor:
             lengths = torch.full((len(rows),), t, dtype=torch.long, device=self.device)
             ctx = AttentionContext(self, positions, slots, tables, lengths, torch.tensor(idx, device=self.device))
             ctx.embeds = self._prompt_embeds(rows, t)
+            ctx.fresh = not self.cache.fp8  # fp8: prefill attends over the quantized pools
             logits = self.step_model.forward(tokens, positions, ctx)
             self.driver.prefilled(rows, logits)
             last = logits[:, -1].float().clone()
@@ -633,11 +659,11 @@ class AutoregressiveExecutor:
         if w.seed is not None and w.temperature > 0:
             row.generator = torch.Generator(device=self.device)
             row.generator.manual_seed(int(w.seed))
-        sup = torch.zeros(v, dtype=torch.bool, device=self.device)
         ids = [t for t in w.suppress if 0 <= t < v]
-        if ids:
+        if ids:  # rows without suppressed tokens keep None: a step where none has any masks nothing
+            sup = torch.zeros(v, dtype=torch.bool, device=self.device)
             sup[torch.tensor(ids, device=self.device)] = True
-        row.suppress_mask = sup
+            row.suppress_mask = sup
         if w.begin_suppress:
             begin = torch.zeros(v, dtype=torch.bool, device=self.device)
             begin[torch.tensor([t for t in w.begin_suppress if 0 <= t < v], device=self.device)] = True
@@ -729,16 +755,18 @@ class AutoregressiveExecutor:
         if penal:
             self._penalize(logits, [rows[i] for i in penal], penal)
         begin_rows = [i for i, r in enumerate(rows) if r.begin_mask is not None and not r.sampled]
+        sup: torch.Tensor | None = None
         if begin_rows:
-            sup = torch.stack([r.suppress_mask for r in rows])
+            sup = torch.stack([self._suppress_mask(r) for r in rows])
             br = torch.tensor(begin_rows, device=dev)
             sup[br] |= torch.stack([rows[i].begin_mask for i in begin_rows])
-        else:  # the same rows as last step: reuse the stacked masks
+        elif any(r.suppress_mask is not None for r in rows):  # the same rows as last step: reuse
             key = tuple(r.uid for r in rows)
             if self._sup_key != key:
-                self._sup_key, self._sup = key, torch.stack([r.suppress_mask for r in rows])
+                self._sup_key, self._sup = key, torch.stack([self._suppress_mask(r) for r in rows])
             sup = self._sup
-        logits.masked_fill_(sup, -math.inf)
+        if sup is not None:
+            logits.masked_fill_(sup, -math.inf)
         self.driver.process_logits(logits, rows)
         next_tokens = logits.argmax(dim=-1)
         hot = [i for i, r in enumerate(rows) if r.window.temperature > 0]
@@ -776,6 +804,13 @@ class AutoregressiveExecutor:
                     except Exception:  # noqa: BLE001 - a listener's failure is not the request's
                         log.warning("token-streaming partial failed", exc_info=True)
         return finished
+
+    def _suppress_mask(self, row: Row) -> torch.Tensor:
+        if row.suppress_mask is not None:
+            return row.suppress_mask
+        if self._no_suppress is None:
+            self._no_suppress = torch.zeros(self.step_model.vocab_size, dtype=torch.bool, device=self.device)
+        return self._no_suppress
 
     @staticmethod
     def _penalize(logits: torch.Tensor, rows: list[Row], idx: list[int]) -> None:

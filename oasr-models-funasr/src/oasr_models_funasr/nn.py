@@ -139,14 +139,31 @@ def fsmn_block(d: int, kernel_size: int, pads: tuple[int, int]) -> DepthwiseConv
 def fsmn_memory(
     block: DepthwiseConv1d, pads: tuple[int, int], x: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """The FSMN memory: a depthwise convolution (no bias) over the masked input, plus it."""
+    """The FSMN memory: a depthwise convolution (no bias) over the masked input, plus it.
+
+    FunASR also zeroes the result past each length; here those frames are left as they come
+    (they feed only other padded frames: the next FSMN masks its input, attention masks padded
+    keys, and the encoder / decoder outputs past the lengths are masked or dropped), which
+    saves one pass over the activations per layer and leaves every valid frame's value
+    unchanged."""
     if mask is not None:
         x = x * mask
     xt = x.transpose(1, 2)
     if block.padding == 0 and pads != (0, 0):
         xt = F.pad(xt, pads)
-    y = block(xt).transpose(1, 2) + x
-    return y * mask if mask is not None else y
+    return block(xt).transpose(1, 2) + x
+
+
+def key_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S) key validity -> (B, 1, 1, S) additive attention mask (0 / -inf) in ``dtype``.
+
+    Built once per forward for every layer: given a boolean mask, SDPA converts it to this on
+    every call, and its memory-efficient CUDA kernel pads a mask whose row stride is not a
+    multiple of 8 on every call; this one is a slice of rows padded to a multiple of 8."""
+    b, s = valid.shape
+    bias = torch.full((b, 1, 1, -(-s // 8) * 8), float("-inf"), dtype=dtype, device=valid.device)
+    bias = bias[..., :s]
+    return bias.masked_fill_(valid[:, None, None, :], 0.0)
 
 
 class SANMAttention(nn.Module):
@@ -217,7 +234,7 @@ class SANMEncoder(nn.Module):
         b, t, dim = feats.shape
         valid = torch.arange(t, device=feats.device)[None, :] < lengths[:, None]
         mask = valid[:, :, None].to(feats.dtype)
-        attn_mask = valid[:, None, None, :]
+        attn_mask = key_bias(valid, feats.dtype)
         x = feats * self.cfg.output_size**0.5
         x = x + self.positions(t, dim, feats.device, x.dtype)
         for layer in self.encoders0:
@@ -235,7 +252,9 @@ class CifPredictor(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.idim
-        self.cif_conv1d = Conv1d(d, d, cfg.l_order + cfg.r_order + 1)
+        # symmetric context: the zero padding inside the convolution (no padded copy)
+        pad = cfg.l_order if cfg.l_order == cfg.r_order else 0
+        self.cif_conv1d = Conv1d(d, d, cfg.l_order + cfg.r_order + 1, padding=pad)
         self.cif_output = Linear(d, 1)
         if cfg.kind == "CifPredictorV3":
             if cfg.upsample_type not in ("cnn", "cnn_blstm"):
@@ -251,7 +270,9 @@ class CifPredictor(nn.Module):
             self.cif_output2 = Linear(2 * d if cfg.upsample_type == "cnn_blstm" else d, 1)
 
     def _conv(self, hidden: torch.Tensor) -> torch.Tensor:
-        ctx = F.pad(hidden.transpose(1, 2), (self.cfg.l_order, self.cfg.r_order))
+        ctx = hidden.transpose(1, 2)
+        if self.cif_conv1d.padding == 0:
+            ctx = F.pad(ctx, (self.cfg.l_order, self.cfg.r_order))
         return F.relu(self.cif_conv1d(ctx))  # (B, d, T)
 
     def forward(
@@ -377,10 +398,12 @@ class ParaformerDecoder(nn.Module):
     def _masks(
         memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, lens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token mask (B, N, 1) in the embeddings' dtype, memory key mask (B, 1, 1, T): an
+        additive one, :func:`key_bias`)."""
         n = embeds.shape[1]
         mask = (torch.arange(n, device=embeds.device)[None, :] < lens[:, None])[:, :, None]
-        mem_mask = torch.arange(memory.shape[1], device=memory.device)[None, :] < mem_lens[:, None]
-        return mask.to(embeds.dtype), mem_mask[:, None, None, :]
+        mem_valid = torch.arange(memory.shape[1], device=memory.device)[None, :] < mem_lens[:, None]
+        return mask.to(embeds.dtype), key_bias(mem_valid, memory.dtype)
 
     def forward(
         self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, lens: torch.Tensor
@@ -421,8 +444,9 @@ class ParaformerDecoder(nn.Module):
         q = att.linear_q(q_in).reshape(b, n, att.h, att.d_k).transpose(1, 2) * att.d_k**-0.5
         k = att.linear_k_v(memory).split(att.h * att.d_k, dim=-1)[0]
         k = k.reshape(b, -1, att.h, att.d_k).transpose(1, 2)
-        scores = (q @ k.transpose(-2, -1)).masked_fill(~mem_mask, float("-inf"))
-        return torch.softmax(scores, dim=-1).masked_fill(~mem_mask, 0.0)
+        padded = torch.isinf(mem_mask)  # the additive mask's -inf: padded memory frames
+        scores = (q @ k.transpose(-2, -1)).masked_fill(padded, float("-inf"))
+        return torch.softmax(scores, dim=-1).masked_fill(padded, 0.0)
 
 
 class ParaformerNet(nn.Module):

@@ -16,6 +16,8 @@ The text is FunASR's text without timestamps; words and their times are what it 
 
 from __future__ import annotations
 
+import functools
+import string
 from collections.abc import Sequence
 
 SPECIALS = ("<s>", "</s>", "<unk>", "<OOV>")
@@ -33,21 +35,42 @@ def _clean(tok: str) -> str:
     return tok
 
 
+# The predicates below are FunASR's ``isAllChinese`` / ``isAllAlpha``: on a token list they test
+# every token, on a string every character. A vocabulary is a few thousand strings, so each
+# string's answer is cached (the uncached per-character scans cost milliseconds per batch).
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _piece_cjk(piece: str) -> bool:
+    return _is_cjk(_clean(piece))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _piece_alpha(piece: str) -> bool:
+    t = _clean(piece)
+    return (t.isalpha() or t == "'") and not (t.isalpha() and _is_cjk(t))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _string_all_cjk(s: str) -> bool:
+    return bool(s) and all(map(_piece_cjk, s))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _string_all_alpha(s: str) -> bool:
+    return bool(s) and all(map(_piece_alpha, s))
+
+
 def _all_cjk(toks: Sequence[str]) -> bool:
-    cleaned = [_clean(t) for t in toks]
-    return bool(cleaned) and all(_is_cjk(t) for t in cleaned)
+    if isinstance(toks, str):
+        return _string_all_cjk(toks)
+    return bool(toks) and all(map(_piece_cjk, toks))
 
 
 def _all_alpha(toks: Sequence[str]) -> bool:
-    cleaned = [_clean(t) for t in toks]
-    if not cleaned:
-        return False
-    for t in cleaned:
-        if not t.isalpha() and t != "'":
-            return False
-        if t.isalpha() and _is_cjk(t):
-            return False
-    return True
+    if isinstance(toks, str):
+        return _string_all_alpha(toks)
+    return bool(toks) and all(map(_piece_alpha, toks))
 
 
 def _words(toks: list[str], times: Sequence[Span] | None) -> tuple[list[str], list[Span]]:
@@ -112,13 +135,21 @@ def _words(toks: list[str], times: Sequence[Span] | None) -> tuple[list[str], li
     return words, spans
 
 
-def _single_letter(w: str) -> bool:
-    return len(w) == 1 and w.encode("utf-8").isalpha()
+#: FunASR's single letter, ``len(w) == 1 and w.encode("utf-8").isalpha()``: one ASCII letter
+_LETTERS = frozenset(string.ascii_letters)
+_single_letter = _LETTERS.__contains__
 
 
 def _abbreviations(words: list[str], spans: list[Span] | None) -> tuple[list[str], list[Span]]:
     """FunASR's ``abbr_dispose``: "a", " ", "b", " ", "c" -> "ABC"."""
     n = len(words)
+    if sum(map(_single_letter, words)) < 2:
+        # no abbreviation: the words as they are; the k-th word that is not " " has the k-th
+        # span (while there are spans)
+        if spans is None:
+            return list(words), []
+        timed = len(words) - words.count(" ")
+        return list(words), [tuple(sp) for sp in spans[:timed]]  # type: ignore[misc]
     begins: list[int] = []
     ends: list[int] = []
     last = -1

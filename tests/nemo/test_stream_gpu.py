@@ -1,4 +1,6 @@
-"""Nemotron streaming on CUDA (``pytest -m gpu tests/nemo``): the chunk step replayed as CUDA
+"""Nemotron streaming on CUDA (``pytest -m gpu tests/nemo``) with the opt-in CUDA graphs
+(``stream_cuda_graphs`` / ``OASR_NEMO_STREAM_GRAPHS=1``, not yet run on a GPU; the default eager
+step is ``test_gpu.py::test_nemotron_streaming_on_cuda``): the chunk step replayed as CUDA
 graphs per batch bucket gives the eager step's tokens and encoder output (float32, TF32 off),
 streams of different ages and lookaheads share steps, the greedy search's device loop (one and
 several symbols per frame) agrees, finals equal offline decoding on the device; in float16 the
@@ -29,6 +31,7 @@ def _model(hf_checkpoints, dtype: str):  # noqa: ANN202
 
     model = load_model(EngineConfig(ckpt_dir=str(hf_checkpoints["nemotron"].path), device="cuda", dtype=dtype))
     model.keep_encoder_output = True
+    model.stream_cuda_graphs = True  # opt in (before the first stream creates the runtime)
     return model
 
 

@@ -17,6 +17,7 @@ Offline: NeMo mel (core ``nemo_mel``, the checkpoint's preprocessor) -> FastConf
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -317,8 +318,10 @@ class NemotronASR(NemoASR):
     #: keep each stream's encoder output chunks on its state (``encoder_output``; tests)
     keep_encoder_output = False
     #: streams run their chunk step as CUDA-graph replays on CUDA (one graph per batch bucket
-    #: and lookahead); False: always eager
-    stream_cuda_graphs = True
+    #: and lookahead) and the chunk's greedy search in its device loop. Off unless
+    #: ``OASR_NEMO_STREAM_GRAPHS=1``: not yet run on a GPU (the eager step is the one shared
+    #: with the CPU and tested there)
+    stream_cuda_graphs = os.environ.get("OASR_NEMO_STREAM_GRAPHS", "0") in ("1", "true", "yes")
     #: the attention history a stream keeps when the model's left context is unlimited
     stream_max_history = 1024
     #: a ``oasr.stream_cache.StepProfile`` (or any object with its ``start`` / ``lap`` and

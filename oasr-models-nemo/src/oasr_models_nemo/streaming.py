@@ -267,23 +267,30 @@ class NemotronStreamRuntime:
         return self.graphs.stats["captures"] - before
 
     # -- host side ----------------------------------------------------------------------------
+    @property
+    def _on_cuda_graphs(self) -> bool:
+        """CUDA graphs on a CUDA device (opted in): also the greedy search's device loop and
+        page-locked audio buffers. Simulated graphs (CPU tests) change only the bucketing."""
+        return self.graphs is not None and not self.graphs.simulate and self.model.device.type == "cuda"
+
     def _greedy_search(self, hyps: list[Hypothesis], frames: list[int], state: Any, decoder_out: Any,
                        max_symbols: int) -> TransducerGreedySearch:  # fmt: skip
         model = self.model
+        device_loop = self._on_cuda_graphs
         search = TransducerGreedySearch.resume(
             model.transducer, hyps, frames, state, decoder_out, blank_id=model.config.blank_id,
-            max_symbols_per_frame=max_symbols, cuda_graph=model.cuda_graphs)
-        if model.device.type == "cuda":
-            # a chunk has a few frames: the device loop (label looping, CUDA-graph steps) still
-            # beats the host frame loop's per-frame reads at several symbols per frame
+            max_symbols_per_frame=max_symbols, cuda_graph=device_loop and model.cuda_graphs)
+        if device_loop:
+            # a chunk has a few frames: the device loop (label looping, CUDA-graph steps) rather
+            # than the host frame loop's per-frame reads at several symbols per frame
             search.label_looping_min_frames = 1
         return search
 
     def _host_audio(self, rows: int, samples: int) -> np.ndarray:
         """A (rows, samples) float32 array (the caller writes every row it uses; the others
-        feed padded rows); page-locked on CUDA (reused per shape, once the previous copy from it
-        has finished)."""
-        if self.model.device.type != "cuda":
+        feed padded rows); page-locked with CUDA graphs (reused per shape, once the previous
+        copy from it has finished)."""
+        if not self._on_cuda_graphs:
             return np.zeros((rows, samples), np.float32)
         if self._copied is not None:
             self._copied.synchronize()
@@ -339,9 +346,9 @@ class NemotronStreamRuntime:
         prof = model.stream_profile
         dev = model.device
         self.pool.reserve([st.cache for st in states], [0] * b)  # applies pending releases
-        audio_t = torch.from_numpy(audio) if dev.type != "cuda" else self._pinned[(rows, samples)]
-        audio_t = audio_t.to(dev, non_blocking=True)
-        if dev.type == "cuda":
+        pinned = self._pinned.get((rows, samples)) if self._on_cuda_graphs else None
+        audio_t = (torch.from_numpy(audio) if pinned is None else pinned).to(dev, non_blocking=True)
+        if pinned is not None:
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
         ints_t = torch.from_numpy(ints).to(dev, non_blocking=True)
@@ -392,9 +399,9 @@ class NemotronStreamRuntime:
         for max_symbols, idx in greedy.items():
             group = [states[i] for i in idx]
             whole = len(idx) == len(states)
-            # every row of the step's bucket on CUDA (one device-loop shape per bucket); the
+            # with graphs, every row of the step's bucket (one device-loop shape per bucket); the
             # padded rows read the scratch slot and have no frames
-            width = rows if whole and dev.type == "cuda" else len(idx)
+            width = rows if whole and self.graphs is not None else len(idx)
             slot_ids = np.zeros(width, np.int64)
             slot_ids[: len(idx)] = self.pool.slot_ids([st.cache for st in group])
             slots = torch.from_numpy(slot_ids).to(dev, non_blocking=True)

@@ -32,7 +32,7 @@ def _padded(g: ParaformerGraphs, shapes, args, real):  # noqa: ANN001, ANN202
         torch.ones(s, dtype=a.dtype) if len(s) == 1 else torch.full(s, 7.0, dtype=a.dtype)
         for s, a in zip(shapes, args, strict=True)
     )  # stale values: _fill must overwrite every element
-    g._fill(static, args, real)
+    g._fill(static, args, real[0])
     return static
 
 

@@ -119,16 +119,15 @@ class ParaformerGraphs:
         feats = feats.to(self.net.dtype)
         key = ("enc", batch_bucket(b), round_up(t, FRAME_STEP), d, feats.dtype)
         shapes = ((key[1], key[2], d), (key[1],))
-        out = self._run(key, self._encode_predict, (feats, lens), shapes, (b, t))
+
+        def take(out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            enc_h, enc, conv, alphas = out
+            return enc_h[:b, :t], enc[:b, :t], conv[:b, :, :t], alphas[:b, :t]
+
+        out = self._run(key, self._encode_predict, (feats, lens), shapes, b, take)
         if out is None:
             return self._encode_predict(feats, lens)  # type: ignore[return-value]
-        enc_h, enc, conv, alphas = out
-        return (
-            enc_h[:b, :t].clone(),
-            enc[:b, :t].clone(),
-            conv[:b, :, :t].clone(),
-            alphas[:b, :t].clone(),
-        )
+        return out  # type: ignore[return-value]
 
     def decode(
         self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, ntok: torch.Tensor
@@ -138,11 +137,15 @@ class ParaformerGraphs:
         bb = batch_bucket(b)
         key = ("dec", bb, round_up(t, FRAME_STEP), round_up(n, TOKEN_STEP), d, memory.dtype)
         shapes = ((bb, key[2], d), (bb,), (bb, key[3], embeds.shape[2]), (bb,))
-        out = self._run(key, self._decode, (memory, mem_lens, embeds, ntok), shapes, (b, t, n))
+
+        def take(out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            return tuple(x[:b, :n] for x in out)
+
+        args = (memory, mem_lens, embeds, ntok)
+        out = self._run(key, self._decode, args, shapes, b, take)
         if out is None:
-            return self._decode(memory, mem_lens, embeds, ntok)  # type: ignore[return-value]
-        best, ids, hidden = out
-        return best[:b, :n].clone(), ids[:b, :n].clone(), hidden[:b, :n].clone()
+            return self._decode(*args)  # type: ignore[return-value]
+        return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ machinery
     def _run(
@@ -151,10 +154,12 @@ class ParaformerGraphs:
         fn: Callable[..., tuple[torch.Tensor, ...]],
         args: tuple[torch.Tensor, ...],
         shapes: tuple[tuple[int, ...], ...],
-        real: tuple[int, ...],
+        rows: int,
+        take: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
     ) -> tuple[torch.Tensor, ...] | None:
-        """Replay ``key``'s graph on ``args`` (capturing it on its second use); None: run
-        eagerly instead (first use, or a capture in progress elsewhere)."""
+        """Replay ``key``'s graph on ``args`` (capturing it on its second use) and return
+        copies of ``take`` of its static outputs (the call's rows and frames), made before any
+        other replay can overwrite them; None: run eagerly instead (first use, graphs off)."""
         if self.disabled is not None or torch.cuda.is_current_stream_capturing():
             self.stats["eager"] += 1
             return None
@@ -178,26 +183,23 @@ class ParaformerGraphs:
                     return None
             else:
                 self._graphs.move_to_end(key)
-            self._fill(g.inputs, args, real)
+            self._fill(g.inputs, args, rows)
             assert g.graph is not None
             g.graph.replay()
             self.stats["replays"] += 1
-            return g.outputs
+            return tuple(x.clone() for x in take(g.outputs))
 
     @staticmethod
-    def _fill(
-        static: tuple[torch.Tensor, ...], args: tuple[torch.Tensor, ...], real: tuple[int, ...]
-    ) -> None:
+    def _fill(static: tuple[torch.Tensor, ...], args: tuple[torch.Tensor, ...], rows: int) -> None:
         """Copy the call's inputs into the static ones: float inputs zero-padded, length inputs
         1 on padded rows (a one-frame / one-token row: finite values, then dropped)."""
-        b = real[0]
         for s, a in zip(static, args, strict=True):
             if s.dim() == 1:
                 s.fill_(1)
-                s[:b].copy_(a)
+                s[:rows].copy_(a)
             else:
                 s.zero_()
-                s[:b, : a.shape[1]].copy_(a)
+                s[:rows, : a.shape[1]].copy_(a)
 
     def _capture(
         self,

@@ -105,6 +105,62 @@ def _best(fn, repeats: int, device: str) -> float:
     return best
 
 
+#: the network's parts a --profile run times separately (disjoint: none contains another but the
+#: front end, whose output BiasNorm counts in both)
+MODULE_PARTS = ("Conv2dSubsampling", "AttentionWeights", "SelfAttention", "NonlinAttention", "FeedForward",
+                "ConvolutionModule", "BiasNorm", "Bypass", "SimpleDownsample", "Decoder", "Joiner")  # fmt: skip
+
+
+def module_times(model, fn, device: str) -> dict:
+    """Seconds of one ``fn()`` call spent in each kind of module (device time on CUDA, from
+    events around each call; wall time on the CPU), plus the call's total. Modules run inside a
+    CUDA-graph replay (the greedy search's frames) are not seen: the search's share is
+    ``oasr_search_s``."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    spans: dict[str, list] = {k: [] for k in MODULE_PARTS}
+    handles = []
+
+    def stamp():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    for mod in model.net.modules():
+        kind = type(mod).__name__
+        if kind in spans:
+            def pre(_m, _a, kind=kind):  # not inside a CUDA-graph capture (the greedy search's)
+                capturing = cuda and torch.cuda.is_current_stream_capturing()
+                spans[kind].append(None if capturing else [stamp(), None])
+
+            def post(_m, _a, _o, kind=kind):
+                if spans[kind][-1] is not None:
+                    spans[kind][-1][1] = stamp()
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        total = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for kind, pairs in spans.items():
+        done = [(a, b) for a, b in (p for p in pairs if p is not None) if b is not None]
+        sec = sum(a.elapsed_time(b) / 1000 for a, b in done) if cuda else sum(b - a for a, b in done)
+        if done:
+            out[kind] = {"s": round(sec, 4), "calls": len(done)}
+    out["call_s"] = round(total, 4)
+    print(json.dumps({"modules_s": out}), file=sys.stderr)
+    return out
+
+
 def offline(args, ref, shape: dict) -> dict:
     import torch
 
@@ -134,6 +190,7 @@ def offline(args, ref, shape: dict) -> dict:
             from benchmarks.profiling import profile_call
 
             stages["profile"] = profile_call(lambda: model.transcribe(waves, opts), args.device)
+            stages["modules_s"] = module_times(model, lambda: model.transcribe(waves, opts), args.device)
         feats, lens = model.features(waves)  # the same features for the reference
         m = m.to(args.device)
         feats32, lens_d = feats.float(), lens.to(args.device)
@@ -265,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream-graphs", action="store_true",
                    help="replay the streaming step as CUDA graphs (opt-in, OASR_ICEFALL_STREAM_GRAPHS)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one OASR call (top operators to stderr and in the JSON)")
+                   help="also profile one OASR call (top operators, and seconds per kind of module: "
+                        "attention weights, feed-forward, convolution, norms, front end, search; to "
+                        "stderr and in the JSON)")
     p.add_argument("--reference-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the package's Swoosh activations through torch.compile, as it does by "
                         "default (default: on CUDA)")  # fmt: skip

@@ -104,6 +104,9 @@ class Report:
     #: CPU seconds of the server process (all its threads) during the measured round, and per
     #: append event received (model host work included): what one core must keep up with
     server_cpu_s: float | None = None
+    #: of which the main thread: uvicorn's event loop (a share near ``wall_s`` means the event
+    #: loop, one core, is the limit)
+    server_loop_cpu_s: float | None = None
     server_cpu_per_append_us: float | None = None
     server_steps: dict[str, float] = field(default_factory=dict)
     leftover: dict[str, float] = field(default_factory=dict)
@@ -255,11 +258,12 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> Non
     raise RuntimeError("oasr-server did not become ready")
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux ``/proc``;
-    None elsewhere)."""
+def cpu_seconds(pid: int, thread: int | None = None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, all its threads, or of its thread
+    ``thread`` only (Linux ``/proc``; None elsewhere)."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -560,10 +564,19 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 pool.shutdown(wait=True)
             before = read_metrics(base)
             answers, pool = uploads_in_threads(base, blobs, 1.0)
-            t, cpu0 = time.monotonic(), cpu_seconds(proc.pid)
+            # the main thread runs uvicorn's event loop (every socket, every event)
+            t, cpu0, loop0 = (
+                time.monotonic(),
+                cpu_seconds(proc.pid),
+                cpu_seconds(proc.pid, proc.pid),
+            )
             records, failed = group.round(timeout)
             pool.shutdown(wait=True)
-            wall, cpu1 = time.monotonic() - t, cpu_seconds(proc.pid)
+            wall, cpu1, loop1 = (
+                time.monotonic() - t,
+                cpu_seconds(proc.pid),
+                cpu_seconds(proc.pid, proc.pid),
+            )
             time.sleep(0.5)  # the server releases the sessions after their sockets close
             after = read_metrics(base)
         finally:
@@ -637,6 +650,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         partials_measured=len(partial_lat), finals_equal=finals_equal, uploads_equal=uploads_equal,
         p99_target_ms=p99_target_ms, held=not mismatches and p99 <= p99_target_ms,
         server_cpu_s=cpu,
+        server_loop_cpu_s=None if loop0 is None or loop1 is None else round(loop1 - loop0, 2),
         server_cpu_per_append_us=round(cpu / appends * 1e6, 1) if cpu is not None and appends else None,
         server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0},
         leftover=leftover, mismatches=mismatches,
@@ -664,8 +678,8 @@ def print_report(r: Report) -> None:
         f"server batches {r.server_steps.get('batches', 0):g} (mean {r.server_steps.get('mean_batch', 0)})"
     )
     print(
-        f"  server process CPU {r.server_cpu_s} s in {r.wall_s} s ({r.server_cpu_per_append_us} us "
-        "per append event, model host work included)"
+        f"  server process CPU {r.server_cpu_s} s (event loop {r.server_loop_cpu_s} s) in {r.wall_s} s "
+        f"({r.server_cpu_per_append_us} us per append event, model host work included)"
     )
     print(
         f"  finals equal to the engine's {r.finals_equal}/{r.streams}, uploads {r.uploads_equal}/{r.uploads}; "

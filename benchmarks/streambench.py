@@ -47,6 +47,16 @@ On CUDA every step is a CUDA-graph replay: the graphs for up to N streams per st
 and the cache pool sized before each measured run (``capture_stream_graphs``), and a step may hold
 ``--batch-wait-ms`` (default 5 on CUDA, 0 on CPU) to fill its batch (``max_batch_wait_s``). The
 text checks run on the first 8 streams.
+
+Where the time goes: ``--phases`` times each phase of the model's step (features, gather,
+encoder, wait, search, scatter, results, finals; :class:`oasr.stream_cache.StepProfile`) plus the
+scheduler around it and the loop's own feeding and bookkeeping, and prints host ms per step and
+us per stream row; every run also reports the non-empty steps' duration (p50 / p99 / max), the
+final updates' step latency alone, and Python's garbage collections (count, pauses). The objects
+that exist after the warm-up are frozen (``gc.freeze``) so that a collection during the run only
+walks new ones (``--gc default`` leaves the collector alone). ``--lockstep`` drops the pacing:
+every round feeds all N streams a chunk and steps until none is ready, so one step carries the
+whole ready set (``--max-batch`` caps it): the cost of a step as the ready set grows.
 """
 
 from __future__ import annotations

@@ -38,3 +38,18 @@ def test_vocab_merges_equals_tokenizer_json(qwen_chat_dir, tmp_path):
 def test_language_tag():
     assert split_language_tag("<|en|>hello world") == ("en", "hello world")
     assert split_language_tag(" plain text ") == (None, "plain text")
+
+
+def test_chat_template_compiled_once_and_its_refusal_is_typed():
+    pytest.importorskip("jinja2")
+    from oasr.errors import InvalidRequestError
+    from oasr_models_qwen.tokenizer import _compiled, build_prompt
+
+    kw = {"chat": True, "task": "transcribe", "language": None, "prompt": None}
+    first = build_prompt(**kw)
+    hits = _compiled.cache_info().hits
+    assert build_prompt(**kw) == first and _compiled.cache_info().hits == hits + 1
+    assert "<|AUDIO|>" in first and first.endswith("<|im_start|>assistant\n")
+    refusing = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system turn') }}{% endif %}"
+    with pytest.raises(InvalidRequestError, match="needs a system turn"):
+        build_prompt(**kw, chat_template=refusing)

@@ -9,6 +9,7 @@ Qwen2-Audio's default when the checkpoint has none) and the base model's
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -129,8 +130,6 @@ def build_prompt(*, chat: bool, task: str, language: str | None, prompt: str | N
             return f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}Translate the speech into English:"
         tag = f" <|{language}|>" if language else ""
         return f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}Detect the language and recognize the speech:{tag}"
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     messages: list[dict[str, Any]] = []
     if system_prompt is not None:
         messages.append({"role": "system", "content": system_prompt})
@@ -138,11 +137,20 @@ def build_prompt(*, chat: bool, task: str, language: str | None, prompt: str | N
         {"type": "audio", "audio_url": "input"},
         {"type": "text", "text": _instruction(task, language, prompt)},
     ]})  # fmt: skip
-    # the environment transformers' apply_chat_template renders templates in
+    return _compiled(chat_template or DEFAULT_CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise InvalidRequestError(f"the checkpoint's chat template refused the prompt: {message}", param="prompt")
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> Any:
+    """``template`` compiled once (Jinja compiles a template to Python: tens of milliseconds,
+    which per request would hold every batch of requests at admission), in the environment
+    transformers' ``apply_chat_template`` renders templates in."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-
-    def raise_exception(message: str) -> None:
-        raise InvalidRequestError(f"the checkpoint's chat template refused the prompt: {message}", param="prompt")
-
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(chat_template or DEFAULT_CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)

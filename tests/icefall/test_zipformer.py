@@ -340,3 +340,22 @@ def test_use_averaged_model_equals_icefall(ref, tmp_path) -> None:
         assert torch.equal(ours[key], expected[key])
     plain = reference.average_checkpoints([str(tmp_path / "exp" / f"epoch-{n}.pt") for n in (1, 3)])
     assert not torch.equal(plain["joiner.output_linear.bias"], expected["joiner.output_linear.bias"])
+
+
+def test_bias_norm_half_keeps_float32_statistics() -> None:
+    """BiasNorm in fp16: the statistics accumulate in float32 (as icefall's autocast), so
+    activations whose squares overflow fp16 (|x| ~ 3000) still give icefall's float32 formula
+    within fp16 rounding."""
+    from oasr_models_icefall.nn import BiasNorm
+
+    torch.manual_seed(0)
+    norm = BiasNorm(256)
+    with torch.no_grad():
+        norm.bias.normal_()
+        norm.log_scale.fill_(0.3)
+        x = torch.randn(4, 10, 256) * 3000
+        ref = x * ((x - norm.bias).pow(2).mean(-1, keepdim=True) ** -0.5 * norm.log_scale.exp())
+        assert (norm(x) - ref).abs().max() < 1e-5
+        out = norm.half()(x.half()).float()
+    assert torch.isfinite(out).all()
+    assert ((out - ref).abs() / ref.abs().clamp_min(0.05)).max() < 4e-3

@@ -814,7 +814,7 @@ class WenetASR:
                 f = torch.nn.utils.rnn.pad_sequence([x.float() for x in feats], batch_first=True)
                 out, logp, best = self._chunk_core(f.to(dev), ints_t.to(dev))
             elif graphs is not None:
-                if not self.stream_pinned_inputs:  # the path verified on the H200: device copies first
+                if not pinned:  # the path verified on the H200: device copies first
                     audio_t = audio_t.to(dev, non_blocking=True)
                     ints_t = ints_t.to(dev, non_blocking=True)
                 # (page-locked inputs: the replay copies the host buffers into its inputs itself)

@@ -176,6 +176,7 @@ def _abbreviations(words: list[str], spans: list[Span] | None) -> tuple[list[str
                         break
                 else:
                     break
+    starts, stops = set(begins), set(ends)
     # index into ``spans`` of each word (spaces share the next word's index)
     ts_index: list[int] = []
     k = 0
@@ -192,13 +193,13 @@ def _abbreviations(words: list[str], spans: list[Span] | None) -> tuple[list[str
         if i <= last:
             i += 1
             continue
-        if i in begins:
+        if i in starts:
             if spans is not None:
                 begin = spans[ts_index[i]][0]
             word = words[i].upper()
             i += 1
             while i < n:
-                if i in ends:
+                if i in stops:
                     word += words[i].upper()
                     last = i
                     break

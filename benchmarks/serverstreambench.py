@@ -28,7 +28,8 @@ defaults), and the server and the reference engine both load that directory.
    open N ``/v1/realtime`` sessions (manual turns: ``turn_detection`` null, pcm16 at the model's
    rate), then all start at one instant: stream ``i`` sends chunk ``k`` (base64 in an
    ``input_audio_buffer.append``) when its audio has "happened" (``t0 + phase_i + (k+1) x
-   chunk``; phases spread over one chunk), then commits the turn and waits for its
+   chunk``; phases spread evenly over one *model* chunk, as independent streams' would be),
+   then commits the turn and waits for its
    ``...transcription.completed``. One second in, ``--uploads`` WAV uploads go to
    ``/v1/audio/transcriptions`` all at once (threads, ``oasr.client.OASRClient``).
    With ``--warmup-rounds`` (default 1 on CUDA: the streaming CUDA graphs and the cache pool
@@ -278,11 +279,11 @@ def read_metrics(base: str) -> str:
 
 # -- clients (spawned processes) -------------------------------------------------------------------
 def _client_main(conn: Any, port: int, ids: list[int], seconds: float, sr: int, chunk: int,
-                 n_total: int) -> None:  # fmt: skip
+                 n_total: int, spread_s: float) -> None:  # fmt: skip
     """One client process: builds its streams' messages, then runs the rounds the parent asks
     for (``("connect",)``, ``("go", t0)``, ``("stop",)``) and sends back each round's results."""
     try:
-        asyncio.run(_client(conn, port, ids, seconds, sr, chunk, n_total))
+        asyncio.run(_client(conn, port, ids, seconds, sr, chunk, n_total, spread_s))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         try:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -293,7 +294,7 @@ def _client_main(conn: Any, port: int, ids: list[int], seconds: float, sr: int, 
 
 
 async def _client(conn: Any, port: int, ids: list[int], seconds: float, sr: int, chunk: int,
-                  n_total: int) -> None:  # fmt: skip
+                  n_total: int, spread_s: float) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
     messages = {}
     for i in ids:  # every append event is built before the clock starts
@@ -327,7 +328,7 @@ async def _client(conn: Any, port: int, ids: list[int], seconds: float, sr: int,
             return
         t0 = command[1]
         results = await asyncio.gather(*(
-            _run_session(ws, i, messages[i], t0 + chunk_s * i / n_total, chunk_s)
+            _run_session(ws, i, messages[i], t0 + spread_s * i / n_total, chunk_s)
             for i, ws in zip(ids, sockets, strict=True) if not isinstance(ws, BaseException)
         ))  # fmt: skip
         conn.send(("results", results))
@@ -411,17 +412,18 @@ async def _run_session(ws: Any, i: int, messages: list[str], start: float, chunk
 
 
 class Clients:
-    """``n`` spawned client processes sharing the streams round-robin."""
+    """``n`` spawned client processes sharing the streams round-robin; stream ``i`` starts
+    ``spread_s x i / streams`` after the others' common start."""
 
     def __init__(
-        self, n: int, port: int, streams: int, seconds: float, sr: int, chunk: int
+        self, n: int, port: int, streams: int, seconds: float, sr: int, chunk: int, spread_s: float
     ) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that holds torch / CUDA
         self.conns, self.procs = [], []
         for c in range(n):
             ids = list(range(c, streams, n))
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_client_main, args=(child, port, ids, seconds, sr, chunk, streams),
+            p = ctx.Process(target=_client_main, args=(child, port, ids, seconds, sr, chunk, streams, spread_s),
                             daemon=True)  # fmt: skip
             p.start()
             child.close()
@@ -556,7 +558,9 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         group = None
         try:
             wait_ready(base, proc)
-            group = Clients(clients, port, streams, seconds, sr, chunk)
+            # phases spread over one model chunk: independent streams' chunks become ready
+            # evenly over time, not all in the same client chunk
+            group = Clients(clients, port, streams, seconds, sr, chunk, model_chunk_s)
             timeout = 120 + 4 * seconds
             for _ in range(warmup_rounds):
                 answers, pool = uploads_in_threads(base, blobs, 1.0)

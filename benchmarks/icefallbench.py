@@ -17,7 +17,8 @@ tick (icefall's chunk 16 at 50 Hz) through a streaming ``ASREngine``; the latenc
 step that serves all of them, p50 / p99, for each N in ``--streams``. A count is *held* when its
 p99 is at most ``--p99-target-ms`` (100); ``--find-max`` doubles N from the first ``--streams``
 value until a count is not held, bisects twice, and reports the most streams held.
-``--stream-graphs`` turns on the opt-in CUDA-graph step (``OASR_ICEFALL_STREAM_GRAPHS``; not yet
+``--profile`` adds the host seconds per phase of the timed steps (features, gather, encoder
+launch, wait for the device, search, results). ``--stream-graphs`` turns on the opt-in CUDA-graph step (``OASR_ICEFALL_STREAM_GRAPHS``; not yet
 run on a GPU), its one bucket captured before the timed steps.
 
     python -m benchmarks.icefallbench --device cuda --skip-offline --find-max --streams 32
@@ -242,9 +243,15 @@ def _stream_run(args, path: Path, n: int) -> dict:
             model.stream_cuda_graphs = True
             with torch.no_grad():
                 captured = model.capture_stream_graphs(n, 16, 128, streams=n, buckets=[n])
+        profile = None
+        if args.profile:  # host seconds per phase of the timed steps
+            from oasr.stream_cache import StepProfile
+
+            profile = StepProfile()
         lat = []
         ticks = int(args.stream_seconds * 16000) // chunk
         for k in range(ticks):
+            model.stream_profile = profile if k >= 2 else None
             for r, w in zip(rids, waves, strict=True):
                 engine.feed_chunk(r, w[k * chunk : (k + 1) * chunk], is_last=k == ticks - 1)
             t0 = time.perf_counter()
@@ -252,6 +259,7 @@ def _stream_run(args, path: Path, n: int) -> dict:
             _sync(args.device)
             if k >= 2:  # warm-up steps excluded
                 lat.append(time.perf_counter() - t0)
+        model.stream_profile = None
         engine.run()  # the finals
         stats = model.stream_occupancy()
     finally:
@@ -260,7 +268,8 @@ def _stream_run(args, path: Path, n: int) -> dict:
     p99 = float(np.percentile(lat_ms, 99))
     return {"streams": n, "steps": len(lat), "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
             "p99_ms": round(p99, 2), "real_time": bool(p99 <= args.p99_target_ms),
-            "graphs_captured": captured, "graph_replays": int(stats.get("graph_replays", 0))}  # fmt: skip
+            "graphs_captured": captured, "graph_replays": int(stats.get("graph_replays", 0)),
+            **({"phases": profile.as_dict()} if profile is not None else {})}  # fmt: skip
 
 
 def streaming(args, ref, shape: dict) -> dict:

@@ -58,7 +58,14 @@ from oasr.features.kaldi import KaldiFbank
 from oasr.layers import default_dtype, resolve_dtype
 from oasr.model import ProgressCallback, StreamingUpdate
 from oasr.options import ResolvedOptions
-from oasr.stream_cache import BATCH_BUCKETS, GraphSteps, StreamCachePool, StreamContext, bucket
+from oasr.stream_cache import (
+    BATCH_BUCKETS,
+    GraphSteps,
+    StepProfile,
+    StreamCachePool,
+    StreamContext,
+    bucket,
+)
 from oasr.types import (
     DecodingOptions,
     EngineConfig,
@@ -183,6 +190,8 @@ class _IcefallASR:
     stream_cuda_graphs = os.environ.get("OASR_ICEFALL_STREAM_GRAPHS", "0") == "1"
     #: tests: the graph steps' bucketing and padding on the CPU (GraphSteps(simulate=True))
     _simulate_stream_graphs = False
+    #: host seconds per phase of the stream steps (a benchmark sets a StepProfile; None: off)
+    stream_profile: StepProfile | None = None
 
     def __init__(self, net: IcefallNet, tokens: Sequence[str], *, name: str | None = None,
                  source_path: Path | None = None) -> None:  # fmt: skip
@@ -543,6 +552,11 @@ class _IcefallASR:
                     is_last: Sequence[bool]) -> list[StreamingUpdate]:  # fmt: skip
         if not len(states) == len(chunks) == len(is_last):
             raise InvalidRequestError("states, chunks and is_last must have the same length")
+        prof = self.stream_profile
+        if prof is not None:
+            prof.start()
+            prof.steps += 1
+            prof.rows += len(states)
         pending = []
         for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
             if st.finished:
@@ -563,6 +577,8 @@ class _IcefallASR:
                 if frames.shape[0]:
                     st.raw = np.concatenate([st.raw, frames]) if st.raw.shape[0] else frames
             pending.append(self._windows(st, bool(last)))
+        if prof is not None:
+            prof.lap("features")
         for r in range(max((len(p) for p in pending), default=0)):
             groups: dict[tuple[int, int], list[int]] = {}
             for i, p in enumerate(pending):
@@ -574,14 +590,21 @@ class _IcefallASR:
         for st, last in zip(states, is_last, strict=True):
             hyp = self._hyp(st)
             if last:
+                if prof is not None:
+                    prof.lap("results")
                 st.finished = True
                 self.release_stream(st)
                 tr = self._transcript(hyp, st.samples_received / self.feature_spec.sample_rate, st.offset, st.options)
                 updates.append(StreamingUpdate(text=tr.text, is_final=True, transcript=tr))
+                if prof is not None:
+                    prof.finals += 1
+                    prof.lap("finals")
                 continue
             if st.search is not None or len(hyp.tokens) != st.tokens_seen:  # greedy only grows
                 st.text, st.tokens_seen = self.tokens.decode(hyp.tokens), len(hyp.tokens)
             updates.append(StreamingUpdate(text=st.text, is_final=False))
+        if prof is not None:
+            prof.lap("results")
         return updates
 
     @staticmethod
@@ -605,9 +628,13 @@ class _IcefallASR:
         copy brings their tokens back. Other searches advance on the encoder output after it."""
         b = len(states)
         chunk, left = states[0].chunk, states[0].left
+        prof = self.stream_profile
         pool, *_ = self._cache_pool(left)
         ctxs = [st.cache for st in states]
         pool.reserve(ctxs, [0] * b)  # applies pending releases
+        if prof is not None:
+            prof.calls += 1
+            prof.lap("gather")
         graphs = self._stream_graphs(left)
         rows = bucket(b, BATCH_BUCKETS) if graphs is not None else b
         raw = self._raw_buffer(rows, states[0].window)  # (rows, window, win) frame samples
@@ -627,6 +654,8 @@ class _IcefallASR:
         if pinned:  # the buffer is refilled only once this copy is done
             self._h2d_done = torch.cuda.Event()
             self._h2d_done.record()
+        if prof is not None:
+            prof.lap("features")
         with torch.no_grad():
             outs = None
             if graphs is not None:
@@ -643,9 +672,13 @@ class _IcefallASR:
             if outs is None:
                 outs = self._chunk_compute(left, *inputs)
             out = outs[0][:b]
+            if prof is not None:
+                prof.lap("encoder")
             host = outs[1][:b].cpu().numpy() if in_step.any() else None  # (b, 2, T): tokens, logps
             if not in_step.all() and graphs is not None:
                 out = out.clone()  # the graph's output buffer is reused by its next replay
+        if prof is not None:
+            prof.lap("wait")
         if host is not None:
             for i in np.nonzero(in_step)[0].tolist():
                 st = states[i]
@@ -677,6 +710,8 @@ class _IcefallASR:
                 st.search.step(f, [f.shape[1]])
         if tensor_beams:  # every tensor prefix beam of this chunk in one batched step
             step_streams([b for b, _ in tensor_beams], [lp for _, lp in tensor_beams])
+        if prof is not None:
+            prof.lap("search")
 
     def _raw_buffer(self, rows: int, window: int) -> np.ndarray:
         """A host buffer (rows, window, win) for a step's frame samples (page-locked on CUDA and

@@ -22,6 +22,7 @@ segment becomes one :class:`~oasr.types.Segment` with its own times.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -488,14 +489,15 @@ class ParaformerASR:
             if not text:
                 continue
             off = start / sr
+            # (math.fsum: numpy's mean of a short list costs ~20x more, per row)
+            avg = math.fsum(d.logprobs) / len(d.logprobs) if d.logprobs else 0.0
             seg_words: list[Word] = []
             if options.word_timestamps and len(words) == len(spans):
-                conf = float(np.exp(np.mean(d.logprobs))) if d.logprobs else 0.0
+                conf = math.exp(avg) if d.logprobs else 0.0
                 seg_words = [
                     Word(word, round(off + s / 1000.0, 3), round(off + e / 1000.0, 3), conf)
                     for word, (s, e) in zip(words, spans, strict=True)
                 ]
-            avg = float(np.mean(d.logprobs)) if d.logprobs else 0.0
             segments.append(
                 Segment(
                     id=len(segments),

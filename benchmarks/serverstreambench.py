@@ -104,6 +104,9 @@ class Report:
     held: bool
     #: CPU seconds of the server process (all its threads) during the measured round, and per
     #: append event received (model host work included): what one core must keep up with
+    #: streams whose final differs and whose reference changes when the in-process engine runs
+    #: them alone (a model that depends on its batch mates, not a server fault)
+    finals_engine_batch_variant: int = 0
     server_cpu_s: float | None = None
     #: of which the main thread: uvicorn's event loop (a share near ``wall_s`` means the event
     #: loop, one core, is the limit)
@@ -172,9 +175,11 @@ class StreamRef:
 
 
 def reference(ckpt: str, device: str, threads: int, streams: list[np.ndarray], chunk: int,
-              uploads: list[np.ndarray]) -> tuple[list[StreamRef], list[str], int]:  # fmt: skip
+              uploads: list[np.ndarray], max_batch: int | None = None,
+              ) -> tuple[list[StreamRef], list[str], int]:  # fmt: skip
     """The in-process streaming engine on the same audio, fed in the client's chunks; returns the
-    per-stream references, the upload texts and the model's sample rate."""
+    per-stream references, the upload texts and the model's sample rate. ``max_batch`` (default:
+    every stream in one step) bounds the streams per step (1: each stream alone)."""
     import torch
 
     from oasr.engine import ASREngine
@@ -182,7 +187,8 @@ def reference(ckpt: str, device: str, threads: int, streams: list[np.ndarray], c
 
     torch.set_num_threads(threads)
     engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, service_mode="streaming",
-                                    max_batch_size=max(1, len(streams)), num_threads=threads))  # fmt: skip
+                                    max_batch_size=max_batch or max(1, len(streams)),
+                                    num_threads=threads))  # fmt: skip
     try:
         waves = [s.astype(np.float32) / 32768.0 for s in streams]
         rids = [
@@ -591,6 +597,16 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        # a final that differs: does the in-process engine itself change it with the batch?
+        differing = [
+            r["i"] for r in records if r["final"] is not None and r["final"] != refs[r["i"]].final
+        ]
+        alone: dict[int, str] = {}
+        if differing:
+            solo, _, _ = reference(
+                ckpt, device, threads, [pcm[i] for i in differing[:16]], chunk, [], max_batch=1
+            )
+            alone = {i: r.final for i, r in zip(differing, solo, strict=False)}
 
     mismatches = list(failed)
     if len(records) != streams:
@@ -599,10 +615,21 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
     final_lat: list[float] = []
     lags: list[float] = []
     finals_equal = 0
+    engine_variant = 0
     for rec in records:
         lat, problems = check_stream(refs[rec["i"]], rec)
         partial_lat += lat
         mismatches += problems
+        i = rec["i"]
+        if i in alone:
+            variant = alone[i] != refs[i].final
+            engine_variant += variant
+            mismatches.append(
+                f"stream {i}: the in-process engine with one stream per step gives "
+                + (f"{alone[i][:80]!r} ({'equal to' if alone[i] == rec['final'] else 'unlike'} the "
+                   "server's): the engine itself depends on its batch here" if variant else
+                   "the reference's text: not explained by the batch size alone")
+            )  # fmt: skip
         finals_equal += rec["final"] == refs[rec["i"]].final
         if rec["final_at"] is not None and rec["commit"] is not None:
             final_lat.append(rec["final_at"] - rec["commit"])
@@ -653,6 +680,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         upload_latency_p50_s=_pct(up_lat, 50), upload_latency_max_s=max(up_lat, default=0.0),
         partials_measured=len(partial_lat), finals_equal=finals_equal, uploads_equal=uploads_equal,
         p99_target_ms=p99_target_ms, held=not mismatches and p99 <= p99_target_ms,
+        finals_engine_batch_variant=engine_variant,
         server_cpu_s=cpu,
         server_loop_cpu_s=None if loop0 is None or loop1 is None else round(loop1 - loop0, 2),
         server_cpu_per_append_us=round(cpu / appends * 1e6, 1) if cpu is not None and appends else None,

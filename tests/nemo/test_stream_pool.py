@@ -164,3 +164,32 @@ def test_finish_and_abort_return_every_slot(hf_checkpoints, waves) -> None:
     model.stream_runtime.pool.reserve([], [])  # apply pending releases
     occ = model.stream_occupancy()
     assert occ["streams"] == 0 and model.stream_runtime.pool.stats["released"] == 6
+
+
+def test_incremental_partial_text_equals_decoding_everything() -> None:
+    """A greedy stream's partial text is built from each step's new tokens only; it equals the
+    tokenizer's decoding of the whole hypothesis, also with byte pieces that split a character
+    across steps, control pieces, unknown ids and runs of spaces."""
+    import random
+
+    from oasr_models_nemo.streaming import NemotronStreamState, _extend_text
+    from oasr_models_nemo.tokenizer import SentencePieceDecoder
+
+    pieces = ["<unk>", "<s>", "</s>", "\u2581", "\u2581a", "b", "\u2581\u2581c", "d\u2581", "  ", " e", "\u00e9",
+              "\u2581\u5317\u4eac"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok = SentencePieceDecoder(pieces)
+    byte_ids = list(range(12, len(pieces)))
+    split = [pieces.index(f"<0x{x:02X}>") for x in "\u00e9\u5317".encode()]
+    rng = random.Random(0)
+    for _ in range(2000):
+        st = NemotronStreamState(options=None, lookahead=2, search=None, hop=160, n_fft=512,
+                                 window_extra=96, subsampling=8)
+        tokens: list[int] = []
+        for _ in range(rng.randint(1, 6)):
+            new = [rng.choice(byte_ids) if rng.random() < 0.15 else rng.randrange(len(tok) + 2)
+                   for _ in range(rng.randint(0, 4))]
+            if rng.random() < 0.3:  # a character's bytes, possibly cut short, over steps
+                new += split[: rng.randint(1, 5)]
+            tokens += new
+            _extend_text(st, tok.decode_bytes(new))
+            assert st.text == tok.decode(tokens)

@@ -35,6 +35,7 @@ as offline, so a stream's result equals offline decoding, whatever streams share
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,12 +52,14 @@ from oasr.model import StreamingUpdate
 from oasr.options import ResolvedOptions
 from oasr.stream_cache import BATCH_BUCKETS, GraphSteps, StreamCachePool, StreamContext, bucket
 from oasr_models_nemo.nn import LayerCache
+from oasr_models_nemo.tokenizer import WORD_BOUNDARY
 
 if TYPE_CHECKING:
     from oasr_models_nemo.model import NemotronASR
 
 #: "no limit" for the valid output frames of a chunk that is not a stream's last
 _UNLIMITED = 1 << 30
+_SPACES = re.compile(r" +")
 
 
 @dataclass
@@ -89,6 +92,9 @@ class NemotronStreamState:
     text: str = ""
     tokens_seen: int = 0  # greedy: hypothesis tokens whose bytes are in ``raw_text``
     raw_text: bytearray = field(default_factory=bytearray)
+    #: ``text`` before its final strip; ``raw_text`` holds whole UTF-8 characters only
+    text_body: str = ""
+    text_clean: bool = True
     hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
 
     @property
@@ -173,6 +179,7 @@ class NemotronStreamRuntime:
         if model.stream_cuda_graphs and dev.type == "cuda":
             self.graphs = GraphSteps(self.compute, self.dummy_inputs)
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}
+        self._host: dict[tuple[int, int], np.ndarray] = {}
         self._copied: Any = None  # CUDA event: the last copy from a page-locked buffer is done
 
     # -- shapes -------------------------------------------------------------------------------
@@ -290,8 +297,11 @@ class NemotronStreamRuntime:
         """A (rows, samples) float32 array (the caller writes every row it uses; the others
         feed padded rows); page-locked with CUDA graphs (reused per shape, once the previous
         copy from it has finished)."""
-        if not self._on_cuda_graphs:
-            return np.zeros((rows, samples), np.float32)
+        if not self._on_cuda_graphs:  # copied (CUDA) or read (CPU) before the call returns
+            buf = self._host.get((rows, samples))
+            if buf is None:
+                buf = self._host[(rows, samples)] = np.zeros((rows, samples), np.float32)
+            return buf
         if self._copied is not None:
             self._copied.synchronize()
         buf = self._pinned.get((rows, samples))
@@ -407,13 +417,20 @@ class NemotronStreamRuntime:
             slots = torch.from_numpy(slot_ids).to(dev, non_blocking=True)
             state = (pool["dec_h"].index_select(0, slots).transpose(0, 1).contiguous(),
                      pool["dec_c"].index_select(0, slots).transpose(0, 1).contiguous())
-            hyps = [st.hyp for st in group] + [Hypothesis(tokens=[])] * (width - len(idx))
+            # the search starts each row from an empty hypothesis and the stream appends what this
+            # chunk added (not a copy of the whole hypothesis in and out per step)
+            hyps = [Hypothesis(tokens=[])] * width
             frames = [st.emitted for st in group] + [0] * (width - len(idx))
             lens = [int(valid[i]) for i in idx] + [0] * (width - len(idx))
             search = self._greedy_search(hyps, frames, state, pool["dec_out"].index_select(0, slots), max_symbols)
             search.step(proj[:width] if whole else proj[torch.as_tensor(idx, device=dev)], lens)
-            for st, hyp in zip(group, search.results(), strict=False):
-                st.hyp = hyp
+            for st, new in zip(group, search.results(), strict=False):
+                h = st.hyp
+                if new.tokens:
+                    h.tokens += new.tokens
+                    h.times += new.times
+                    h.token_logprobs += new.token_logprobs
+                h.score += new.score
             real = slots[: len(idx)]
             pool["dec_h"].index_copy_(0, real, search.state[0][:, : len(idx)].transpose(0, 1))
             pool["dec_c"].index_copy_(0, real, search.state[1][:, : len(idx)].transpose(0, 1))
@@ -471,15 +488,19 @@ def _layer_frames(model: NemotronASR, lookahead: int, chunks: int) -> list[int]:
 def _accept(st: NemotronStreamState, a: np.ndarray, preemph: float | None) -> None:
     """Append raw samples to the stream's pre-emphasised buffer (as NeMo's preprocessor:
     ``y[t] = x[t] - p x[t-1]``, the stream's first sample as is)."""
+    old = st.audio.size
+    buf = np.empty(old + a.size, np.float32)
+    buf[:old] = st.audio
+    y = buf[old:]
     if preemph is not None:
         p = np.float32(preemph)
-        y = np.empty_like(a)
         y[0] = a[0] if st.prev is None else a[0] - p * st.prev
-        np.subtract(a[1:], p * a[:-1], out=y[1:])
+        np.multiply(a[:-1], p, out=y[1:])
+        np.subtract(a[1:], y[1:], out=y[1:])
     else:
-        y = a
+        y[:] = a
     st.prev = a[-1]
-    st.audio = np.concatenate([st.audio, y])
+    st.audio = buf
     st.samples_received += a.size
 
 
@@ -549,15 +570,40 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
         if st.search is not None:  # a beam's best may change anywhere
             st.text = model.tokenizer.decode(best.tokens)
         elif len(best.tokens) != st.tokens_seen:  # greedy only appends: decode the new tokens
-            st.raw_text += model.tokenizer.decode_bytes(best.tokens[st.tokens_seen:])
+            _extend_text(st, model.tokenizer.decode_bytes(best.tokens[st.tokens_seen:]))
             st.tokens_seen = len(best.tokens)
-            st.text = model.tokenizer.text(st.raw_text)
         updates.append(StreamingUpdate(text=st.text, is_final=False))
     if prof is not None:
         prof.lap("results")
         prof.steps += 1
         prof.rows += len(states)
     return updates
+
+
+def _extend_text(st: NemotronStreamState, new: bytearray) -> None:
+    """``st.text`` = the tokenizer's text of ``st.raw_text + new``, from the new bytes alone when
+    both decode to whole characters (spaces collapse across the seam), else from all of them."""
+    st.raw_text += new
+    if st.text_clean:
+        try:
+            piece = bytes(new).decode("utf-8")
+        except UnicodeDecodeError:
+            piece = None
+        if piece is not None:
+            piece = _SPACES.sub(" ", piece.replace(WORD_BOUNDARY, " "))
+            if piece.startswith(" ") and st.text_body.endswith(" "):
+                piece = piece[1:]
+            st.text_body += piece
+            st.text = st.text_body.strip()
+            return
+    # a character split across tokens (byte pieces) or not UTF-8: decode everything again
+    st.text_body = _SPACES.sub(" ", st.raw_text.decode("utf-8", errors="replace").replace(WORD_BOUNDARY, " "))
+    st.text = st.text_body.strip()
+    try:
+        st.raw_text.decode("utf-8")
+        st.text_clean = True
+    except UnicodeDecodeError:
+        st.text_clean = False
 
 
 def _best(st: NemotronStreamState) -> Any:

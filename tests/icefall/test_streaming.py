@@ -214,3 +214,28 @@ def test_batched_step_independent_of_other_streams(causal_release, ws, graphs) -
     if graphs:
         stats = model.stream_occupancy()
         assert stats["graph_replays"] > 0 and stats["graph_captures"] >= 3  # buckets 1, 2, 4
+
+
+def test_stream_framing_equals_offline_fbank(causal, ws) -> None:
+    """The streaming framing (samples kept per stream, frames written as they complete, samples
+    dropped once read, the end reflected at finish) gives the offline fbank of the whole signal."""
+    from oasr_models_icefall.fbank import CenteredFbankStream
+
+    model = causal[1]
+    rng = np.random.default_rng(4)
+    for w in ws:
+        fb = CenteredFbankStream(model.fbank)
+        parts, done, i = [], 0, 0
+        while i < len(w):
+            k = int(rng.integers(1, 4000))
+            fb.accept(w[i : i + k])
+            i += k
+            parts.append(fb.frames(done, fb.emitted - done))
+            done = fb.emitted
+            fb.drop_before(done)
+        fb.finish()
+        parts.append(fb.frames(done))
+        got = torch.cat(parts)
+        want = model.fbank(torch.from_numpy(w))
+        assert got.shape == want.shape
+        assert (got - want).abs().max() < 1e-4

@@ -17,8 +17,10 @@ from oasr.features.kaldi import KaldiFbank
 
 
 class CenteredFbankStream:
-    """The framing of one stream, on the host in numpy (a stream step frames hundreds of
-    streams: numpy's per-call cost is a fraction of torch's on such small arrays)."""
+    """The framing of one stream, on the host in numpy: the stream keeps its samples, counts the
+    frames they complete, and writes the samples of any complete frames straight into a step's
+    batch buffer (one copy per stream and step; frames away from the signal's ends are a strided
+    view of the samples)."""
 
     def __init__(self, fbank: KaldiFbank) -> None:
         o = fbank.opts
@@ -29,60 +31,60 @@ class CenteredFbankStream:
         self.buffer = np.zeros(0, np.float32)
         self.buffer_start = 0  # absolute index of buffer[0]
         self.received = 0
-        self.emitted = 0  # frames returned so far
-        self._offsets = np.arange(self.win)
+        self.emitted = 0  # frames complete so far (all of them once finished)
+        self.finished = False
 
     def samples_for(self, frames: int) -> int:
         """Samples needed before ``frames`` frames are complete."""
         return 0 if frames <= 0 else (frames - 1) * self.hop - self.lead + self.win
 
-    def _raw(self, first: int, last: int, total: int | None) -> np.ndarray:
-        """Samples of frames ``first .. last - 1``, (n, win) float32, scaled."""
-        idx = (np.arange(first, last) * self.hop - self.lead)[:, None] + self._offsets[None, :]
-        if first * self.hop < self.lead:  # the first frames reflect at the start
-            idx = np.where(idx < 0, -idx - 1, idx)
-        if total is not None:
-            idx = np.where(idx >= total, 2 * total - 1 - idx, idx).clip(0, total - 1)
-        frames = self.buffer[idx - self.buffer_start]
-        return frames * np.float32(self.scale) if self.scale != 1.0 else frames
+    def accept(self, chunk: np.ndarray | torch.Tensor) -> int:
+        """New samples; returns how many frames are complete now."""
+        chunk = np.asarray(chunk, dtype=np.float32).reshape(-1)
+        if chunk.size:
+            self.buffer = np.concatenate([self.buffer, chunk]) if self.buffer.size else chunk
+            self.received += chunk.size
+        if self.received >= self.win - self.lead:
+            self.emitted = max(self.emitted, (self.received + self.lead - self.win) // self.hop + 1)
+        return self.emitted
 
-    def _trim(self) -> None:
-        keep_from = max(0, self.emitted * self.hop - self.lead)
-        if self.emitted == 0:
-            keep_from = 0
+    def finish(self) -> int:
+        """End of the signal: its last frames (reflected at the end) are complete too."""
+        self.finished = True
+        if self.received:
+            self.emitted = max(self.emitted, self.fbank.num_frames(self.received))
+        return self.emitted
+
+    def write_frames(self, out: np.ndarray, first: int, n: int) -> None:
+        """The samples of frames ``first .. first + n - 1`` (complete ones), scaled, into
+        ``out[:n]`` ((n, win) rows)."""
+        if n <= 0:
+            return
+        start = first * self.hop - self.lead
+        end = (first + n - 1) * self.hop - self.lead + self.win
+        if start >= 0 and end <= self.received:  # no reflection: a strided view of the samples
+            b = self.buffer[start - self.buffer_start :]
+            out[:n] = np.lib.stride_tricks.as_strided(b, shape=(n, self.win), strides=(self.hop * b.itemsize, b.itemsize))
+        else:  # the first frames reflect at the start, the last ones at the end of the signal
+            idx = start + self.hop * np.arange(n)[:, None] + np.arange(self.win)[None, :]
+            idx = np.where(idx < 0, -idx - 1, idx)
+            total = self.received
+            idx = np.where(idx >= total, 2 * total - 1 - idx, idx).clip(0, max(total - 1, 0))
+            out[:n] = self.buffer[idx - self.buffer_start]
+        if self.scale != 1.0:
+            out[:n] *= np.float32(self.scale)
+
+    def drop_before(self, frame: int) -> None:
+        """Frames before ``frame`` will not be read again: free their samples."""
+        keep_from = max(0, frame * self.hop - self.lead)
         if keep_from > self.buffer_start:
             self.buffer = self.buffer[keep_from - self.buffer_start :]
             self.buffer_start = keep_from
 
-    def accept_raw(self, chunk: np.ndarray | torch.Tensor) -> np.ndarray:
-        """New samples -> the raw windows of the frames they complete, (n, win) float32: several
-        streams' windows go through ``KaldiFbank.compute_frames`` in one call."""
-        chunk = np.asarray(chunk, dtype=np.float32).reshape(-1)
-        self.buffer = np.concatenate([self.buffer, chunk]) if self.buffer.size else chunk
-        self.received += chunk.size
-        ready = 0
-        if self.received >= self.win - self.lead:
-            ready = (self.received + self.lead - self.win) // self.hop + 1
-        if ready <= self.emitted:
-            return np.zeros((0, self.win), np.float32)
-        out = self._raw(self.emitted, ready, None)
-        self.emitted = ready
-        self._trim()
-        return out
-
-    def finish_raw(self) -> np.ndarray:
-        """Raw windows of the last frames (reflected at the end of the signal)."""
-        total = self.fbank.num_frames(self.received)
-        if total <= self.emitted or self.received == 0:
-            return np.zeros((0, self.win), np.float32)
-        out = self._raw(self.emitted, total, self.received)
-        self.emitted = total
-        return out
-
-    def accept(self, chunk: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """New samples -> the frames they complete, (n, dim)."""
-        return self.fbank.compute_frames(torch.from_numpy(self.accept_raw(chunk)))
-
-    def finish(self) -> torch.Tensor:
-        """The last frames (reflected at the end of the signal)."""
-        return self.fbank.compute_frames(torch.from_numpy(self.finish_raw()))
+    def frames(self, first: int = 0, n: int | None = None) -> torch.Tensor:
+        """Fbank features of complete frames ``first .. first + n - 1`` (default: all from
+        ``first``), (n, dim); for checks (a stream step computes them on the model's device)."""
+        n = self.emitted - first if n is None else n
+        raw = np.zeros((max(n, 0), self.win), np.float32)
+        self.write_frames(raw, first, n)
+        return self.fbank.compute_frames(torch.from_numpy(raw))

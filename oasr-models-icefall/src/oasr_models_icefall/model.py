@@ -157,7 +157,6 @@ class IcefallStream:
     left: int
     fbank: CenteredFbankStream
     search: Any
-    raw: np.ndarray  # (n, win) samples of the fbank frames received, not yet consumed
     cache: StreamContext | None = None  # this stream's slot in the model's cache pool
     samples_received: int = 0
     frames_consumed: int = 0
@@ -476,7 +475,6 @@ class _IcefallASR:
             options=o, method=method, chunk=o.chunk_size, left=o.left_context_frames,
             fbank=CenteredFbankStream(self.fbank),
             search=None if method == "greedy_search" else self._new_search(o, method, 1),
-            raw=np.zeros((0, self.feature_spec.win_length), np.float32),
         )  # fmt: skip
         pool, init, _ = self._cache_pool(st.left)
         st.cache = pool.open(owner=st)
@@ -528,23 +526,24 @@ class _IcefallASR:
                 out[f"graph_{k}"] = out.get(f"graph_{k}", 0) + v
         return out
 
-    def _windows(self, st: IcefallStream, last: bool) -> list[tuple[np.ndarray, int]]:
-        """The stream's chunk windows its frames allow now: (raw frames, how many of the window's
-        frames are real; the rest are icefall's padding of ``log(1e-10)`` features)."""
+    def _windows(self, st: IcefallStream, last: bool) -> list[tuple[int, int]]:
+        """The stream's chunk windows its frames allow now: (first fbank frame, how many of the
+        window's frames are real; the rest are icefall's padding of ``log(1e-10)`` features)."""
         out = []
         step = 2 * st.chunk
-        while st.raw.shape[0] >= st.window:
-            out.append((st.raw[: st.window], st.window))
-            st.raw = st.raw[step:]
+        avail = st.fbank.emitted - st.frames_consumed
+        while avail >= st.window:
+            out.append((st.frames_consumed, st.window))
             st.frames_consumed += step
+            avail -= step
         if last:
             if st.fbank.emitted == 0:  # not one fbank frame: nothing to say (as offline)
                 return out
-            left = st.raw.shape[0] + STREAM_PAD  # icefall pads the end with 13 frames
+            left = avail + STREAM_PAD  # icefall pads the end with 13 frames
             while left > 0:
-                out.append((st.raw[: st.window], min(st.raw.shape[0], st.window)))
-                st.raw = st.raw[step:]
+                out.append((st.frames_consumed, max(0, min(avail, st.window))))
                 st.frames_consumed += step
+                avail -= step
                 left -= step
         return out
 
@@ -569,13 +568,9 @@ class _IcefallASR:
                 a = as_mono_waveform(chunk, f"chunk #{k}")
             if a is not None and a.size:
                 st.samples_received += a.size
-                frames = st.fbank.accept_raw(a)
-                if frames.shape[0]:
-                    st.raw = np.concatenate([st.raw, frames]) if st.raw.shape[0] else frames
+                st.fbank.accept(a)
             if last:
-                frames = st.fbank.finish_raw()
-                if frames.shape[0]:
-                    st.raw = np.concatenate([st.raw, frames]) if st.raw.shape[0] else frames
+                st.fbank.finish()
             pending.append(self._windows(st, bool(last)))
         if prof is not None:
             prof.lap("features")
@@ -620,7 +615,7 @@ class _IcefallASR:
             return s.results()[0]
         return s.best()[0]
 
-    def _encode_chunk(self, states: list[IcefallStream], windows: list[tuple[np.ndarray, int]]) -> None:
+    def _encode_chunk(self, states: list[IcefallStream], windows: list[tuple[int, int]]) -> None:
         """One chunk of each stream (same chunk and left context) in one batched step: the
         device half (:meth:`_chunk_compute`: cache gather, encoder, cache scatter, the greedy
         search of the one-symbol-per-frame greedy streams) is one CUDA-graph replay on CUDA
@@ -638,8 +633,9 @@ class _IcefallASR:
         graphs = self._stream_graphs(left)
         rows = bucket(b, BATCH_BUCKETS) if graphs is not None else b
         raw = self._raw_buffer(rows, states[0].window)  # (rows, window, win) frame samples
-        for i, (w, _) in enumerate(windows):
-            raw[i, : w.shape[0]] = w
+        for i, (st, (first, n)) in enumerate(zip(states, windows, strict=True)):
+            st.fbank.write_frames(raw[i], first, n)
+            st.fbank.drop_before(first + 2 * st.chunk)  # where its next window starts
         in_step = np.zeros(b, bool)  # greedy with one symbol per frame: searched in the step
         if self.decoder_network is not None:
             in_step[:] = [st.search is None and st.options.max_sym_per_frame == 1 for st in states]

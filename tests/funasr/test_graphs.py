@@ -70,3 +70,64 @@ def test_padded_shapes_give_the_unpadded_rows(releases, clips) -> None:
             assert torch.equal(ids[r, :k], pids[r, :k])
             assert torch.allclose(best[r, :k], pbest[r, :k], atol=1e-5)
             assert torch.allclose(hidden[r, :k], phidden[r, :k], atol=1e-4)
+
+
+class _Rerun:
+    """A stand-in for a captured graph on the CPU: ``replay`` recomputes the function on the
+    static inputs into the same output tensors, as a CUDA graph replay does."""
+
+    def __init__(self, fn, static, outputs) -> None:  # noqa: ANN001
+        self.fn, self.static, self.outputs = fn, static, outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.fn(*self.static), strict=True):
+            out.copy_(new)
+
+
+class _CPUGraphs(ParaformerGraphs):
+    fail = False
+
+    def _record(self, fn, static):  # noqa: ANN001, ANN202
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        outputs = fn(*static)
+        return _Rerun(fn, static, outputs), outputs
+
+
+def test_graph_bookkeeping_through_transcribe(releases, clips) -> None:
+    """The model's graph path end to end, with the capture replaced by a recomputation: eager
+    on a shape's first use, captured on its second, replayed after; rows of a smaller batch in
+    the same bucket; the least recently used graph dropped past ``max_graphs``; a failed
+    capture turns graphs off and the call runs eagerly. Transcripts and timestamps == eager."""
+    import pytest
+
+    from oasr.checkpoint import load_model
+    from oasr.types import DecodingOptions
+
+    m = load_model(EngineConfig(ckpt_dir=str(releases["bicif"])))
+    # short pieces: the bookkeeping is under test here, not the audio
+    names = ZH_CLIPS[:2] + EN_CLIPS[:1]
+    waves = [clips[n][: 16000 * k] for n, k in zip(names, (2, 1, 2), strict=True)]
+    opts = DecodingOptions(word_timestamps=True)
+
+    def run(ws):  # noqa: ANN001, ANN202
+        return [
+            (t.text, [(w.word, w.start, w.end) for w in t.words]) for t in m.transcribe(ws, opts)
+        ]
+
+    assert m.cuda_graphs is False  # opt-in
+    eager, eager_sub = run(waves), run(waves[1:])
+    assert all(text and words for text, words in eager + eager_sub)
+    g = m._graphs = _CPUGraphs(m.net, max_graphs=3)
+    m.cuda_graphs = True
+    for _ in range(3):
+        assert run(waves) == eager
+    assert g.stats == {"captures": 2, "replays": 4, "eager": 2}, g.stats
+    for _ in range(2):  # 2 rows: batch bucket 2, its own graphs
+        assert run(waves[1:]) == eager_sub
+    assert len(g._graphs) == 3 and g.stats["captures"] == 4  # one dropped
+    g.fail, g._graphs, g._uses = True, type(g._graphs)(), {}
+    run(waves)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert run(waves) == eager
+    assert g.disabled is not None

@@ -73,7 +73,7 @@ class _Graph:
     def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
         self.inputs = inputs
         self.outputs: tuple[torch.Tensor, ...] = ()
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: Any = None  # a torch.cuda.CUDAGraph
 
 
 class ParaformerGraphs:
@@ -160,7 +160,8 @@ class ParaformerGraphs:
         """Replay ``key``'s graph on ``args`` (capturing it on its second use) and return
         copies of ``take`` of its static outputs (the call's rows and frames), made before any
         other replay can overwrite them; None: run eagerly instead (first use, graphs off)."""
-        if self.disabled is not None or torch.cuda.is_current_stream_capturing():
+        capturing = args[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.disabled is not None or capturing:
             self.stats["eager"] += 1
             return None
         with self._lock:
@@ -178,7 +179,8 @@ class ParaformerGraphs:
                     self.disabled = f"{type(exc).__name__}: {exc}"
                     warnings.warn(f"Paraformer CUDA graphs off, the capture failed: {self.disabled}",
                                   RuntimeWarning, stacklevel=3)  # fmt: skip
-                    torch.cuda.synchronize()
+                    if args[0].is_cuda:
+                        torch.cuda.synchronize()
                     self.stats["eager"] += 1
                     return None
             else:
@@ -216,10 +218,20 @@ class ParaformerGraphs:
             for s, a in zip(shapes, args, strict=True)
         )
         g = _Graph(static)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
+        g.graph, g.outputs = self._record(fn, static)
+        self._graphs[key] = g
+        self.stats["captures"] += 1
+        return g
+
+    def _record(
+        self, fn: Callable[..., tuple[torch.Tensor, ...]], static: tuple[torch.Tensor, ...]
+    ) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """(the CUDA graph of ``fn(*static)``, its output tensors)."""
+        dev = static[0].device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -227,8 +239,5 @@ class ParaformerGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            g.outputs = fn(*static)
-        g.graph = graph
-        self._graphs[key] = g
-        self.stats["captures"] += 1
-        return g
+            outputs = fn(*static)
+        return graph, outputs

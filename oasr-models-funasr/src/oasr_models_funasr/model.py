@@ -248,9 +248,11 @@ class ParaformerASR:
 
     def _cuda_graphs(self) -> ParaformerGraphs | None:
         """The encoder / decoder graphs on CUDA (``cuda_graphs`` True), else None."""
-        if not self.cuda_graphs or self.net.device.type != "cuda":
+        if not self.cuda_graphs:
             return None
         if self._graphs is None:
+            if self.net.device.type != "cuda":
+                return None
             self._graphs = ParaformerGraphs(self.net)
         return self._graphs
 

@@ -73,6 +73,7 @@ def _tokens(update) -> list[int]:
     return update.transcript.segments[0].tokens if update.transcript.segments else []
 
 
+@pytest.mark.slow
 @FEW
 @given(specs=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8000), st.sampled_from([0, 2]),
                                 st.integers(1, 6), st.integers(0, 3), st.sampled_from([1, 3])),
@@ -115,6 +116,7 @@ def test_results_do_not_depend_on_the_batch(nemotron, clips, specs, noise, seed,
         model.release_stream(s)
 
 
+@pytest.mark.slow
 def test_bucketed_steps_equal_offline_and_capture_counts(nemotron, clips) -> None:
     """Padded buckets (simulated graphs) captured ahead: streams of different ages give offline
     decoding's tokens, and serving captures nothing more."""
@@ -139,6 +141,7 @@ def test_bucketed_steps_equal_offline_and_capture_counts(nemotron, clips) -> Non
         assert [(w.word, w.start, w.end) for w in f.transcript.words] == [(w.word, w.start, w.end) for w in o.words]
 
 
+@pytest.mark.slow
 def test_empty_and_tiny_streams_equal_offline(nemotron, waves) -> None:
     model = nemotron
     for n in (0, 100, 700):
@@ -148,6 +151,7 @@ def test_empty_and_tiny_streams_equal_offline(nemotron, waves) -> None:
         assert model.stream_step([st], [w], [True])[0].text == offline
 
 
+@pytest.mark.slow
 def test_finish_and_abort_return_every_slot(hf_checkpoints, waves) -> None:
     from oasr.streaming import StreamingScheduler
     from oasr_models_nemo.model import NemoASR

@@ -239,3 +239,28 @@ def test_stream_framing_equals_offline_fbank(causal, ws) -> None:
         want = model.fbank(torch.from_numpy(w))
         assert got.shape == want.shape
         assert (got - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_mixed_searches_share_a_step(causal_release, ws, graphs) -> None:
+    """Streams with different searches in one batched step (greedy searched inside the step,
+    greedy with a blank penalty, greedy with 2 symbols per frame, modified beam, CTC greedy): each
+    gives what it gives alone (the step's greedy rows do not touch the others' decoder state)."""
+    model = load_model(EngineConfig(ckpt_dir=str(causal_release[1])))
+    model.stream_cuda_graphs = model._simulate_stream_graphs = graphs
+    kinds = [DecodingOptions(), DecodingOptions.build(blank_penalty=0.7), DecodingOptions.build(max_sym_per_frame=2),
+             DecodingOptions(beam_size=4), DecodingOptions.build(decoding_method="ctc_greedy_search")]  # fmt: skip
+    w = ws[2]
+
+    def run(options_list):
+        states = [model.new_stream(o) for o in options_list]
+        finals = []
+        for i in range(0, len(w), 5120):
+            ups = model.stream_step(states, [w[i : i + 5120]] * len(states), [i + 5120 >= len(w)] * len(states))
+            finals = [u.transcript for u in ups if u.is_final]
+        return [t.segments[0].tokens if t.segments else [] for t in finals]
+
+    together = run(kinds)
+    alone = [run([o])[0] for o in kinds]
+    assert together == alone
+    assert len({tuple(t) for t in alone}) >= 3  # the searches differ

@@ -58,6 +58,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -263,6 +264,20 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> Non
             pass
         time.sleep(0.2)
     raise RuntimeError("oasr-server did not become ready")
+
+
+def _raise_open_files(need: int) -> None:
+    """Raise this process's soft open-file limit towards ``need`` (a socket per stream on each
+    side; 1024 is a common default), within the hard limit."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < need:
+            target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def cpu_seconds(pid: int, thread: int | None = None) -> float | None:
@@ -542,6 +557,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         p99_target_ms: float = 150.0, log_level: str = "warning") -> Report:  # fmt: skip
     from benchmarks.serverbench import free_port
 
+    _raise_open_files(2 * streams + 256)  # the server and the clients inherit it
     with tempfile.TemporaryDirectory(prefix="oasr-serverstream-") as tmp:
         ckpt = prepare_checkpoint(ckpt_dir, shape, model_chunk_ms, Path(tmp) / "model")
         from oasr.checkpoint import load_model
@@ -567,7 +583,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
             # phases spread over one model chunk: independent streams' chunks become ready
             # evenly over time, not all in the same client chunk
             group = Clients(clients, port, streams, seconds, sr, chunk, model_chunk_s)
-            timeout = 120 + 4 * seconds
+            timeout = 60 + 2 * seconds
             for _ in range(warmup_rounds):
                 answers, pool = uploads_in_threads(base, blobs, 1.0)
                 group.round(timeout)
@@ -783,6 +799,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--log-level", default="warning", help="the server's --log-level")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    # a SIGTERM (``timeout``) unwinds like an exception: the server and the clients are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     smoke = args.profile == "smoke"
     cuda = args.device.startswith("cuda")
     ckpt = args.ckpt_dir or (str(SMOKE_CKPT) if smoke and args.shape is None else None)

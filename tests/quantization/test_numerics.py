@@ -56,6 +56,20 @@ def test_activation_quantization_is_per_token():
     assert [int(v) for v in q.abs().amax(dim=1)] == [127, 127, 127, 0, 127]
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_few_row_and_many_row_activation_paths_agree(fmt):
+    """A few rows take fewer ops for the row maximum: the same values as the two-reduction path
+    (rows quantized alone or among many give identical bytes and scales)."""
+    from oasr.quantization import numerics
+
+    x = torch.randn(600, 384, generator=torch.Generator().manual_seed(3)) * 3
+    assert x[:2].numel() <= numerics._FEW < x.numel()
+    many_q, many_s = quantize_activations(x, fmt)
+    few_q, few_s = quantize_activations(x[:2], fmt)
+    assert torch.equal(few_s, many_s[:2])
+    assert torch.equal(few_q.view(torch.int8), many_q[:2].view(torch.int8))
+
+
 @pytest.mark.parametrize("method,bound", [("int8_w8a8", 1e-5), ("fp8_w8a8", 1e-5)])
 @pytest.mark.parametrize("smoothed", [False, True])
 def test_cpu_gemm_matches_float64_reference(method, bound, smoothed):

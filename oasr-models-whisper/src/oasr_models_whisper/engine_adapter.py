@@ -167,7 +167,7 @@ class WhisperStepModel:
             x, h = add_norm(x, att.out_proj(out.transpose(1, 2).reshape(b, t, -1)), norms[3 * li + 1])
             x, h = add_norm(x, self._cross_attention(block, h, *ctx.cross_kv(li)), norms[3 * li + 2])
             x, h = add_norm(x, block.mlp(h), norms[3 * li + 3])
-        return dec.embed_tokens.unembed(h).float()
+        return dec.logits(h).float()
 
     @staticmethod
     def _cross_attention(block: Any, h: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,16 @@ class WhisperDecoder(nn.Module):
             for _ in range(dims.n_text_layer)
         )
         self.final_norm = LayerNorm(d, **kw)
+        #: the output projection when it is not the float tied embedding: W8A8 quantization puts
+        #: an int8 copy of ``embed_tokens.weight`` here (``WhisperNet.quantization_tied``); the
+        #: embedding lookup itself stays float
+        self.output_projection: nn.Module | None = None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of the final-normed hidden states ``h`` (the tied projection)."""
+        if self.output_projection is not None:
+            return self.output_projection(h)
+        return self.embed_tokens.unembed(h)
 
 
 def decoder_norms(dec: WhisperDecoder) -> list[nn.Module]:
@@ -192,6 +202,10 @@ class WhisperNet(nn.Module):
         #: step per token cannot resolve (tiny.en CPU int8 WER +0.57 points with it quantized,
         #: +0.28 without)
         self.quantization_keep = (f"encoder.layers.{dims.n_audio_layer - 1}.mlp.fc2",)
+        #: the tied output projection, quantized as a linear of its own (int8 per vocabulary row;
+        #: docs/quantization.md): on the CPU it reads 51 864 x d float32 weights every decode
+        #: step, the largest single read of a step
+        self.quantization_tied = {"decoder.output_projection": "decoder.embed_tokens"}
 
     # -- WhisperNetwork ---------------------------------------------------------------------
 
@@ -241,7 +255,7 @@ class WhisperNet(nn.Module):
             x, h = add_norm(x, a, norms[3 * i + 2])
             x, h = add_norm(x, block.mlp(h), norms[3 * i + 3])
         cache._length = offset + t
-        return dec.embed_tokens.unembed(h).float()
+        return dec.logits(h).float()
 
     @torch.no_grad()
     def cross_attention(self, tokens: torch.Tensor, audio_features: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,20 @@ attributes (``model.network``, ``model.net``). Every ``Linear`` in them is repla
 :class:`oasr.layers.quantized.QuantizedLinear`, except the ones the family keeps in higher
 precision: module names (relative to the network, ``fnmatch`` patterns) listed in a
 ``quantization_keep`` attribute of the network class or of the model class. Core adds nothing of
-its own: convolutions, norms and embeddings (tied output projections included) are never
-``Linear`` and stay as they are.
+its own: convolutions, norms and embeddings are never ``Linear`` and stay as they are.
+
+A tied output projection (logits ``h E^T`` from the embedding table ``E``) is quantized only
+where the family asks for it: a ``quantization_tied`` mapping on the network, ``{target module
+name: embedding module name}``, makes an int8 :class:`QuantizedLinear` of the embedding's weight
+(no bias) and sets it at the target name, which the family's forward uses when it is set. The
+embedding lookup stays float. Only for ``int8_w8a8`` on the CPU, and only on request
+(:func:`tied_applies`).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +32,7 @@ from oasr.layers.quantized import FORMATS, QuantizedLinear
 from oasr.quantization import check_method
 
 __all__ = ["QuantizationReport", "check_device", "keep_patterns", "networks", "quantizable_linears",
-           "quantize_model", "quantize_module"]  # fmt: skip
+           "quantize_model", "quantize_module", "tied_applies"]  # fmt: skip
 
 
 @dataclass
@@ -92,18 +99,44 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+#: opt-in switch for quantizing tied output projections (``OASR_INT8_TIED_OUTPUT=1``)
+TIED_ENV = "OASR_INT8_TIED_OUTPUT"
+
+
+def tied_applies(method: str, device: torch.device | str) -> bool:
+    """Whether a family's tied output projection (``quantization_tied``) is quantized: only on
+    request (``OASR_INT8_TIED_OUTPUT=1``), for int8 on the CPU, where a decode step reads the
+    whole float table (tiny.en: 51 864 x 384 float32, 80 MB) and the int8 GEMM a quarter of it.
+    Off by default: on tiny.en it moved the int8 WER outside its +0.3-point budget
+    (docs/quantization.md). Never on CUDA (unmeasured there) nor for fp8 (a vocabulary size is
+    rarely the multiple of 16 torch's fp8 GEMM needs)."""
+    if os.environ.get(TIED_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return False
+    return method == "int8_w8a8" and torch.device(device).type == "cpu"
+
+
+def _set_module(net: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = net.get_submodule(parent_name) if parent_name else net
+    setattr(parent, attr, module)
+
+
 def quantize_module(
     net: nn.Module,
     method: str,
     keep: Iterable[str] = (),
     input_scales: Mapping[str, torch.Tensor] | None = None,
     prefix: str = "",
+    tied: bool | None = None,
 ) -> QuantizationReport:
     """Replace, in place, every :class:`Linear` of ``net`` whose name matches none of ``keep``.
-    ``input_scales``: SmoothQuant divisors (K,) by module name for the layers that carry one."""
+    ``input_scales``: SmoothQuant divisors (K,) by module name for the layers that carry one.
+    ``tied``: whether to quantize the network's tied output projections (``quantization_tied``,
+    module docstring); None: where :func:`tied_applies`."""
     canonical = check_method(method)
     assert canonical is not None and canonical in FORMATS
-    check_device(canonical, _device(net))
+    device = _device(net)
+    check_device(canonical, device)
     keep = tuple(keep)
     report = QuantizationReport(canonical)
     targets = [(n, m) for n, m in net.named_modules() if isinstance(m, Linear)]
@@ -113,10 +146,17 @@ def quantize_module(
             report.kept.append(full)
             continue
         scale = (input_scales or {}).get(name)
-        q = QuantizedLinear.from_linear(module, canonical, scale)
-        parent_name, _, attr = name.rpartition(".")
-        parent = net.get_submodule(parent_name) if parent_name else net
-        setattr(parent, attr, q)
+        _set_module(net, name, QuantizedLinear.from_linear(module, canonical, scale))
+        report.quantized.append(full)
+    if tied is None:
+        tied = tied_applies(canonical, device)
+    for name, source in (getattr(net, "quantization_tied", None) or {}).items():
+        full = f"{prefix}.{name}" if prefix else name
+        if not tied or _matches(name, keep):
+            report.kept.append(full)
+            continue
+        weight = net.get_submodule(source).weight
+        _set_module(net, name, QuantizedLinear.from_weight(weight, None, canonical))
         report.quantized.append(full)
     return report
 
@@ -136,10 +176,11 @@ def quantize_model(
     model: Any,
     method: str,
     input_scales: Mapping[str, torch.Tensor] | None = None,
+    tied: bool | None = None,
 ) -> QuantizationReport:
     """Quantize every network of a loaded model in place (the family's keep list honoured);
-    ``input_scales`` are keyed ``"<network attr>.<module name>"``. The model's
-    ``quantization`` attribute is set to the report."""
+    ``input_scales`` are keyed ``"<network attr>.<module name>"``; ``tied`` as
+    :func:`quantize_module`. The model's ``quantization`` attribute is set to the report."""
     canonical = check_method(method)
     if canonical is None:
         raise UnsupportedOptionError(f"quantization {method!r}: name a method", param="quantization")
@@ -155,7 +196,7 @@ def quantize_model(
         if input_scales:
             pre = f"{attr}." if attr else ""
             scales = {k[len(pre):]: v for k, v in input_scales.items() if k.startswith(pre)}
-        r = quantize_module(net, canonical, keep_patterns(model, net), scales, prefix=attr)
+        r = quantize_module(net, canonical, keep_patterns(model, net), scales, prefix=attr, tied=tied)
         report.quantized += r.quantized
         report.kept += r.kept
     if not report.quantized:

@@ -95,8 +95,12 @@ def apply_saved(model: Any, path: Path, block: dict[str, Any], requested: str | 
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types
         raise CheckpointError(f"cannot read the quantized weights of {path}: {exc}") from exc
     scales = {k[: -len(".input_scale")]: v for k, v in saved.items() if k.endswith(".input_scale")}
-    report = quantize_model(model, method, input_scales=scales)
     expected = list(block.get("layers", []))
+    # a family's tied output projection as it was saved: a checkpoint written before OASR
+    # quantized it, or on a device where it stays float, keeps it float
+    tied = {f"{attr}.{name}" if attr else name for attr, net in networks(model).items()
+            for name in (getattr(net, "quantization_tied", None) or {})}  # fmt: skip
+    report = quantize_model(model, method, input_scales=scales, tied=bool(tied & set(expected)))
     if sorted(report.quantized) != sorted(expected):
         extra = sorted(set(report.quantized) ^ set(expected))[:6]
         raise CheckpointError(

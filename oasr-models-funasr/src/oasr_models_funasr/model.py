@@ -321,9 +321,12 @@ class ParaformerASR:
             if hotwords:
                 logp = self._bias(logp, embeds.to(net.dtype), hidden, ntok, hotwords)
             best, ids = logp.max(dim=-1)
-        us_alphas = None
+        us_alphas = fires_h = alphas_h = None
         if timestamps and pc.kind == "CifPredictorV3":
             us_alphas = net.predictor.upsampled_alphas(enc, conv, flens, ntok).float().cpu()
+        elif timestamps:
+            # one read-back each for the whole batch (per row they were two waits per input)
+            fires_h, alphas_h = fires.float().cpu(), alphas_t.float().cpu()
         # two read-backs for everything the host needs (one per dtype)
         n = ids.shape[1]
         ints = torch.cat([ids, ntok[:, None], flens[:, None].long()], dim=1).cpu()
@@ -356,10 +359,10 @@ class ParaformerASR:
                 else:
                     # FunASR passes the CIF fires as the weights and the alphas as the fires
                     n = flens_l[i] + (1 if pc.tail_threshold > 0 else 0)
-                    n = min(n, fires.shape[1], alphas_t.shape[1])
+                    n = min(n, fires_h.shape[1], alphas_h.shape[1])
                     ts = cif_timestamps(
-                        fires[i, :n],
-                        alphas_t[i, :n],
+                        fires_h[i, :n],
+                        alphas_h[i, :n],
                         toks,
                         upsample_rate=1,
                         frame_ms=self.frame_shift * 1000,

@@ -92,9 +92,8 @@ class NemotronStreamState:
     text: str = ""
     tokens_seen: int = 0  # greedy: hypothesis tokens whose bytes are in ``raw_text``
     raw_text: bytearray = field(default_factory=bytearray)
-    #: ``text`` before its final strip; ``raw_text`` holds whole UTF-8 characters only
-    text_body: str = ""
-    text_clean: bool = True
+    text_body: str = ""  # ``text`` before its final strip
+    text_clean: bool = True  # ``raw_text`` ends on a whole UTF-8 character
     hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
 
     @property

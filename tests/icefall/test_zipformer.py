@@ -359,3 +359,20 @@ def test_bias_norm_half_keeps_float32_statistics() -> None:
         out = norm.half()(x.half()).float()
     assert torch.isfinite(out).all()
     assert ((out - ref).abs() / ref.abs().clamp_min(0.05)).max() < 4e-3
+
+
+def test_equal_length_batch_skips_padding_masks(offline_release, causal_release) -> None:
+    """Inputs of one length encode without padding masks (``uniform``): bit-equal to the masked
+    path on the same batch, and transcribe gives the one-by-one tokens."""
+    ws = waves(3)
+    ws = [w[: min(len(x) for x in ws)] for w in ws]
+    for _, path in (offline_release, causal_release):
+        model = _load(path)
+        feats, lens = model.features(ws)
+        o = model._check(DecodingOptions())
+        masked, _ = model.encode_features(feats, lens, o)
+        fast, _ = model.encode_features(feats, lens, o, uniform=True)
+        assert torch.equal(masked, fast)
+        batch = [t.segments[0].tokens if t.segments else [] for t in model.transcribe(ws, DecodingOptions())]
+        alone = [model.transcribe([w], DecodingOptions())[0] for w in ws]
+        assert batch == [t.segments[0].tokens if t.segments else [] for t in alone]

@@ -263,7 +263,7 @@ class ConformerTransducerNet(nn.Module):
         return self.joiner.output_linear.weight.dtype
 
     def encode(self, feats: torch.Tensor, lengths: torch.Tensor, chunk_size: int = -1,
-               left_context_frames: int = -1) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+               left_context_frames: int = -1, uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         return self.encoder(feats, lengths)
 
 

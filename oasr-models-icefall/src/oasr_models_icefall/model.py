@@ -361,15 +361,17 @@ class _IcefallASR:
         pad = torch.arange(feats.shape[1], device=feats.device)[None, :] >= lens[:, None]
         return feats.masked_fill(pad[:, :, None], LOG_EPS), lens
 
-    def encode_features(self, feats: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions
-                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def encode_features(self, feats: torch.Tensor, lens: torch.Tensor, options: ResolvedOptions,
+                        uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The encoder over a padded feature batch; ``uniform``: every row has the batch's full
+        length (the caller knows it without reading ``lens`` back), so no padding masks."""
         chunk, left = -1, -1
         if self.cfg.causal:
             feats = torch.nn.functional.pad(feats, (0, 0, 0, CAUSAL_TAIL_FRAMES), value=LOG_EPS)
             lens = lens + CAUSAL_TAIL_FRAMES
             chunk, left = options.chunk_size, options.left_context_frames
         with torch.no_grad():
-            return self.net.encode(feats.to(self.device, self.dtype), lens.to(self.device), chunk, left)
+            return self.net.encode(feats.to(self.device, self.dtype), lens.to(self.device), chunk, left, uniform)
 
     # -- decoding ---------------------------------------------------------------------------
     def _search_frames(self, enc: torch.Tensor, method: str) -> torch.Tensor:
@@ -442,7 +444,9 @@ class _IcefallASR:
                 out[i] = Transcript(text="", language=self.tokens.language, duration=len(w) / sr)
         if todo:
             feats, lens = self.features([waves[i] for i in todo])
-            enc, enc_lens = self.encode_features(feats, lens, o)
+            # inputs of one length (e.g. fixed windows of long audio): no padding to mask
+            uniform = len({len(waves[i]) for i in todo}) == 1
+            enc, enc_lens = self.encode_features(feats, lens, o, uniform)
             if graph_search_requested(o):  # model option wfst_graph: CTC over a WFST graph
                 with torch.no_grad():
                     lp = self.net.ctc_log_probs(enc)

@@ -183,10 +183,11 @@ class Conv2dSubsampling(nn.Module):
         b, c, t, f = x.shape
         return self.out_norm(self.out(x.transpose(1, 2).reshape(b, t, c * f)))
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor,
+                uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         x = self._convs(x)
         lengths = (lengths - 7) // 2
-        if x.shape[0] > 1:  # the ConvNeXt pads each row with zeros, as for a batch of one
+        if x.shape[0] > 1 and not uniform:  # the ConvNeXt pads each row with zeros, as for a batch of one
             x = x * _valid_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)
         return self._project(self.convnext(x)), lengths
 
@@ -569,9 +570,11 @@ class Zipformer(nn.Module):
         c = torch.arange(t, device=device) // chunk_size
         return (c[None, :] > c[:, None]) | (c[None, :] < c[:, None] - left_chunks)
 
-    def forward(self, x, lengths, chunk_size: int = -1, left_context_frames: int = -1):
+    def forward(self, x, lengths, chunk_size: int = -1, left_context_frames: int = -1, uniform: bool = False):
+        """``uniform``: the caller knows every row has the full length (no padding), so no
+        padding masks are built or applied (they would change nothing)."""
         b, t, _ = x.shape
-        varied = b > 1
+        varied = b > 1 and not uniform
         valid = _valid_mask(lengths, t) if varied else None
         mask = self.chunk_mask(t, chunk_size, left_context_frames, x.device)
         # True = masked. Full context: the padded keys only, (B, 1, 1, T) broadcast over the
@@ -712,10 +715,11 @@ class IcefallNet(nn.Module):
         return self.encoder_embed.out.weight.dtype
 
     def encode(self, feats: torch.Tensor, lengths: torch.Tensor, chunk_size: int = -1,
-               left_context_frames: int = -1) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(B, T, F) fbank -> (B, T', D) encoder output at 25 Hz and its lengths."""
-        x, lens = self.encoder_embed(feats, lengths)
-        return self.encoder(x, lens, chunk_size, left_context_frames)
+               left_context_frames: int = -1, uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(B, T, F) fbank -> (B, T', D) encoder output at 25 Hz and its lengths. ``uniform``:
+        every row is ``T`` frames long (no padding masks needed; the host knows it)."""
+        x, lens = self.encoder_embed(feats, lengths, uniform)
+        return self.encoder(x, lens, chunk_size, left_context_frames, uniform)
 
     def initial_state(self, batch: int, left_context_frames: int) -> StreamCaches:
         dev, dt = self.device, self.dtype

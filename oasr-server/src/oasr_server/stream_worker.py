@@ -5,9 +5,10 @@ Each turn of a realtime WebSocket or gRPC ``StreamingRecognize`` call is one eng
 request (:meth:`StreamingEngineLoop.open`). The event loop only posts commands (open, feed,
 abort) and never waits; the loop thread applies them in order, then calls ``engine.step()``
 while any stream has work. One step advances the ready chunks of all streams in one batched
-model call, so concurrent streams share the model's batch. Every ``StreamOutput`` goes back to
-its stream's event loop with ``loop.call_soon_threadsafe``: partial hypotheses to the stream's
-``on_partial`` callback, the final transcript (or an error) to its ``final`` future.
+model call, so concurrent streams share the model's batch. A step's ``StreamOutput``s go back
+to their streams' event loop in one ``loop.call_soon_threadsafe`` per loop (not one per stream:
+each wakes the loop through a socket write that may wait for the GIL): partial hypotheses to each
+stream's ``on_partial`` callback, the final transcript (or an error) to its ``final`` future.
 
 A step may *hold* to fill its batch (``--stream-batch-wait-ms``, the scheduler's
 ``max_batch_wait_s``): it advances nothing while fewer than a full batch of streams are ready and
@@ -75,6 +76,15 @@ class EngineStream:
         self.closed = True
         if not self.final.done():
             self.final.set_exception(error)
+
+
+def _deliver_all(delivered: list[tuple[EngineStream, StreamOutput]]) -> None:
+    """Event loop: one step's outputs, in order."""
+    for stream, out in delivered:
+        try:
+            stream._deliver(out)
+        except Exception:  # noqa: BLE001 - one stream's callback must not starve the others
+            log.exception("delivering a streaming output failed")
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -227,13 +237,24 @@ class StreamingEngineLoop:
                 self._on_batch(len(outputs), time.monotonic() - started)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 log.exception("batch metrics callback failed")
+        # one hand-over per event loop for the whole step: each call_soon_threadsafe writes to
+        # the loop's wake-up socket, and every such write may wait for the GIL while the event
+        # loop holds it; hundreds of streams per step made that a queue of its own
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[EngineStream, StreamOutput]]] = {}
         for out in outputs:
             stream = self._live.get(out.request_id)
             if stream is None:
                 continue
             if out.is_final:
                 self._release(stream)
-            self._send(stream, output=out)
+            batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, delivered in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, delivered)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                for stream, _ in delivered:
+                    if stream.rid in self._live:
+                        self._release(stream)
         return bool(outputs)
 
     def _hold_remaining(self) -> float:

@@ -737,10 +737,9 @@ class _IcefallASR:
         chunk + 13, win): the samples of each row's window of fbank frames; ``ints`` (R, 3):
         cache slot, 1 where the row's greedy search (one symbol per frame) runs here, how many
         of the window's frames are real (the rest get icefall's ``log(1e-10)`` padding);
-        ``penalty`` (R,) blank penalties. Returns the
-        encoder output (R, chunk / 2, D) and, with a transducer head, (R, 2, chunk / 2): each
-        frame's token (-1: none) and log-probability, as the core's device greedy search
-        (``TransducerGreedySearch`` on CUDA) computes them."""
+        ``penalty`` (R,) blank penalties. Returns the encoder output (R, chunk / 2, D) and, with
+        a transducer head, (R, 2, chunk / 2): each frame's token (-1: none) and log-probability,
+        as the core's device greedy search (``TransducerGreedySearch`` on CUDA) computes them."""
         pool, _, layout = self._cache_pool(left)
         tensors = pool.slot_tensors
         slots = ints[:, 0]

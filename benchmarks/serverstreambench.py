@@ -108,6 +108,7 @@ class Report:
     #: streams whose final differs and whose reference changes when the in-process engine runs
     #: them alone (a model that depends on its batch mates, not a server fault)
     finals_engine_batch_variant: int = 0
+    server_switch_interval_ms: float | None = None
     server_cpu_s: float | None = None
     #: of which the main thread: uvicorn's event loop (a share near ``wall_s`` means the event
     #: loop, one core, is the limit)
@@ -234,9 +235,16 @@ def reference(ckpt: str, device: str, threads: int, streams: list[np.ndarray], c
 
 # -- the server ------------------------------------------------------------------------------------
 def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: int, uploads: int,
-                 batch_wait_ms: float, log_level: str = "warning") -> subprocess.Popen:  # fmt: skip
+                 batch_wait_ms: float, log_level: str = "warning",
+                 switch_interval_ms: float | None = None) -> subprocess.Popen:  # fmt: skip
+    """``switch_interval_ms``: the server process's ``sys.setswitchinterval`` (an experiment:
+    how long a thread waiting for the GIL, e.g. the event loop after a socket call, may wait
+    while the stream loop thread runs Python; None: Python's 5 ms)."""
+    boot = "from oasr_server.cli import main; main()"
+    if switch_interval_ms is not None:
+        boot = f"import sys; sys.setswitchinterval({switch_interval_ms / 1000.0!r}); {boot}"
     cmd = [
-        sys.executable, "-c", "from oasr_server.cli import main; main()",
+        sys.executable, "-c", boot,
         "--ckpt-dir", ckpt, "--device", device, "--threads", str(threads),
         "--service-mode", "streaming", "--http-bind", f"127.0.0.1:{port}",
         "--max-streams", str(streams + 8), "--max-batch-size", str(max(16, streams)),
@@ -554,7 +562,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         streams: int = 16, seconds: float = 6.0, chunk_ms: float = 100.0,
         model_chunk_ms: float | None = None, uploads: int = 4, upload_seconds: float = 4.0,
         clients: int = 1, threads: int = 2, batch_wait_ms: float = 0.0, warmup_rounds: int = 0,
-        p99_target_ms: float = 150.0, log_level: str = "warning") -> Report:  # fmt: skip
+        p99_target_ms: float = 150.0, log_level: str = "warning",
+        switch_interval_ms: float | None = None) -> Report:  # fmt: skip
     from benchmarks.serverbench import free_port
 
     _raise_open_files(2 * streams + 256)  # the server and the clients inherit it
@@ -576,7 +585,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         proc = start_server(ckpt, device=device, threads=threads, port=port, streams=streams,
-                            uploads=uploads, batch_wait_ms=batch_wait_ms, log_level=log_level)  # fmt: skip
+                            uploads=uploads, batch_wait_ms=batch_wait_ms, log_level=log_level,
+                            switch_interval_ms=switch_interval_ms)  # fmt: skip
         group = None
         try:
             wait_ready(base, proc)
@@ -697,6 +707,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         partials_measured=len(partial_lat), finals_equal=finals_equal, uploads_equal=uploads_equal,
         p99_target_ms=p99_target_ms, held=not mismatches and p99 <= p99_target_ms,
         finals_engine_batch_variant=engine_variant,
+        server_switch_interval_ms=switch_interval_ms,
         server_cpu_s=cpu,
         server_loop_cpu_s=None if loop0 is None or loop1 is None else round(loop1 - loop0, 2),
         server_cpu_per_append_us=round(cpu / appends * 1e6, 1) if cpu is not None and appends else None,
@@ -796,6 +807,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="unmeasured runs of the whole workload first (default 1 on CUDA, 0 on CPU)",
     )
     p.add_argument("--p99-target-ms", type=float, default=150.0)
+    p.add_argument(
+        "--server-switch-interval-ms",
+        type=float,
+        default=None,
+        help="experiment: the server's sys.setswitchinterval (default: Python's 5 ms)",
+    )
     p.add_argument("--log-level", default="warning", help="the server's --log-level")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -815,6 +832,7 @@ def main(argv: list[str] | None = None) -> dict:
         batch_wait_ms=args.batch_wait_ms if args.batch_wait_ms is not None else (5.0 if cuda else 0.0),
         warmup_rounds=args.warmup_rounds if args.warmup_rounds is not None else (1 if cuda else 0),
         p99_target_ms=args.p99_target_ms, log_level=args.log_level,
+        switch_interval_ms=args.server_switch_interval_ms,
     )  # fmt: skip
     print_report(report)
     out = asdict(report)

@@ -58,6 +58,7 @@ class Qwen2AudioASR:
         if tokenizer.audio_id != network.config.audio_token_id:
             raise CheckpointError(f"{name}: the tokenizer's {AUDIO} is id {tokenizer.audio_id}, the config's "
                                   f"audio_token_index {network.config.audio_token_id}")  # fmt: skip
+        self._prompt_ids: dict[str, tuple[tuple[int, ...], int]] = {}  # prompt text -> ids, placeholder
         self.feature_spec = FeatureSpec(kind="whisper_logmel", num_bins=network.config.audio.n_mels,
                                         options={"chunk_seconds": 30})  # fmt: skip
 
@@ -133,12 +134,20 @@ class Qwen2AudioASR:
                             system_prompt=o.system_prompt, chat_template=self.chat_template)  # fmt: skip
 
     def prompt_ids(self, options: DecodingOptions | ResolvedOptions) -> tuple[list[int], int]:
-        """The prompt's token ids and the index of its one ``<|AUDIO|>`` placeholder."""
-        ids = self.tokenizer.encode(self.prompt_text(options))
-        at = [i for i, t in enumerate(ids) if t == self.tokenizer.audio_id]
-        if len(at) != 1:
-            raise InvalidRequestError(f"the prompt must hold one {AUDIO} placeholder, not {len(at)}", param="prompt")
-        return ids, at[0]
+        """The prompt's token ids and the index of its one ``<|AUDIO|>`` placeholder (kept per
+        prompt text: a batch of requests with the same options tokenizes it once)."""
+        text = self.prompt_text(options)
+        hit = self._prompt_ids.get(text)
+        if hit is None:
+            ids = self.tokenizer.encode(text)
+            at = [i for i, t in enumerate(ids) if t == self.tokenizer.audio_id]
+            if len(at) != 1:
+                raise InvalidRequestError(f"the prompt must hold one {AUDIO} placeholder, not {len(at)}",
+                                          param="prompt")  # fmt: skip
+            if len(self._prompt_ids) >= 256:  # bounded: free-form prompts differ per request
+                self._prompt_ids.pop(next(iter(self._prompt_ids)))
+            hit = self._prompt_ids[text] = (tuple(ids), at[0])
+        return list(hit[0]), hit[1]
 
     # ---------------------------------------------------------------- ASRModel
     def transcribe(self, audios: Sequence[np.ndarray], options: DecodingOptions,

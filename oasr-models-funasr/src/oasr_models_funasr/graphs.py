@@ -238,6 +238,8 @@ class ParaformerGraphs:
             fn(*static)  # warm-up outside the capture: kernels load, cuDNN plans, caches fill
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the engine's other threads (audio, features of the next batch) may use
+        # the device meanwhile; only this thread's calls are checked against the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = fn(*static)
         return graph, outputs

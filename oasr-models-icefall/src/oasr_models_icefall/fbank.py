@@ -18,9 +18,9 @@ from oasr.features.kaldi import KaldiFbank
 
 class CenteredFbankStream:
     """The framing of one stream, on the host in numpy: the stream keeps its samples, counts the
-    frames they complete, and writes the samples of any complete frames straight into a step's
-    batch buffer (one copy per stream and step; frames away from the signal's ends are a strided
-    view of the samples)."""
+    frames they complete, and writes the samples that a run of complete frames covers straight
+    into a step's batch buffer (one contiguous copy per stream and step away from the signal's
+    ends); the device cuts the frames out of it (``unfold``)."""
 
     def __init__(self, fbank: KaldiFbank) -> None:
         o = fbank.opts
@@ -55,24 +55,30 @@ class CenteredFbankStream:
             self.emitted = max(self.emitted, self.fbank.num_frames(self.received))
         return self.emitted
 
-    def write_frames(self, out: np.ndarray, first: int, n: int) -> None:
-        """The samples of frames ``first .. first + n - 1`` (complete ones), scaled, into
-        ``out[:n]`` ((n, win) rows)."""
+    def span(self, n: int) -> int:
+        """Samples that ``n`` consecutive frames cover."""
+        return (n - 1) * self.hop + self.win if n > 0 else 0
+
+    def write_span(self, out: np.ndarray, first: int, n: int) -> None:
+        """The samples that frames ``first .. first + n - 1`` (complete ones) cover, scaled, into
+        ``out[:span(n)]``: the frames are its windows every ``hop`` samples (``unfold``). Away
+        from the signal's ends this is one contiguous copy; the first frames read the signal
+        reflected at its start, the last ones (after :meth:`finish`) reflected at its end, and
+        the reflected samples are written out, so the windows stay evenly spaced."""
         if n <= 0:
             return
         start = first * self.hop - self.lead
-        end = (first + n - 1) * self.hop - self.lead + self.win
-        if start >= 0 and end <= self.received:  # no reflection: a strided view of the samples
-            b = self.buffer[start - self.buffer_start :]
-            out[:n] = np.lib.stride_tricks.as_strided(b, shape=(n, self.win), strides=(self.hop * b.itemsize, b.itemsize))
-        else:  # the first frames reflect at the start, the last ones at the end of the signal
-            idx = start + self.hop * np.arange(n)[:, None] + np.arange(self.win)[None, :]
+        end = start + self.span(n)
+        if start >= 0 and end <= self.received:
+            out[: end - start] = self.buffer[start - self.buffer_start : end - self.buffer_start]
+        else:
+            idx = np.arange(start, end)
             idx = np.where(idx < 0, -idx - 1, idx)
             total = self.received
             idx = np.where(idx >= total, 2 * total - 1 - idx, idx).clip(0, max(total - 1, 0))
-            out[:n] = self.buffer[idx - self.buffer_start]
+            out[: end - start] = self.buffer[idx - self.buffer_start]
         if self.scale != 1.0:
-            out[:n] *= np.float32(self.scale)
+            out[: end - start] *= np.float32(self.scale)
 
     def drop_before(self, frame: int) -> None:
         """Frames before ``frame`` will not be read again: free their samples."""
@@ -84,7 +90,7 @@ class CenteredFbankStream:
     def frames(self, first: int = 0, n: int | None = None) -> torch.Tensor:
         """Fbank features of complete frames ``first .. first + n - 1`` (default: all from
         ``first``), (n, dim); for checks (a stream step computes them on the model's device)."""
-        n = self.emitted - first if n is None else n
-        raw = np.zeros((max(n, 0), self.win), np.float32)
-        self.write_frames(raw, first, n)
-        return self.fbank.compute_frames(torch.from_numpy(raw))
+        n = max(self.emitted - first if n is None else n, 0)
+        samples = np.zeros(max(self.span(n), self.win), np.float32)
+        self.write_span(samples, first, n)
+        return self.fbank.compute_frames(torch.from_numpy(samples).unfold(0, self.win, self.hop)[:n])

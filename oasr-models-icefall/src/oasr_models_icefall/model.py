@@ -636,9 +636,9 @@ class _IcefallASR:
             prof.lap("gather")
         graphs = self._stream_graphs(left)
         rows = bucket(b, BATCH_BUCKETS) if graphs is not None else b
-        raw = self._raw_buffer(rows, states[0].window)  # (rows, window, win) frame samples
+        samples = self._sample_buffer(rows, states[0].fbank.span(states[0].window))  # (rows, span)
         for i, (st, (first, n)) in enumerate(zip(states, windows, strict=True)):
-            st.fbank.write_frames(raw[i], first, n)
+            st.fbank.write_span(samples[i], first, n)
             st.fbank.drop_before(first + 2 * st.chunk)  # where its next window starts
         in_step = np.zeros(b, bool)  # greedy with one symbol per frame: searched in the step
         if self.decoder_network is not None:
@@ -648,8 +648,8 @@ class _IcefallASR:
         penalty = np.zeros(rows, np.float32)
         penalty[:b] = [st.options.blank_penalty for st in states]
         dev = self.device
-        pinned = self.__dict__["_raw_store"].is_pinned()
-        inputs = (self.__dict__["_raw_tensor"].to(dev, non_blocking=pinned), torch.from_numpy(ints).to(dev),
+        pinned = self.__dict__["_sample_store"].is_pinned()
+        inputs = (self.__dict__["_sample_tensor"].to(dev, non_blocking=pinned), torch.from_numpy(ints).to(dev),
                   torch.from_numpy(penalty).to(dev))  # fmt: skip
         if pinned:  # the buffer is refilled only once this copy is done
             self._h2d_done = torch.cuda.Event()
@@ -713,28 +713,29 @@ class _IcefallASR:
         if prof is not None:
             prof.lap("search")
 
-    def _raw_buffer(self, rows: int, window: int) -> np.ndarray:
-        """A host buffer (rows, window, win) for a step's frame samples (page-locked on CUDA and
-        reused: one asynchronous copy to the device). Not zeroed: frames past a row's real ones
-        are masked on the device."""
-        shape = (rows, window, self.feature_spec.win_length)
+    def _sample_buffer(self, rows: int, span: int) -> np.ndarray:
+        """A host buffer (rows, span) for the samples a step's windows of frames cover (page-
+        locked with the CUDA-graph step, reused: one copy to the device). Not zeroed: frames past
+        a row's real ones are masked on the device."""
+        shape = (rows, span)
         n = math.prod(shape)
-        store = self.__dict__.get("_raw_store")
+        store = self.__dict__.get("_sample_store")
         if store is None or store.numel() < n:
             pinned = self.device.type == "cuda" and self.stream_cuda_graphs  # (opt-in path)
             store = torch.zeros(max(n, 2 * store.numel() if store is not None else 0), pin_memory=pinned)
-            self.__dict__["_raw_store"] = store
+            self.__dict__["_sample_store"] = store
         done = self.__dict__.pop("_h2d_done", None)
         if done is not None:  # the previous step's copy out of it has finished
             done.synchronize()
         view = store[:n].view(shape)
-        self.__dict__["_raw_tensor"] = view
+        self.__dict__["_sample_tensor"] = view
         return view.numpy()
 
-    def _chunk_compute(self, left: int, raw: torch.Tensor, ints: torch.Tensor,
+    def _chunk_compute(self, left: int, samples: torch.Tensor, ints: torch.Tensor,
                        penalty: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """The device half of a chunk step (captured as a CUDA graph on CUDA). ``raw`` (R, 2
-        chunk + 13, win): the samples of each row's window of fbank frames; ``ints`` (R, 3):
+        """The device half of a chunk step (captured as a CUDA graph on CUDA). ``samples`` (R,
+        span): the samples each row's window of ``2 chunk + 13`` fbank frames covers (frames every
+        ``hop``); ``ints`` (R, 3):
         cache slot, 1 where the row's greedy search (one symbol per frame) runs here, how many
         of the window's frames are real (the rest get icefall's ``log(1e-10)`` padding);
         ``penalty`` (R,) blank penalties. Returns the encoder output (R, chunk / 2, D) and, with
@@ -743,7 +744,8 @@ class _IcefallASR:
         pool, _, layout = self._cache_pool(left)
         tensors = pool.slot_tensors
         slots = ints[:, 0]
-        feats = self.fbank.compute_frames(raw)
+        raw = samples.unfold(-1, self.feature_spec.win_length, self.feature_spec.hop_length)
+        feats = self.fbank.compute_frames(raw)  # (R, window, F)
         real = torch.arange(raw.shape[1], device=raw.device)[None, :] < ints[:, 2:3]
         feats = torch.where(real.unsqueeze(2), feats, LOG_EPS)
         caches = layout.unpack(tensors["encoder"].index_select(0, slots), tensors["processed"].index_select(0, slots))
@@ -780,7 +782,8 @@ class _IcefallASR:
         """Inputs of a captured step's shapes that touch only the scratch slot 0."""
         rows, chunk = key
         dev = self.device
-        return (torch.zeros(rows, 2 * chunk + STREAM_PAD, self.feature_spec.win_length, device=dev),
+        span = (2 * chunk + STREAM_PAD - 1) * self.feature_spec.hop_length + self.feature_spec.win_length
+        return (torch.zeros(rows, span, device=dev),
                 torch.zeros(rows, 3, dtype=torch.long, device=dev), torch.zeros(rows, device=dev))  # fmt: skip
 
     def _stream_graphs(self, left: int) -> GraphSteps | None:

@@ -52,7 +52,7 @@ def whisper_logits(net, mel: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
         x = x + block.self_attn(block.self_attn_norm(x), cache=cache.self_kv[i], causal=True)
         x = x + block.cross_attn(block.cross_attn_norm(x), static_kv=cache.cross_kv[i])
         x = x + block.mlp(block.mlp_norm(x))
-    return dec.logits(dec.final_norm(x))  # the tied projection (int8 when asked for: test_tied.py)
+    return dec.logits(dec.final_norm(x))  # the tied projection: int8 on the CPU
 
 
 def nemo_net(seed: int = 0, head: str = "ctc"):

@@ -40,9 +40,10 @@ def whisper():
 @pytest.mark.parametrize("method", METHODS)
 def test_whisper_parity(whisper, method):
     q, ref = quantized_and_reference(whisper, method)
-    # every attention / MLP linear of both stacks; the tied output projection stays float unless
-    # asked for (test_tied.py)
-    assert _count(q) == 2 * 6 + 2 * 10 and q.decoder.output_projection is None
+    # every attention / MLP linear of both stacks, and for int8 the tied output projection
+    # (test_tied.py)
+    assert _count(q) == 2 * 6 + 2 * 10 + (method == "int8_w8a8")
+    assert (q.decoder.output_projection is not None) == (method == "int8_w8a8")
     g = torch.Generator().manual_seed(1)
     mel = torch.randn(2, 80, 3000, generator=g)
     tokens = torch.randint(0, 96, (2, 6), generator=g)

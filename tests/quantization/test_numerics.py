@@ -137,3 +137,27 @@ def test_both_cpu_int8_gemms_match_reference(monkeypatch, onednn):
         x = torch.randn(rows, 96)
         ref = reference_linear(x, q.weight_q, q.weight_scale, q.bias, q.fmt)
         assert rel_err(q(x), ref) < 1e-5
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_two_term_activations_match_reference(monkeypatch, onednn):
+    """``act_terms=2`` (the tied output projection's activations): both CPU int8 GEMMs and the
+    dequantized fallback against the float64 reference of the same two-term math, 1e-5."""
+    from oasr.layers import quantized as qmod
+    from oasr.quantization.numerics import quantize_activation_terms
+
+    monkeypatch.setattr(qmod, "_ONEDNN_INT8", [onednn])
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 64, generator=g)
+    q = qmod.QuantizedLinear.from_weight(w, torch.randn(200, generator=g), "int8_w8a8", act_terms=2)
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 64, generator=g) * 3
+        want = q(x.double())
+        for got in (q(x), q._dequantized(x, "test")):
+            assert rel_err(got, want) < 1e-5
+        stacked, scales = quantize_activation_terms(x, "int8", 2)
+        assert stacked.shape == (2 * rows, 64) and scales.shape == (2 * rows, 1)
+        # the second term is the first's rounding error, at most half a step of the first
+        assert bool((scales[rows:] * 127 <= scales[:rows] / 2 * (1 + 1e-6)).all())
+    with pytest.raises(ValueError, match="act_terms"):
+        qmod.QuantizedLinear(8, 8, "fp8_w8a8", act_terms=2)

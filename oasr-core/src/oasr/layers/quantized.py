@@ -35,6 +35,7 @@ from oasr.layers.basic import Linear, Op
 from oasr.quantization.numerics import (
     FP8_DTYPE,
     dequantize_weight,
+    quantize_activation_terms,
     quantize_activations,
     quantize_weight,
     reference_linear,
@@ -66,10 +67,16 @@ class QuantizedLinear(Op):
         smoothed: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        act_terms: int = 1,
     ) -> None:
         super().__init__()
         if method not in FORMATS:
             raise ValueError(f"unknown quantization method {method!r}; known: {', '.join(FORMATS)}")
+        if act_terms not in (1, 2) or (act_terms == 2 and FORMATS[method] != "int8"):
+            raise ValueError(f"act_terms is 1, or 2 for int8; got {act_terms} for {method}")
+        #: int8 terms per activation row: 2 adds the row's rounding error quantized again
+        #: (``x ~ s1 q1 + s2 q2``, numerics.quantize_activation_terms), both in one GEMM call
+        self.act_terms = act_terms
         self.in_features = in_features
         self.out_features = out_features
         self.method = method
@@ -102,13 +109,13 @@ class QuantizedLinear(Op):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                    input_scale: torch.Tensor | None = None) -> QuantizedLinear:  # fmt: skip
+                    input_scale: torch.Tensor | None = None, act_terms: int = 1) -> QuantizedLinear:  # fmt: skip
         """:meth:`from_linear` from a weight (N, K) and an optional bias (N,): also for a tied
         output projection, whose weight is an embedding table."""
         weight = weight.detach()
         out_features, in_features = weight.shape
-        q = cls(in_features, out_features, method, bias is not None,
-                smoothed=input_scale is not None, device=weight.device, dtype=weight.dtype)  # fmt: skip
+        q = cls(in_features, out_features, method, bias is not None, smoothed=input_scale is not None,
+                device=weight.device, dtype=weight.dtype, act_terms=act_terms)  # fmt: skip
         w = weight.float()
         if input_scale is not None:
             s = input_scale.to(device=weight.device, dtype=torch.float32)
@@ -159,7 +166,8 @@ class QuantizedLinear(Op):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if x.dtype == torch.float64:
-            return reference_linear(x, self.weight_q, self.weight_scale, self.bias, self.fmt, self.input_scale)
+            return reference_linear(x, self.weight_q, self.weight_scale, self.bias, self.fmt, self.input_scale,
+                                    self.act_terms)  # fmt: skip
         x2 = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2 = (x2.float() / self.input_scale).to(x.dtype)
@@ -176,10 +184,14 @@ class QuantizedLinear(Op):
             self._fallback_logged = True
             log.info("quantized_linear %dx%d (%s): %s; using a float32 matmul of the dequantized "
                      "values", self.out_features, self.in_features, self.method, why)  # fmt: skip
-        xq, sx = quantize_activations(x2, self.fmt)
+        xq, sx = quantize_activation_terms(x2, self.fmt, self.act_terms)
         w = dequantize_weight(self.weight_q, self.weight_scale, torch.float32)
         bias = self.bias.float() if self.bias is not None else None
-        return F.linear(xq.float() * sx, w, bias).to(x2.dtype)
+        y = F.linear(xq.float() * sx, w)
+        if self.act_terms == 2:
+            m = x2.shape[0]
+            y = y[:m] + y[m:]
+        return (y if bias is None else y + bias).to(x2.dtype)
 
     def _int8(self, x2: torch.Tensor) -> torch.Tensor:
         dev = x2.device.type
@@ -189,9 +201,12 @@ class QuantizedLinear(Op):
             return self._dequantized(x2, f"no int8 GEMM on {dev}")
         if dev == "cuda" and (k % 8 or n % 8):
             return self._dequantized(x2, "cuBLASLt's int8 GEMM needs K and N multiples of 8")
-        xq, sx = quantize_activations(x2, "int8")
-        if dev == "cuda" and m <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
-            xq = F.pad(xq, (0, 0, 0, 17 - m))
+        # two terms: (2m, K) rows, the second m the first's rounding errors; one GEMM reads the
+        # weight once for both
+        xq, sx = quantize_activation_terms(x2, "int8", self.act_terms)
+        rows = xq.shape[0]
+        if dev == "cuda" and rows <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
+            xq = F.pad(xq, (0, 0, 0, 17 - rows))
         y = _onednn_int8_gemm(self, xq) if dev == "cpu" else None
         if y is not None:  # the per-channel weight scales are applied inside
             # (a fused ``addcmul(bias, y, sx)`` would save a pass over the output, but its
@@ -199,9 +214,11 @@ class QuantizedLinear(Op):
             # tiny.en's int8 WER by 0.3 points, the size of the whole int8 budget)
             y = y.mul_(sx)
         else:
-            acc = torch._int_mm(xq, self._weight_kn() if dev == "cpu" else self.qweight.t())[:m]
+            acc = torch._int_mm(xq, self._weight_kn() if dev == "cpu" else self.qweight.t())[:rows]
             # int32 -> float32 first: a mixed int32 * float32 multiply is ~15x slower on the CPU
             y = acc.to(torch.float32).mul_(sx).mul_(self.weight_scale)
+        if self.act_terms == 2:
+            y = y[:m].add_(y[m:])
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.to(x2.dtype)
@@ -235,8 +252,9 @@ class QuantizedLinear(Op):
 
     def extra_repr(self) -> str:
         smooth = ", smoothed" if self.input_scale is not None else ""
+        terms = ", act_terms=2" if self.act_terms == 2 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, method={self.method}{smooth}")  # fmt: skip
+                f"bias={self.bias is not None}, method={self.method}{smooth}{terms}")  # fmt: skip
 
 
 #: whether oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise) works in this torch build

@@ -10,9 +10,9 @@ its own: convolutions, norms and embeddings are never ``Linear`` and stay as the
 A tied output projection (logits ``h E^T`` from the embedding table ``E``) is quantized only
 where the family asks for it: a ``quantization_tied`` mapping on the network, ``{target module
 name: embedding module name}``, makes an int8 :class:`QuantizedLinear` of the embedding's weight
-(no bias) and sets it at the target name, which the family's forward uses when it is set. The
-embedding lookup stays float. Only for ``int8_w8a8`` on the CPU, and only on request
-(:func:`tied_applies`).
+(no bias, one scale per vocabulary row, activations as two int8 terms per token: ``act_terms=2``)
+and sets it at the target name, which the family's forward uses when it is set. The embedding
+lookup stays float. Only for ``int8_w8a8`` on the CPU (:func:`tied_applies`).
 """
 
 from __future__ import annotations
@@ -99,18 +99,18 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-#: opt-in switch for quantizing tied output projections (``OASR_INT8_TIED_OUTPUT=1``)
+#: switch for quantizing tied output projections on the CPU (``OASR_INT8_TIED_OUTPUT=0``: keep
+#: them float)
 TIED_ENV = "OASR_INT8_TIED_OUTPUT"
 
 
 def tied_applies(method: str, device: torch.device | str) -> bool:
-    """Whether a family's tied output projection (``quantization_tied``) is quantized: only on
-    request (``OASR_INT8_TIED_OUTPUT=1``), for int8 on the CPU, where a decode step reads the
-    whole float table (tiny.en: 51 864 x 384 float32, 80 MB) and the int8 GEMM a quarter of it.
-    Off by default: on tiny.en it moved the int8 WER outside its +0.3-point budget
-    (docs/quantization.md). Never on CUDA (unmeasured there) nor for fp8 (a vocabulary size is
-    rarely the multiple of 16 torch's fp8 GEMM needs)."""
-    if os.environ.get(TIED_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+    """Whether a family's tied output projection (``quantization_tied``) is quantized: for int8
+    on the CPU, where a decode step reads the whole float table (tiny.en: 51 864 x 384 float32,
+    80 MB) and the int8 GEMM a quarter of it, unless ``OASR_INT8_TIED_OUTPUT=0``. Not on CUDA
+    (unmeasured there) nor for fp8 (a vocabulary size is rarely the multiple of 16 torch's fp8
+    GEMM needs)."""
+    if os.environ.get(TIED_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return False
     return method == "int8_w8a8" and torch.device(device).type == "cpu"
 
@@ -156,7 +156,7 @@ def quantize_module(
             report.kept.append(full)
             continue
         weight = net.get_submodule(source).weight
-        _set_module(net, name, QuantizedLinear.from_weight(weight, None, canonical))
+        _set_module(net, name, QuantizedLinear.from_weight(weight, None, canonical, act_terms=2))
         report.quantized.append(full)
     return report
 

@@ -28,6 +28,7 @@ __all__ = [
     "FP8_MAX",
     "INT8_MAX",
     "dequantize_weight",
+    "quantize_activation_terms",
     "quantize_activations",
     "quantize_weight",
     "reference_linear",
@@ -94,6 +95,20 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     return scaled.to(FP8_DTYPE), scale
 
 
+def quantize_activation_terms(x: torch.Tensor, fmt: str, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_activations` with ``terms`` int8 terms per row: for 2, the rounding error
+    of the first, ``r = x - s1 q1`` (float32), quantized per token the same way, so that
+    ``x ~ s1 q1 + s2 q2`` (about 14 bits per element instead of 8). Returns the terms stacked
+    (``terms * M``, K) and their scales (``terms * M``, 1): a GEMM over the stack reads the weight
+    once, and output rows ``m`` and ``M + m`` add up to row ``m``."""
+    xq, sx = quantize_activations(x, fmt)
+    if terms == 1:
+        return xq, sx
+    rest = x.float() - xq.float() * sx
+    rq, rs = quantize_activations(rest, fmt)
+    return torch.cat([xq, rq]), torch.cat([sx, rs])
+
+
 def reference_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -101,22 +116,27 @@ def reference_linear(
     bias: torch.Tensor | None,
     fmt: str,
     input_scale: torch.Tensor | None = None,
+    act_terms: int = 1,
 ) -> torch.Tensor:
     """The quantized linear in float64 (fake quantization): activations quantized per token with
-    scales computed in float64, products of the quantized values summed in float64 (exact for
-    int8), scaled in float64. ``x`` (..., K) -> (..., N) float64."""
+    scales computed in float64 (``act_terms`` 2: the rounding error quantized again, as
+    :func:`quantize_activation_terms`), products of the quantized values summed in float64
+    (exact for int8), scaled in float64. ``x`` (..., K) -> (..., N) float64."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).double()
     if input_scale is not None:
         x2 = x2 / input_scale.double()
     q = qmax(fmt)
-    sx = (x2.abs().amax(dim=1, keepdim=True) / q).clamp_min(_TINY)
-    if fmt == "int8":
-        xq = (x2 / sx).round().clamp(-q, q)
-    else:
-        xq = (x2 / sx).clamp(-q, q).to(FP8_DTYPE).double()
     wq = qweight.double()
-    y = (xq @ wq.t()) * sx * weight_scale.double()[None, :]
+    y = torch.zeros(x2.shape[0], wq.shape[0], dtype=torch.float64, device=x2.device)
+    for _ in range(act_terms):
+        sx = (x2.abs().amax(dim=1, keepdim=True) / q).clamp_min(_TINY)
+        if fmt == "int8":
+            xq = (x2 / sx).round().clamp(-q, q)
+        else:
+            xq = (x2 / sx).clamp(-q, q).to(FP8_DTYPE).double()
+        y = y + (xq @ wq.t()) * sx * weight_scale.double()[None, :]
+        x2 = x2 - xq * sx
     if bias is not None:
         y = y + bias.double()
     return y.reshape(*shape[:-1], wq.shape[0])

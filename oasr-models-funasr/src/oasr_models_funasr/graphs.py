@@ -9,9 +9,9 @@ two up to 8 and to a multiple of 8 above, the frames to a multiple of ``FRAME_ST
 (about a second), the tokens to a multiple of ``TOKEN_STEP``. A call copies its inputs into the
 bucket's static inputs (rows and frames past the input zero, padded rows one frame long),
 replays, and returns copies of its rows and frames of the static outputs. Padding never reaches
-a row's values: attention masks padded keys, the FSMN memory zeroes padded frames before and
-after its convolution, everything else is per frame, and the predictor zeroes the weights past
-each length (what lets the eager path batch rows of different lengths). Only the matrix
+a row's values: attention masks padded keys, the FSMN memory zeroes padded frames before its
+convolution (what it leaves in padded frames reaches only padded frames), everything else is
+per frame, and the predictor zeroes the weights past each length (what lets the eager path batch rows of different lengths). Only the matrix
 products see other shapes, which may pick other GEMM kernels: results agree with the eager path
 to float rounding (tests/funasr/test_gpu.py compares both).
 
@@ -63,7 +63,7 @@ def round_up(n: int, step: int) -> int:
 def batch_bucket(n: int) -> int:
     """1, 2, 4, 8, then multiples of 8."""
     if n <= 8:
-        return 1 << max(0, (n - 1).bit_length())
+        return 1 << (max(n, 1) - 1).bit_length()
     return round_up(n, 8)
 
 

@@ -857,6 +857,10 @@ class _CacheLayout:
     shapes: tuple[tuple[int, ...], ...]  # per cache tensor, without the batch dimension
     offsets: tuple[int, ...]  # first element of each in the row, then the row's length
 
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
+
     @classmethod
     def of(cls, caches: StreamCaches) -> _CacheLayout:
         shapes = tuple(tuple(t.shape[1:]) for t in _flatten_caches(caches))
@@ -870,8 +874,9 @@ class _CacheLayout:
 
     def unpack(self, flat: torch.Tensor, processed: torch.Tensor) -> StreamCaches:
         """:meth:`pack` reversed: views of ``flat`` (B, row), no copies."""
-        o = self.offsets
-        parts = iter([flat[:, o[i] : o[i + 1]].view(flat.shape[0], *s) for i, s in enumerate(self.shapes)])
+        b = flat.shape[0]
+        pieces = flat.split(self.sizes, dim=1)  # one op for all the column ranges
+        parts = iter([p.view(b, *s) for p, s in zip(pieces, self.shapes, strict=True)])
         embed = next(parts)
         layers = [[[next(parts) for _ in layer] for layer in stack] for stack in self.like.layers]
         return StreamCaches(embed, layers, processed)

@@ -505,8 +505,16 @@ class SimpleDownsample(nn.Module):
         x = _hold_last(x, lengths)
         if n * ds > t:
             x = torch.cat([x, x[:, -1:].expand(b, n * ds - t, c)], dim=1)
-        w = self.bias.softmax(dim=0).to(x.dtype)
-        return (x.reshape(b, n, ds, c) * w[None, None, :, None]).sum(dim=2)
+        return (x.reshape(b, n, ds, c) * self._weights(x.dtype)).sum(dim=2)
+
+    def _weights(self, dtype: torch.dtype) -> torch.Tensor:
+        """softmax(bias) as (ds, 1) in ``dtype``, kept while the parameter is unchanged."""
+        p = self.bias
+        key = (p.data_ptr(), p._version, p.device, dtype)
+        last = self.__dict__.get("_w")
+        if last is None or last[0] != key:
+            last = self.__dict__["_w"] = (key, p.softmax(dim=0).to(dtype).unsqueeze(1))
+        return last[1]
 
 
 class DownsampledStack(nn.Module):

@@ -649,8 +649,9 @@ class _IcefallASR:
         penalty[:b] = [st.options.blank_penalty for st in states]
         dev = self.device
         pinned = self.__dict__["_sample_store"].is_pinned()
-        inputs = (self.__dict__["_sample_tensor"].to(dev, non_blocking=pinned), torch.from_numpy(ints).to(dev),
-                  torch.from_numpy(penalty).to(dev))  # fmt: skip
+        # the eager step skips the blank-penalty op when no stream has one (a graph's inputs are fixed)
+        pen = torch.from_numpy(penalty).to(dev) if graphs is not None or penalty.any() else None
+        inputs = (self.__dict__["_sample_tensor"].to(dev, non_blocking=pinned), torch.from_numpy(ints).to(dev), pen)
         if pinned:  # the buffer is refilled only once this copy is done
             self._h2d_done = torch.cuda.Event()
             self._h2d_done.record()
@@ -738,7 +739,7 @@ class _IcefallASR:
         ``hop``); ``ints`` (R, 3):
         cache slot, 1 where the row's greedy search (one symbol per frame) runs here, how many
         of the window's frames are real (the rest get icefall's ``log(1e-10)`` padding);
-        ``penalty`` (R,) blank penalties. Returns the encoder output (R, chunk / 2, D) and, with
+        ``penalty`` (R,) blank penalties (None: all zero; the eager step's shortcut). Returns the encoder output (R, chunk / 2, D) and, with
         a transducer head, (R, 2, chunk / 2): each frame's token (-1: none) and log-probability,
         as the core's device greedy search (``TransducerGreedySearch`` on CUDA) computes them."""
         pool, _, layout = self._cache_pool(left)
@@ -762,21 +763,25 @@ class _IcefallASR:
         frames = self.net.joiner.encoder_proj(out)
         blank = self.blank_id
         blanks = torch.full_like(slots, blank)
-        tokens, logps = [], []
-        for t in range(out.shape[1]):
-            logits = net.join(frames[:, t], dec).float()
-            logits[:, blank] -= penalty
+        bests, all_logits = [], []
+        for frame in frames.unbind(1):
+            logits = net.join(frame, dec).float()
+            if penalty is not None:
+                logits[:, blank] -= penalty
             best = logits.argmax(dim=-1)
-            logps.append(logits.log_softmax(dim=-1).gather(1, best.unsqueeze(1)).squeeze(1))
             emit = best != blank
-            tokens.append(torch.where(emit, best, -1))
             d, s = net.predict(torch.where(emit, best, blanks), state)
             state = net.merge_state(state, s, emit)
             dec = torch.where(emit.unsqueeze(1), d.to(dec.dtype), dec)
+            bests.append(best)
+            all_logits.append(logits)
         use = ints[:, 1].bool().unsqueeze(1)  # other rows keep their decoder state
         dec_state.index_copy_(0, slots, torch.where(use, state, state0))
         dec_out.index_copy_(0, slots, torch.where(use, dec, d0))
-        return out, torch.stack([torch.stack(tokens, 1).to(torch.float32), torch.stack(logps, 1)], 1)
+        best = torch.stack(bests, 1)  # (R, T): the frames' log-probabilities in one pass
+        logps = torch.stack(all_logits, 1).log_softmax(dim=-1).gather(2, best.unsqueeze(2)).squeeze(2)
+        tokens = torch.where(best != blank, best, -1).to(torch.float32)
+        return out, torch.stack([tokens, logps], 1)
 
     def _graph_inputs(self, left: int, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         """Inputs of a captured step's shapes that touch only the scratch slot 0."""

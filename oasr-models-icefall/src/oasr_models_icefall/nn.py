@@ -239,10 +239,9 @@ class AttentionWeights(nn.Module):
     def _scores(self, x: torch.Tensor, pos: torch.Tensor, cached_key: torch.Tensor | None):
         b, t, _ = x.shape
         h, dq, dp = self.heads, self.qdim, self.pdim
-        x = self.in_proj(x)
-        q = x[..., : h * dq].reshape(b, t, h, dq).transpose(1, 2)
-        k = x[..., h * dq : 2 * h * dq]
-        p = x[..., 2 * h * dq :].reshape(b, t, h, dp).transpose(1, 2)
+        q, k, p = self.in_proj(x).split([h * dq, h * dq, h * dp], dim=-1)
+        q = q.reshape(b, t, h, dq).transpose(1, 2)
+        p = p.reshape(b, t, h, dp).transpose(1, 2)
         new_key = None
         if cached_key is not None:
             k = torch.cat([cached_key, k], dim=1)

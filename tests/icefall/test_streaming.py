@@ -264,3 +264,17 @@ def test_mixed_searches_share_a_step(causal_release, ws, graphs) -> None:
     alone = [run([o])[0] for o in kinds]
     assert together == alone
     assert len({tuple(t) for t in alone}) >= 3  # the searches differ
+
+
+def test_capture_stream_graphs_ahead(causal_release, ws) -> None:
+    """capture_stream_graphs captures every bucket up to the batch size before serving (simulated
+    on the CPU), so steps of 1..8 streams replay without capturing."""
+    model = load_model(EngineConfig(ckpt_dir=str(causal_release[1])))
+    model.stream_cuda_graphs = model._simulate_stream_graphs = True
+    assert model.capture_stream_graphs(8) == 4  # buckets 1, 2, 4, 8
+    states = [model.new_stream(DecodingOptions()) for _ in range(3)]
+    model.stream_step(states, [w[:12000] for w in ws], [False] * 3)
+    stats = model.stream_occupancy()
+    assert stats["graph_captures"] == 4 and stats["graph_replays"] == 1
+    model.stream_cuda_graphs = False  # off: steps run eagerly, nothing replayed
+    assert model.capture_stream_graphs(8) == 0

@@ -8,6 +8,10 @@
 #
 #   OUT=/tmp/out BASELINE=.gpu_baseline scripts/gpu_check.sh [tests|bench|families|all]
 #   FAMILIES="icefall nemo" scripts/gpu_check.sh families   # some of the family benchmarks
+#   PENDING="icefall qwen" scripts/gpu_check.sh pending     # checks written without a GPU
+# ``pending`` runs scripts/gpu_pending/<name>.sh: the GPU tests and benchmarks of work done in a
+# session without device time (each <= 120 s, writing under $OUT/<name>/, expected results in
+# its comments). Once a check has run and its result is in docs/benchmarks.md, delete its file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
@@ -63,5 +67,17 @@ if [ "$WHAT" = families ] || [ "$WHAT" = all ]; then
                     tail -5 "$OUT/funasrbench.log" ;;
             qwen) family_bench qwen --json "$OUT/qwenbench.json" ;;
         esac
+    done
+fi
+
+if [ "$WHAT" = pending ]; then
+    export PYTHONPATH="$HERE_PATH" OUT
+    for f in scripts/gpu_pending/*.sh; do
+        name=$(basename "$f" .sh)
+        case " ${PENDING:-$name} " in *" $name "*) ;; *) continue ;; esac
+        mkdir -p "$OUT/$name"
+        echo "== pending check $name"
+        timeout 150 bash -x "$f" > "$OUT/$name/log.txt" 2>&1
+        echo "rc=$?"; tail -30 "$OUT/$name/log.txt"
     done
 fi

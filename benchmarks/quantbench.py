@@ -7,8 +7,9 @@ implementations, in one call.
     python -m benchmarks.quantbench device --shape tiny --requests 16 --batch 8   # a quick look
     python -m benchmarks.asrbench --workload quant --device cuda   # the same as "device"
 
-``cpu``: the whole ``oasr transcribe`` process (``--compute-type int8``: int8_w8a8 linears) and
-the whole faster-whisper process (``compute_type="int8"``), in turn, on the same CTranslate2
+``cpu``: the whole ``oasr transcribe`` process (``--compute-type int8``: int8_w8a8 linears and
+the int8 tied output projection; ``OASR_INT8_TIED_OUTPUT=0`` in the environment keeps that one
+float) and the whole faster-whisper process (``compute_type="int8"``), in turn, on the same CTranslate2
 tiny.en weights (the CLI's default model), the same nine English files (benchmarks/cpubench.py's
 ``short`` set), the same thread count, greedy decoding with each tool's defaults otherwise.
 Optionally the float sides too (``--float``). The report gives median wall seconds, CPU seconds

@@ -202,9 +202,9 @@ class WhisperNet(nn.Module):
         #: step per token cannot resolve (tiny.en CPU int8 WER +0.57 points with it quantized,
         #: +0.28 without)
         self.quantization_keep = (f"encoder.layers.{dims.n_audio_layer - 1}.mlp.fc2",)
-        #: the tied output projection, quantized as a linear of its own (int8 per vocabulary row;
-        #: docs/quantization.md): on the CPU it reads 51 864 x d float32 weights every decode
-        #: step, the largest single read of a step
+        #: the tied output projection, quantized as a linear of its own for int8 on the CPU (one
+        #: scale per vocabulary row, two-term activations; docs/quantization.md): in float32 a
+        #: decode step reads 51 864 x d weights there, the largest single read of a step
         self.quantization_tied = {"decoder.output_projection": "decoder.embed_tokens"}
 
     # -- WhisperNetwork ---------------------------------------------------------------------

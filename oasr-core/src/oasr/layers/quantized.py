@@ -4,8 +4,9 @@ It holds the quantized weight (``qweight`` (N, K): int8, or float8 e4m3 stored a
 model-wide ``.half()`` / ``.double()`` cannot convert it), one float32 scale per output channel
 (``weight_scale``), the bias in the compute dtype, and optionally a per-input-channel
 ``input_scale`` (SmoothQuant's divisor, when it could not be folded into the layer before).
-Activations are quantized per token on every call. The math and its float64 reference are in
-:mod:`oasr.quantization.numerics`.
+Activations are quantized per token on every call (``act_terms=2``, int8 only: two int8 terms
+per token, the second quantizing the first's rounding error; a tied output projection uses it).
+The math and its float64 reference are in :mod:`oasr.quantization.numerics`.
 
 GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every op):
 

@@ -1,4 +1,4 @@
-"""oasr.features._common.padded_batch: the one way families move a batch of waveforms to the
+"""oasr.features.batching.padded_batch: the one way families move a batch of waveforms to the
 model's device (zero-padded, lengths beside it)."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oasr.errors import InvalidRequestError
-from oasr.features._common import padded_batch
+from oasr.features.batching import padded_batch
 
 
 def _waves(seed: int, sizes: list[int]) -> list[np.ndarray]:

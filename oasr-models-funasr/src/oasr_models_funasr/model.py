@@ -35,7 +35,7 @@ import torch
 from oasr.audio import as_mono_waveform
 from oasr.decoders.cif import add_tail, cif_cumsum, cif_loop, cif_timestamps
 from oasr.errors import CheckpointError
-from oasr.features._common import padded_batch
+from oasr.features.batching import padded_batch
 from oasr.features.funasr import FunASRFbankLFR
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback

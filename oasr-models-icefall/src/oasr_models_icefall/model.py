@@ -354,7 +354,7 @@ class _IcefallASR:
     # -- encoder ----------------------------------------------------------------------------
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """icefall's decoding features: (B, T, 80) padded with log(1e-10), and frame counts."""
-        from oasr.features._common import padded_batch
+        from oasr.features.batching import padded_batch
 
         x, lengths = padded_batch(waves, self.device)  # fbank on the model's device
         feats, lens = self.fbank.extract(x, lengths)

@@ -166,7 +166,7 @@ class NemoASR:
     def features(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """NeMo mel of a batch, computed on the model's device (the padded batch through core's
         reused page-locked buffer on CUDA)."""
-        from oasr.features._common import padded_batch
+        from oasr.features.batching import padded_batch
 
         batch, lengths = padded_batch(waves, self.net.device)
         return self.mel.extract(batch, lengths)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from oasr.errors import CheckpointError, InvalidRequestError
-from oasr.features._common import as_batch, mask_frames
+from oasr.features.batching import as_batch, mask_frames
 from oasr.features.kaldi import KaldiFbank, KaldiFbankStream
 from oasr.types import FeatureSpec
 

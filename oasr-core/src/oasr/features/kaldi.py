@@ -29,14 +29,8 @@ import numpy as np
 import torch
 
 from oasr.errors import InvalidRequestError, UnsupportedOptionError
-from oasr.features._common import (
-    FLT_EPSILON,
-    as_batch,
-    kaldi_mel_banks_np,
-    kaldi_window,
-    mask_frames,
-    next_pow2,
-)
+from oasr.features._common import FLT_EPSILON, kaldi_mel_banks_np, kaldi_window, next_pow2
+from oasr.features.batching import as_batch, mask_frames
 from oasr.types import FeatureSpec
 
 

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from oasr.errors import InvalidRequestError, UnsupportedOptionError
-from oasr.features._common import as_batch, mask_frames, slaney_mel_filters_np
+from oasr.features._common import slaney_mel_filters_np
+from oasr.features.batching import as_batch, mask_frames
 from oasr.types import FeatureSpec
 
 NORM_EPS = 1e-5

@@ -119,7 +119,7 @@ class WhisperLogMel:
         Frame counts are informational: Whisper consumes fixed 30 s windows, so the features are
         not masked (padding is silence, exactly as openai-whisper pads).
         """
-        from oasr.features._common import as_batch
+        from oasr.features.batching import as_batch
 
         x, lens, _ = as_batch(audio, lengths)
         mel = log_mel_spectrogram(x, self.n_mels)

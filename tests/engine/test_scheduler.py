@@ -227,3 +227,22 @@ def test_engine_submit_many_shares_one_batch():
     assert [f.result(timeout=10).text for f in futures] == ["1", "2", "3"]
     assert model.batches == [[1, 2, 3]]
     eng.shutdown()
+
+
+def test_on_step_runs_before_the_step_answers_its_callers():
+    """The server's batch metrics are recorded by ``on_step``: a caller that has its answer must
+    find its step there, so the hook sees the step's count before any future resolves, and a
+    failing hook loses no answer."""
+    ex = FakeExecutor(capacity=4)
+    s = Scheduler(ex, SchedulerConfig(max_batch_size=4))
+    futures = [s.submit(_audio(1), DecodingOptions(), f"r{k}") for k in range(3)]
+    seen: list[tuple[int, int, list[bool]]] = []
+
+    def hook(sched: Scheduler) -> None:
+        seen.append((sched.last_step_finished, sched.executor.num_running, [f.done() for f in futures]))
+        raise RuntimeError("a broken metrics hook")
+
+    s.on_step = hook
+    assert s.step() == 3
+    assert seen == [(3, 0, [False, False, False])]
+    assert [f.result().text for f in futures] == ["r0", "r1", "r2"]

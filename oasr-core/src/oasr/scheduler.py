@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,8 @@ __all__ = [
     "SchedulerConfig",
     "executor_for",
 ]
+
+log = logging.getLogger("oasr.scheduler")
 
 
 class RequestAbortedError(OASRError):
@@ -270,7 +273,11 @@ class Scheduler:
         self._aborting: list[Request] = []
         #: most requests waiting for admission seen (introspection / tests)
         self.stats: dict[str, int] = {"max_running": 0, "max_wait_steps_seen": 0}
+        #: called after each step, before that step's results reach their callers (so a
+        #: caller that got its answer also sees the step in the metrics the hook records)
         self.on_step: Callable[[Scheduler], None] | None = None
+        #: requests the last step finished (answered or failed), for ``on_step``
+        self.last_step_finished = 0
 
     # -- submission (any thread) ---------------------------------------------------------------
     def submit(self, audio: np.ndarray, options: DecodingOptions, rid: str | None = None) -> Future:
@@ -421,6 +428,7 @@ class Scheduler:
         with self._step_lock:
             self._free_aborted()
             self._admit()
+            failed: list[tuple[Request, BaseException]] = []
             try:
                 done = self.executor.step()
             except Exception as exc:  # noqa: BLE001 - the executor lost its batch: fail it
@@ -429,16 +437,20 @@ class Scheduler:
                     self._running.clear()
                 for r in running:
                     self.executor.abort(r)
-                    self._finish(r, exc)
+                    failed.append((r, exc))
                 done = []
             with self._lock:
                 for r, _ in done:
                     self._running.pop(r.rid, None)
                 self.step_count += 1
-            for r, result in done:
-                self._finish(r, result)
+            self.last_step_finished = len(done) + len(failed)
             if self.on_step is not None:
-                self.on_step(self)
+                try:
+                    self.on_step(self)
+                except Exception:  # noqa: BLE001 - a metrics hook never loses an answer
+                    log.exception("scheduler on_step hook failed")
+            for r, result in [*failed, *done]:
+                self._finish(r, result)
             return len(done)
 
     def run_until_idle(self) -> None:

@@ -95,7 +95,6 @@ class EngineWorker:
         self.max_queue = max_queue
         self._slots = threading.Condition()
         self._engine_active = 0
-        self._inputs_finished = 0
         self._queue: queue.Queue[Any] = queue.Queue()
         self._on_batch = on_batch
         self._thread: threading.Thread | None = None
@@ -200,14 +199,14 @@ class EngineWorker:
             return
         sched = self.engine.scheduler  # builds the scheduler and its executor
         last = [time.monotonic()]
-        seen = [0]
         on_batch = self._on_batch
 
         def on_step(s: Any) -> None:
-            # the requests in the engine during this step: still running + finished by it
+            # the requests in the engine during this step: still running + finished by it (the
+            # hook runs before the finished ones are answered, so a client that has its answer
+            # finds its step in the metrics)
             now = time.monotonic()
-            finished, seen[0] = self._inputs_finished - seen[0], self._inputs_finished
-            running = s.executor.num_running + finished
+            running = s.executor.num_running + s.last_step_finished
             try:
                 if running:
                     on_batch(running, now - last[0])
@@ -281,7 +280,6 @@ class EngineWorker:
 
         def on_done(k: int, fut: Any) -> None:
             exc = fut.exception()
-            self._inputs_finished += 1  # read by the step metrics (same scheduler thread)
             with lock:
                 if exc is not None:
                     errors.append(exc)

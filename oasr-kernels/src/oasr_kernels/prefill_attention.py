@@ -125,7 +125,8 @@ def paged_prefill_attention_cuda(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
     return NotImplemented if out is None else out
 
 
-def _make(shape: dict, dtype: torch.dtype, device: torch.device):
+def _tuning_inputs(shape: dict, dtype: torch.dtype, device: torch.device) -> tuple:
+    """Random (q, k_pool, v_pool, block_tables, lengths) of a tuning shape, blocks shuffled."""
     b, h, t, d, bs = (int(shape[n]) for n in ("batch", "heads", "tokens", "head_dim", "block_size"))
     nb = -(-t // bs)
     q = torch.randn(b, h, t, d, device=device, dtype=dtype)
@@ -133,19 +134,18 @@ def _make(shape: dict, dtype: torch.dtype, device: torch.device):
     v = torch.randn_like(k)
     tables = torch.randperm(b * nb, device=device).view(b, nb)
     lengths = torch.full((b,), t, dtype=torch.long, device=device)
+    return q, k, v, tables, lengths
+
+
+def _make(shape: dict, dtype: torch.dtype, device: torch.device):
+    q, k, v, tables, lengths = _tuning_inputs(shape, dtype, device)
     return lambda p: launch(q, k, v, tables, lengths, None, p)
 
 
 def _native(shape: dict, dtype: torch.dtype, device: torch.device):
     import oasr.layers as L
 
-    b, h, t, d, bs = (int(shape[n]) for n in ("batch", "heads", "tokens", "head_dim", "block_size"))
-    nb = -(-t // bs)
-    q = torch.randn(b, h, t, d, device=device, dtype=dtype)
-    k = torch.randn(b * nb, bs, h, d, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    tables = torch.randperm(b * nb, device=device).view(b, nb)
-    lengths = torch.full((b,), t, dtype=torch.long, device=device)
+    q, k, v, tables, lengths = _tuning_inputs(shape, dtype, device)
 
     def run():
         old = L.set_overrides_enabled(False)

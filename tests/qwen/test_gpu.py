@@ -19,10 +19,10 @@ def _chat_text(processor) -> str:
     return processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
 
 
-def test_greedy_parity_on_cuda(qwen_chat_dir, clips):
+def _transformers_greedy(qwen_chat_dir, audios) -> list[list[int]]:
+    """The reference: each clip's greedy tokens from transformers' generate in float32 on the
+    device, up to (not including) the first stop token."""
     transformers = pytest.importorskip("transformers")
-    from oasr.checkpoint import load_model
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     hf = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(qwen_chat_dir, dtype=torch.float32)
@@ -30,12 +30,19 @@ def test_greedy_parity_on_cuda(qwen_chat_dir, clips):
     processor = transformers.AutoProcessor.from_pretrained(qwen_chat_dir)
     stops = set(hf.generation_config.eos_token_id)
     want = []
-    for c in clips:
+    for c in audios:
         inputs = processor(text=_chat_text(processor), audio=[c], sampling_rate=16000, return_tensors="pt").to("cuda")
         with torch.no_grad():
             out = hf.generate(**inputs, max_new_tokens=N_NEW, do_sample=False)[0, inputs["input_ids"].shape[1] :]
         new = out.tolist()
         want.append(new[: next((i for i, t in enumerate(new) if t in stops), len(new))])
+    return want
+
+
+def test_greedy_parity_on_cuda(qwen_chat_dir, clips):
+    from oasr.checkpoint import load_model
+
+    want = _transformers_greedy(qwen_chat_dir, clips)
     ours = load_model(EngineConfig(ckpt_dir=str(qwen_chat_dir), device="cuda", dtype="float32"))
     got = ours.transcribe(clips, DecodingOptions(max_new_tokens=N_NEW))
     assert [t.segments[0].tokens for t in got] == want
@@ -69,27 +76,14 @@ def test_whole_30s_windows_parity_on_cuda(qwen_chat_dir, clips):
     equal to transformers' generate."""
     import numpy as np
 
-    transformers = pytest.importorskip("transformers")
     from oasr.checkpoint import load_model
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     rng = np.random.default_rng(5)
     t = np.arange(16000 * 30) / 16000
     batch = [(0.3 * np.sin(2 * np.pi * f * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
              for f in (250.0, 390.0)]  # fmt: skip
     batch.insert(1, clips[0])
-    hf = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(qwen_chat_dir, dtype=torch.float32)
-    hf = hf.cuda().eval()
-    processor = transformers.AutoProcessor.from_pretrained(qwen_chat_dir)
-    stops = set(hf.generation_config.eos_token_id)
-    want = []
-    for c in batch:
-        inputs = processor(text=_chat_text(processor), audio=[c], sampling_rate=16000, return_tensors="pt").to("cuda")
-        with torch.no_grad():
-            out = hf.generate(**inputs, max_new_tokens=N_NEW, do_sample=False)[0, inputs["input_ids"].shape[1] :]
-        new = out.tolist()
-        want.append(new[: next((i for i, t in enumerate(new) if t in stops), len(new))])
+    want = _transformers_greedy(qwen_chat_dir, batch)
     ours = load_model(EngineConfig(ckpt_dir=str(qwen_chat_dir), device="cuda", dtype="float32"))
     got = ours.transcribe(batch, DecodingOptions(max_new_tokens=N_NEW))
     assert [g.segments[0].tokens for g in got] == want

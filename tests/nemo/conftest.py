@@ -176,3 +176,15 @@ def waves() -> list[np.ndarray]:
         env = 0.05 + 0.2 * np.abs(np.sin(np.linspace(0, 9 * seconds, n)))
         out.append((rng.standard_normal(n) * env).astype(np.float32))
     return out
+
+
+@pytest.fixture
+def exact_float32():
+    """float32 comparisons on CUDA with TF32 off (PyTorch's cuDNN default is TF32 convolutions);
+    the GPU test modules use it through ``pytest.mark.usefixtures``."""
+    import torch
+
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old

@@ -13,19 +13,10 @@ from oasr.types import DecodingOptions, EngineConfig
 
 from .conftest import BLANK, SR, reference_missing  # noqa: TID252
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(reference_missing() is not None,
                                  reason=f"reference: {reference_missing()}")]
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32():
-    """float32 comparisons with TF32 off (PyTorch's cuDNN default is TF32 convolutions)."""
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _tokens(transcripts) -> list[list[int]]:

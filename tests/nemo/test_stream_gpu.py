@@ -15,15 +15,7 @@ import torch
 
 from oasr.types import DecodingOptions, EngineConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32():
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32"), pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _model(hf_checkpoints, dtype: str):  # noqa: ANN202

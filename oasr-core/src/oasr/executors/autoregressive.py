@@ -228,9 +228,6 @@ class AttentionContext:
         self.rows = rows  # cross-pool rows: an int n for rows [0, n), or indices (B,)
         #: embeddings given for some inputs: (flat indices into B*T, vectors (n, d)), or None
         self.embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: the new tokens are each row's whole sequence (a prefill from position 0): attention
-        #: reads their keys/values as given instead of back from the pools
-        self.fresh = False
 
     def input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder inputs ``x`` (B, T, d) (token embeddings) with the given embeddings in
@@ -260,11 +257,10 @@ class AttentionContext:
             return paged_prefill_attention(q, k_pool, v_pool, tables, self.lengths)
         if t == 1:
             return paged_decode_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
-        if self.fresh:  # causal attention over the new keys/values themselves (flash / cuDNN)
-            return _causal_attention(q, k.reshape(b, t, cache.num_heads, cache.head_dim),
-                                     v.reshape(b, t, cache.num_heads, cache.head_dim))  # fmt: skip
-        # the new tokens are each row's last t (lengths[b] - t earlier keys in the pools)
-        return paged_prefill_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
+        # t > 1 only in a prefill from position 0 (``_prefill``): causal attention over the new
+        # keys/values as computed (flash / cuDNN), not read back from the pools
+        return _causal_attention(q, k.reshape(b, t, cache.num_heads, cache.head_dim),
+                                 v.reshape(b, t, cache.num_heads, cache.head_dim))  # fmt: skip
 
     def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This batch's rows of the cross-attention pools of ``layer``: K, V (B, frames, width)."""
@@ -621,7 +617,6 @@ class AutoregressiveExecutor:
             lengths = torch.full((len(rows),), t, dtype=torch.long, device=self.device)
             ctx = AttentionContext(self, positions, slots, tables, lengths, torch.tensor(idx, device=self.device))
             ctx.embeds = self._prompt_embeds(rows, t)
-            ctx.fresh = not self.cache.fp8  # fp8: prefill attends over the quantized pools
             logits = self.step_model.forward(tokens, positions, ctx)
             self.driver.prefilled(rows, logits)
             last = logits[:, -1].float().clone()

@@ -671,7 +671,7 @@ class _IcefallASR:
                 else:
                     outs = graphs.run(key, pool.generation, *inputs)
             if outs is None:
-                outs = self._chunk_compute(left, *inputs)
+                outs = self._chunk_compute(left, *inputs, search=bool(in_step.any()))
             out = outs[0][:b]
             if prof is not None:
                 prof.lap("encoder")
@@ -733,7 +733,7 @@ class _IcefallASR:
         return view.numpy()
 
     def _chunk_compute(self, left: int, samples: torch.Tensor, ints: torch.Tensor,
-                       penalty: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+                       penalty: torch.Tensor, search: bool = True) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """The device half of a chunk step (captured as a CUDA graph on CUDA). ``samples`` (R,
         span): the samples each row's window of ``2 chunk + 13`` fbank frames covers (frames every
         ``hop``); ``ints`` (R, 3):
@@ -741,7 +741,9 @@ class _IcefallASR:
         of the window's frames are real (the rest get icefall's ``log(1e-10)`` padding);
         ``penalty`` (R,) blank penalties (None: all zero; the eager step's shortcut). Returns the encoder output (R, chunk / 2, D) and, with
         a transducer head, (R, 2, chunk / 2): each frame's token (-1: none) and log-probability,
-        as the core's device greedy search (``TransducerGreedySearch`` on CUDA) computes them."""
+        as the core's device greedy search (``TransducerGreedySearch`` on CUDA) computes them.
+        ``search`` False (the eager step's shortcut when no row's greedy search runs here):
+        only the encoder output, the decoder states untouched."""
         pool, _, layout = self._cache_pool(left)
         tensors = pool.slot_tensors
         slots = ints[:, 0]
@@ -755,7 +757,7 @@ class _IcefallASR:
         tensors["encoder"].index_copy_(0, slots, flat)
         tensors["processed"].index_copy_(0, slots, processed)
         net = self.decoder_network
-        if net is None:
+        if net is None or not search:  # (a graph always searches: its shapes are fixed)
             return (out,)
         dec_state, dec_out = tensors["dec_state"], tensors["dec_out"]  # by slot
         state0, d0 = dec_state.index_select(0, slots), dec_out.index_select(0, slots)

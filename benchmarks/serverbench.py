@@ -147,17 +147,21 @@ def start_server(
 
 
 def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import httpx
+    """Poll ``/readyz`` until 200; the server's stderr tail if it exits first. (The standard
+    library's client: the GPU machine has no httpx.)"""
+    import urllib.error
+    import urllib.request
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"oasr-server exited with {proc.returncode}: {err[-2000:]}")
+            raise RuntimeError(f"oasr-server exited with {proc.returncode}: {err[-3000:]}")
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.2)
     raise RuntimeError("oasr-server did not become ready")

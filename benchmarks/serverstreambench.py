@@ -70,6 +70,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.serverbench import metric, wait_ready
+from benchmarks.streambench import _pct
+
 REPO = Path(__file__).resolve().parents[1]
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 DELTA = "conversation.item.input_audio_transcription.delta"
@@ -121,10 +124,6 @@ class Report:
     @property
     def ok(self) -> bool:
         return not self.mismatches
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
 
 
 # -- checkpoint and audio --------------------------------------------------------------------------
@@ -253,25 +252,6 @@ def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: in
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("OASR_")}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"oasr-server exited with {proc.returncode}: {err[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("oasr-server did not become ready")
 
 
 def _raise_open_files(need: int) -> None:
@@ -496,12 +476,6 @@ class Clients:
 
 
 # -- one run ---------------------------------------------------------------------------------------
-def _metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    from benchmarks.serverbench import metric
-
-    return metric(text, name, labels)
-
-
 def uploads_in_threads(base: str, blobs: list[bytes], delay: float) -> tuple[list, Any]:
     """Start the uploads ``delay`` seconds from now, all at once, in threads; returns the list
     that fills with ``(k, status, text, seconds)`` and the executor (shut it down to wait)."""
@@ -589,7 +563,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                             switch_interval_ms=switch_interval_ms)  # fmt: skip
         group = None
         try:
-            wait_ready(base, proc)
+            wait_ready(base, proc, timeout=180.0)
             # phases spread over one model chunk: independent streams' chunks become ready
             # evenly over time, not all in the same client chunk
             group = Clients(clients, port, streams, seconds, sr, chunk, model_chunk_s)
@@ -671,23 +645,23 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         else:
             uploads_equal += 1
     leftover = {
-        "oasr_streams_active": _metric(after, "oasr_streams_active"),
-        "oasr_engine_streams": _metric(after, "oasr_engine_streams"),
-        "oasr_stream_cache_streams": _metric(after, "oasr_stream_cache", {"kind": "streams"}),
-        "oasr_stream_cache_blocks_used": _metric(
+        "oasr_streams_active": metric(after, "oasr_streams_active"),
+        "oasr_engine_streams": metric(after, "oasr_engine_streams"),
+        "oasr_stream_cache_streams": metric(after, "oasr_stream_cache", {"kind": "streams"}),
+        "oasr_stream_cache_blocks_used": metric(
             after, "oasr_stream_cache", {"kind": "blocks_used"}
         ),
-        "oasr_queue_depth": _metric(after, "oasr_queue_depth"),
-        "oasr_engine_in_flight": _metric(after, "oasr_engine_in_flight"),
+        "oasr_queue_depth": metric(after, "oasr_queue_depth"),
+        "oasr_engine_in_flight": metric(after, "oasr_engine_in_flight"),
     }
     for name, value in leftover.items():
         if value:
             mismatches.append(f"{name} is {value:g} after the run, expected 0")
-    turns = _metric(after, "oasr_stream_turns_total") - _metric(before, "oasr_stream_turns_total")
+    turns = metric(after, "oasr_stream_turns_total") - metric(before, "oasr_stream_turns_total")
     if turns != streams:
         mismatches.append(f"the server counted {turns:g} committed turns, expected {streams}")
-    batches = _metric(after, "oasr_batch_size_count") - _metric(before, "oasr_batch_size_count")
-    rows = _metric(after, "oasr_batch_size_sum") - _metric(before, "oasr_batch_size_sum")
+    batches = metric(after, "oasr_batch_size_count") - metric(before, "oasr_batch_size_count")
+    rows = metric(after, "oasr_batch_size_sum") - metric(before, "oasr_batch_size_sum")
     ms = 1000.0
     p99 = _pct(partial_lat, 99) * ms
     if not partial_lat:

@@ -155,13 +155,6 @@ class WenetStreamState:
         total = self.win_length + (frames - 1) * self.hop_length
         return max(1, total - self.samples_received)
 
-    @property
-    def audio(self) -> np.ndarray:
-        """The buffered audio (from feature frame ``frames_consumed``) as one array."""
-        if len(self.pieces) == 1:
-            return self.pieces[0]
-        return np.concatenate(self.pieces) if self.pieces else np.zeros(0, np.float32)
-
     def copy_audio(self, lo: int, dst: np.ndarray) -> int:
         """Copy the buffered samples from ``lo`` on into ``dst`` (as many as fit and exist);
         returns how many were copied."""

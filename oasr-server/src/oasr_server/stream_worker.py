@@ -191,7 +191,7 @@ class StreamingEngineLoop:
 
         for stream in list(self._live.values()):
             self._release(stream)
-            self._send(stream, error=NotReadyError("the server is shutting down"))
+            self._fail(stream, NotReadyError("the server is shutting down"))
 
     def _apply(self, kind: str, stream: EngineStream, *args: Any) -> None:
         if kind == "open":
@@ -199,7 +199,7 @@ class StreamingEngineLoop:
             try:
                 self.engine.add_streaming_request(options, request_id=stream.rid)
             except BaseException as exc:  # noqa: BLE001 - this stream fails alone
-                self._send(stream, error=exc)
+                self._fail(stream, exc)
                 return
             self._live[stream.rid] = stream
         elif kind == "feed":
@@ -210,7 +210,7 @@ class StreamingEngineLoop:
                 self.engine.feed_chunk(stream.rid, audio, is_last)
             except BaseException as exc:  # noqa: BLE001
                 self._release(stream)
-                self._send(stream, error=exc)
+                self._fail(stream, exc)
         elif kind == "abort":
             if stream.rid in self._live:
                 self._release(stream)
@@ -278,21 +278,12 @@ class StreamingEngineLoop:
                 dropped.append(stream)
         for stream in dropped or list(self._live.values()):
             self._release(stream)
-            self._send(stream, error=error)
+            self._fail(stream, error)
 
-    def _send(
-        self,
-        stream: EngineStream,
-        *,
-        output: StreamOutput | None = None,
-        error: BaseException | None = None,
-    ) -> None:
-        if error is not None:
-            callback, arg = stream._fail, as_oasr_error(error)
-        else:
-            callback, arg = stream._deliver, output
+    def _fail(self, stream: EngineStream, error: BaseException) -> None:
+        """End ``stream`` with ``error`` on its event loop (outputs go through ``_deliver_all``)."""
         try:
-            stream.loop.call_soon_threadsafe(callback, arg)
+            stream.loop.call_soon_threadsafe(stream._fail, as_oasr_error(error))
         except RuntimeError:  # its event loop is closed: nobody is listening
             if stream.rid in self._live:
                 self._release(stream)

@@ -4,11 +4,12 @@ Without graphs the host needs longer to launch a batch's ~1500 kernels (50 encod
 decoder layers, about 15-20 small kernels each) than the device needs to run them: the device
 waits on Python. A graph launches all of a stage's kernels at once.
 
-Shapes are bucketed so that a few graphs serve real traffic: the batch rounds up to a power of
-two up to 8 and to a multiple of 8 above, the frames to a multiple of ``FRAME_STEP`` LFR frames
+Shapes are bucketed so that a few graphs serve real traffic: the batch rounds up to core's
+``oasr.stream_cache.BATCH_BUCKETS`` ladder (1, 2, 4, 8, 12, 16, 24, 32, 48, ...), the frames to a multiple of ``FRAME_STEP`` LFR frames
 (about a second), the tokens to a multiple of ``TOKEN_STEP``. A call copies its inputs into the
 bucket's static inputs (rows and frames past the input zero, padded rows one frame long),
-replays, and returns copies of its rows and frames of the static outputs. Padding never reaches
+replays, and returns copies of its rows and frames of the static outputs (one copy of an output
+returned twice: the float32 encoder output of a float32 net). Padding never reaches
 a row's values: attention masks padded keys, the FSMN memory zeroes padded frames before its
 convolution (what it leaves in padded frames reaches only padded frames), everything else is
 per frame, and the predictor zeroes the weights past each length (what lets the eager path batch rows of different lengths). Only the matrix
@@ -36,11 +37,15 @@ from typing import Any
 
 import torch
 
+from oasr.stream_cache import BATCH_BUCKETS, bucket
+
 __all__ = [
     "FRAME_STEP",
     "TOKEN_STEP",
     "ParaformerGraphs",
     "batch_bucket",
+    "decode_tokens",
+    "encode_predict",
     "graphs_enabled",
     "round_up",
 ]
@@ -61,10 +66,37 @@ def round_up(n: int, step: int) -> int:
 
 
 def batch_bucket(n: int) -> int:
-    """1, 2, 4, 8, then multiples of 8."""
-    if n <= 8:
-        return 1 << (max(n, 1) - 1).bit_length()
-    return round_up(n, 8)
+    """The batch's bucket: core's ``BATCH_BUCKETS`` ladder (``n`` itself past its end)."""
+    return bucket(n, BATCH_BUCKETS)
+
+
+def encode_predict(net: Any, feats: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(B, T, D) features in the net's dtype -> (encoder output (B, T, d) in the net's dtype,
+    the same in float32 (the same tensor for a float32 net), predictor conv (B, d, T) float32,
+    alphas (B, T) float32). The eager path and the captured graph both run this."""
+    enc_h = net.encoder(feats, lens)
+    enc = enc_h.float()
+    conv, alphas = net.predictor(enc, lens)
+    return enc_h, enc, conv, alphas.float()
+
+
+def decode_tokens(
+    net: Any,
+    memory: torch.Tensor,
+    mem_lens: torch.Tensor,
+    embeds: torch.Tensor,
+    ntok: torch.Tensor,
+    bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's argmax per token: (best log-probability (B, N) float32, token ids (B, N)).
+    ``bias(logp, hidden) -> logp`` (SeACo hotwords, eager only) rewrites the log-probabilities
+    from the decoder's hidden states first. The eager path and the captured graph both run this."""
+    logits, hidden = net.decoder(memory, mem_lens, embeds, ntok)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if bias is not None:
+        logp = bias(logp, hidden)
+    best, ids = logp.max(dim=-1)
+    return best, ids
 
 
 class _Graph:
@@ -95,21 +127,14 @@ class ParaformerGraphs:
 
     # ------------------------------------------------------------------ the captured functions
     def _encode_predict(self, feats: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(B, T, D) features in the net's dtype -> (encoder output (B, T, d) in the net's
-        dtype, the same in float32, predictor conv (B, d, T) float32, alphas (B, T) float32)."""
-        net = self.net
-        enc_h = net.encoder(feats, lens)
-        enc = enc_h.float()
-        conv, alphas = net.predictor(enc, lens)
-        return enc_h, enc, conv, alphas.float()
+        """:func:`encode_predict` of this net."""
+        return encode_predict(self.net, feats, lens)
 
     def _decode(
         self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, ntok: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """-> (best log-probability (B, N) float32, token ids (B, N), decoder hidden (B, N, d))."""
-        logits, hidden = self.net.decoder(memory, mem_lens, embeds, ntok)
-        best, ids = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
-        return best, ids, hidden
+        """:func:`decode_tokens` of this net (no bias)."""
+        return decode_tokens(self.net, memory, mem_lens, embeds, ntok)
 
     # ------------------------------------------------------------------ public calls
     def encode_predict(
@@ -131,7 +156,7 @@ class ParaformerGraphs:
 
     def decode(
         self, memory: torch.Tensor, mem_lens: torch.Tensor, embeds: torch.Tensor, ntok: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, d = memory.shape
         n = embeds.shape[1]
         bb = batch_bucket(b)
@@ -189,7 +214,15 @@ class ParaformerGraphs:
             assert g.graph is not None
             g.graph.replay()
             self.stats["replays"] += 1
-            return tuple(x.clone() for x in take(g.outputs))
+            # one copy of a view taken twice (a float32 net's encoder output is its .float())
+            copies: dict[tuple, torch.Tensor] = {}
+            out = []
+            for x in take(g.outputs):
+                k = (x.data_ptr(), x.shape, x.stride(), x.dtype)
+                if k not in copies:
+                    copies[k] = x.clone()
+                out.append(copies[k])
+            return tuple(out)
 
     @staticmethod
     def _fill(static: tuple[torch.Tensor, ...], args: tuple[torch.Tensor, ...], rows: int) -> None:

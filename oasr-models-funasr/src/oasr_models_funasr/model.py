@@ -50,7 +50,12 @@ from oasr.types import (
     Word,
 )
 from oasr_models_funasr.checkpoints import ParaformerConfig, load_release
-from oasr_models_funasr.graphs import ParaformerGraphs, graphs_enabled
+from oasr_models_funasr.graphs import (
+    ParaformerGraphs,
+    decode_tokens,
+    encode_predict,
+    graphs_enabled,
+)
 from oasr_models_funasr.nn import ParaformerNet
 from oasr_models_funasr.options import ParaformerOptions
 from oasr_models_funasr.plugin import CAPABILITIES
@@ -276,11 +281,7 @@ class ParaformerASR:
         graphs = self._cuda_graphs()
         if graphs is not None:
             return graphs.encode_predict(feats, lens)
-        net = self.net
-        enc_h = net.encoder(feats.to(net.dtype), lens)
-        enc = enc_h.float()
-        conv, alphas = net.predictor(enc, lens)
-        return enc_h, enc, conv, alphas.float()
+        return encode_predict(self.net, feats.to(self.net.dtype), lens)
 
     @torch.no_grad()
     def decode_batch(
@@ -313,14 +314,17 @@ class ParaformerASR:
             embeds = embeds[:, :most]  # token_num is whole there: its max is ntok's
         if b == 0 or most < 1:
             return [Decoded([], [], [], [] if timestamps else None) for _ in range(b)]
+        embeds_h = embeds.to(net.dtype)
         if graphs is not None and not hotwords:
-            best, ids, _ = graphs.decode(enc_h, flens, embeds.to(net.dtype), ntok)
+            best, ids = graphs.decode(enc_h, flens, embeds_h, ntok)
         else:
-            logits, hidden = net.decoder(enc_h, flens, embeds.to(net.dtype), ntok)
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            if hotwords:
-                logp = self._bias(logp, embeds.to(net.dtype), hidden, ntok, hotwords)
-            best, ids = logp.max(dim=-1)
+            # SeACo hotwords rewrite the decoder's log-probabilities from its hidden states
+            bias = (
+                (lambda logp, hidden: self._bias(logp, embeds_h, hidden, ntok, hotwords))
+                if hotwords
+                else None
+            )
+            best, ids = decode_tokens(net, enc_h, flens, embeds_h, ntok, bias)
         us_alphas = us_fires = fires_h = alphas_h = None
         if timestamps and pc.kind == "CifPredictorV3":
             us_alphas = net.predictor.upsampled_alphas(enc, conv, flens, ntok).float().cpu()

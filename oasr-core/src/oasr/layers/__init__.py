@@ -140,9 +140,17 @@ __all__ += [
 # here so a kernel provider can override it before any model is loaded), rotary positions, the
 # gated SiLU feed-forward block, and attention with grouped key/value heads.
 from oasr.layers.attention import grouped_attention  # noqa: E402
-from oasr.layers.llm import RMSNorm, RotaryEmbedding, SiLUGatedMLP, apply_rotary  # noqa: E402
+from oasr.layers.llm import (  # noqa: E402
+    RMSNorm,
+    RotaryEmbedding,
+    SiLUGatedMLP,
+    apply_rotary,
+    apply_rotary_signed,
+    signed_rotary_sin,
+)
 
-__all__ += ["RMSNorm", "RotaryEmbedding", "SiLUGatedMLP", "apply_rotary", "grouped_attention"]
+__all__ += ["RMSNorm", "RotaryEmbedding", "SiLUGatedMLP", "apply_rotary", "apply_rotary_signed", "grouped_attention",
+            "signed_rotary_sin"]
 
 # Fused ops (the kernels issue): several native ops in one call that a kernel provider can run
 # as one kernel; paged attention for a block of new tokens (prefill).

@@ -54,13 +54,25 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def signed_rotary_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with the first half of its last axis negated: ``rotate_half(x) * sin`` equals
+    ``swap_halves(x) * signed_rotary_sin(sin)`` product for product (only a sign moves), so a
+    model computes it once per forward instead of negating ``x`` in every layer."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + swap_halves(x) * signed_sin`` over the last axis, any layout (``cos`` and
+    ``signed_sin`` broadcast to ``x``): queries and keys may be rotated in one call."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (B, H, T, D) by ``cos``/``sin`` (B, T, D) (halves rotated, as ``transformers``'
     ``rotate_half``)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return apply_rotary_signed(x, cos[:, None], signed_rotary_sin(sin)[:, None])
 
 
 class SiLUGatedMLP(nn.Module):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from oasr.audio import as_mono_waveform
-from oasr.decoders.cif import add_tail, cif_cumsum, cif_loop, cif_timestamps
+from oasr.decoders.cif import add_tail, cif_cumsum, cif_fires, cif_loop, cif_timestamps
 from oasr.errors import CheckpointError
 from oasr.features.batching import padded_batch
 from oasr.features.funasr import FunASRFbankLFR
@@ -328,7 +328,7 @@ class ParaformerASR:
         us_alphas = us_fires = fires_h = alphas_h = None
         if timestamps and pc.kind == "CifPredictorV3":
             us_alphas = net.predictor.upsampled_alphas(enc, conv, flens, ntok).float().cpu()
-            us_fires = running_fires(us_alphas.numpy(), float(pc.threshold - 1e-4))
+            us_fires = cif_fires(us_alphas.numpy(), float(pc.threshold - 1e-4))
         elif timestamps:
             # one read-back each for the whole batch (per row they were two waits per input)
             fires_h, alphas_h = fires.float().cpu(), alphas_t.float().cpu()
@@ -529,22 +529,6 @@ class ParaformerASR:
         )
 
 
-def running_fires(alphas: np.ndarray, threshold: float) -> np.ndarray:
-    """:func:`oasr.decoders.cif.cif_fires` of every row of ``alphas`` (B, T) at once: the same
-    float32 operations in the same order per row, one vector step per frame instead of one
-    Python step per frame and row (for BiCif's upsampled weights of a batch of 64 inputs, about
-    30 000 steps). A row's first ``n`` values equal ``cif_fires`` of its first ``n`` weights."""
-    cols = np.ascontiguousarray(np.asarray(alphas, dtype=np.float32).T)  # (T, B)
-    thr = np.float32(threshold)
-    out = np.empty_like(cols)
-    acc = np.zeros(cols.shape[1], dtype=np.float32)
-    for i in range(cols.shape[0]):
-        acc += cols[i]
-        out[i] = acc
-        np.subtract(acc, thr, out=acc, where=acc >= thr)
-    return np.ascontiguousarray(out.T)
-
-
 def read_seg_dict(path: Path) -> dict[str, str]:
     """``seg_dict``: ``word piece piece ...`` per line -> {word: "piece piece ..."}."""
     out: dict[str, str] = {}
@@ -617,4 +601,4 @@ def build_network(
     return net.to(device).eval()
 
 
-__all__ = ["Decoded", "ParaformerASR", "build_network", "frontend_spec", "running_fires"]
+__all__ = ["Decoded", "ParaformerASR", "build_network", "frontend_spec"]

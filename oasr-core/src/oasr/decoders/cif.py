@@ -148,21 +148,24 @@ def cif_loop(
 
 
 def cif_fires(alphas: torch.Tensor | np.ndarray, threshold: float) -> np.ndarray:
-    """FunASR's ``cif_wo_hidden`` for one row (T,): the running sum after each frame, less
-    ``threshold`` after every frame where it reached ``threshold``; float32 throughout."""
+    """FunASR's ``cif_wo_hidden`` for one row (T,) or every row of (B, T) at once: the running
+    sum after each frame, less ``threshold`` after every frame where it reached ``threshold``;
+    float32 throughout, the same operations in the same order per row (one vector step per
+    frame for a batch). A row's first ``n`` values are those of its first ``n`` weights alone."""
     a = np.asarray(
         alphas.detach().cpu().numpy() if isinstance(alphas, torch.Tensor) else alphas,
         dtype=np.float32,
-    ).reshape(-1)
+    )
+    rows = a.reshape(-1, a.shape[-1]) if a.ndim == 2 else a.reshape(1, -1)
+    cols = np.ascontiguousarray(rows.T)  # (T, B)
     thr = np.float32(threshold)
-    out = np.empty_like(a)
-    acc = np.float32(0.0)
-    for i in range(a.shape[0]):
-        acc = np.float32(acc + a[i])
+    out = np.empty_like(cols)
+    acc = np.zeros(cols.shape[1], dtype=np.float32)
+    for i in range(cols.shape[0]):
+        acc += cols[i]
         out[i] = acc
-        if acc >= thr:
-            acc = np.float32(acc - thr)
-    return out
+        np.subtract(acc, thr, out=acc, where=acc >= thr)
+    return np.ascontiguousarray(out.T) if a.ndim == 2 else out[:, 0].copy()
 
 
 @dataclass(frozen=True)

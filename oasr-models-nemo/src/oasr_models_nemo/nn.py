@@ -130,17 +130,16 @@ class Subsampling(nn.Module):
         b, ch, t, f = h.shape
         return self.linear(h.transpose(1, 2).reshape(b, t, ch * f)), lengths
 
-    def forward_stream(self, x: torch.Tensor, caches: list[torch.Tensor | None],
-                       limits: list[torch.Tensor], starts: list[torch.Tensor] | None = None
+    def forward_stream(self, x: torch.Tensor, caches: list[torch.Tensor],
+                       limits: list[torch.Tensor], starts: list[torch.Tensor]
                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One chunk of the causal form. ``x`` (B, T, F) feature frames; ``caches[l]`` the last
-        ``k - s`` input frames of strided layer l, (B, C_in, k - s, F_padded), or None for a
-        first chunk (its ``k - 1`` frames of zero padding, as offline); ``limits[l]`` (B,): how
-        many of layer l's output frames of this chunk are valid (frames past the utterance end
-        are zeroed, as offline). ``starts[l]`` (B,), optional: layer l's output frames before it
-        are zeroed too (a first chunk left-padded with zero frames to a later chunk's size: with
-        zero caches it then gives the first chunk's frames, see ``streaming.py``). Returns the
-        projected frames and the new caches."""
+        ``k - s`` input frames of strided layer l, (B, C_in, k - s, F_padded) (zeros for a
+        first chunk); ``limits[l]`` (B,): how many of layer l's output frames of this chunk are
+        valid (frames past the utterance end are zeroed, as offline). ``starts[l]`` (B,): layer
+        l's output frames before it are zeroed too (a first chunk left-padded with zero frames
+        to a later chunk's size: with zero caches it then gives the first chunk's frames, see
+        ``streaming.py``). Returns the projected frames and the new caches."""
         keep = self.kernel - self.stride
         h = x.unsqueeze(1)
         new_caches = []
@@ -149,19 +148,13 @@ class Subsampling(nn.Module):
             if isinstance(layer, Conv2dLayer):
                 if layer.stride > 1:
                     h = F.pad(h, self.pad[:2] + (0, 0))  # frequency only
-                    cache = caches[s]
-                    if cache is None:
-                        cache = h.new_zeros(h.shape[0], h.shape[1], self.kernel - 1, h.shape[3])
                     new_caches.append(h[:, :, h.shape[2] - keep:])
-                    h = torch.cat([cache, h], dim=2)
-                    limit = limits[s]
-                    start = None if starts is None else starts[s]
+                    h = torch.cat([caches[s], h], dim=2)
+                    limit, start = limits[s], starts[s]
                     s += 1
                 h = layer(h)
                 t = torch.arange(h.shape[2], device=h.device)
-                keep_t = t[None, :] < limit[:, None]
-                if start is not None:
-                    keep_t = keep_t & (t[None, :] >= start[:, None])
+                keep_t = (t[None, :] < limit[:, None]) & (t[None, :] >= start[:, None])
                 h = h * keep_t.to(h.dtype)[:, None, :, None]
             else:
                 h = layer(h)

@@ -379,7 +379,7 @@ class NemotronStreamRuntime:
                 out, proj = self.compute(audio_t, ints_t)
             if prof is not None:
                 prof.lap("encoder")
-            self._search(states, out, proj, valid, rows)
+            self._search(states, out, proj, valid, rows, ints_t[:, 0])
         if prof is not None:
             prof.lap("search")
         for i, st in enumerate(states):
@@ -389,7 +389,9 @@ class NemotronStreamRuntime:
             prof.lap("scatter")
 
     def _search(self, states: list[NemotronStreamState], out: torch.Tensor, proj: torch.Tensor,
-                valid: np.ndarray, rows: int) -> None:
+                valid: np.ndarray, rows: int, step_slots: torch.Tensor) -> None:
+        """``step_slots`` (rows,): the step's slot ids on the device (the scratch slot 0 for its
+        padded rows)."""
         model = self.model
         if model.keep_encoder_output:
             host = out[: len(states)].detach().cpu()
@@ -411,9 +413,12 @@ class NemotronStreamRuntime:
             # with graphs, every row of the step's bucket (one device-loop shape per bucket); the
             # padded rows read the scratch slot and have no frames
             width = rows if whole and self.graphs is not None else len(idx)
-            slot_ids = np.zeros(width, np.int64)
-            slot_ids[: len(idx)] = self.pool.slot_ids([st.cache for st in group])
-            slots = torch.from_numpy(slot_ids).to(dev, non_blocking=True)
+            if whole:  # the step's own slot column, already on the device
+                slots = step_slots[:width]
+            else:
+                slot_ids = np.zeros(width, np.int64)
+                slot_ids[: len(idx)] = self.pool.slot_ids([st.cache for st in group])
+                slots = torch.from_numpy(slot_ids).to(dev, non_blocking=True)
             state = (pool["dec_h"].index_select(0, slots).transpose(0, 1).contiguous(),
                      pool["dec_c"].index_select(0, slots).transpose(0, 1).contiguous())
             # the search starts each row from an empty hypothesis and the stream appends what this

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,36 +33,20 @@ from typing import Any
 import torch
 
 
-def _timer(fn: Callable[[], Any], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+def _timer(fn: Callable[[], Any], repeats: int) -> float:
+    """Microseconds of GPU time per call, CUDA events around each (``oasr.tune``'s timer)."""
+    from oasr.tune import cuda_event_timer
+
+    return cuda_event_timer(repeats=repeats)(fn) * 1e6
 
 
 def _graph_timer(fn: Callable[[], Any], repeats: int, inner: int = 10) -> float:
-    """Microseconds of GPU time per call: ``inner`` calls captured in one CUDA graph, replayed
-    (no Python or launch overhead: what a call costs inside the executors' graphs)."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    us = _timer(graph.replay, repeats) / inner
-    del graph
+    """Microseconds of GPU time per call replayed from a CUDA graph of ``inner`` calls (no
+    Python or launch overhead: what a call costs inside the executors' graphs); the autotuner's
+    own timer, so the benchmark measures what ``oasr.tune`` decided on."""
+    from oasr.tune import cuda_graph_timer
+
+    us = cuda_graph_timer(repeats=repeats, inner=inner)(fn) * 1e6
     torch.cuda.empty_cache()
     return us
 

@@ -347,6 +347,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
                  1536, 2048)  # fmt: skip
 
 
+#: held while a :class:`GraphSteps` captures: one CUDA-graph capture at a time in the process
+CAPTURE_LOCK = threading.Lock()
+
+
 class GraphSteps:
     """CUDA graphs of a fixed-shape step function, captured lazily per shape key and replayed.
 
@@ -356,7 +360,16 @@ class GraphSteps:
     static buffers of the graph for ``key`` (capturing it on first use) and returns the graph's
     static outputs (valid until the next replay of that key). ``generation`` (e.g.
     :attr:`StreamCachePool.generation`) drops every graph when it changes: graphs hold the
-    addresses of the pools they read. All graphs share one memory pool.
+    addresses of the pools they read. All graphs share one memory pool; once every graph is
+    dropped, so is the pool's handle (torch's allocator forgets a pool whose graphs are all gone,
+    and a capture into the dead handle fails its ``use_count > 0`` assertion).
+
+    Captures may happen while other threads use the device (a server's uploads run the model's
+    offline path beside its stream loop): a capture takes the process-wide :data:`CAPTURE_LOCK`
+    (one capture at a time) and runs in ``thread_local`` capture mode: in the default (global)
+    mode another thread's ``cudaMalloc`` fails there and invalidates the capture. A capture
+    that raises leaves every stream's state as it was (the warm-up and the capture touch
+    scratch inputs only): the caller runs that step eagerly.
 
     ``simulate=True`` keeps everything but the CUDA graph itself (static buffers, warm-up on
     scratch inputs, copy-in, ``fn`` run on the static buffers at "replay"): the bucketing and
@@ -378,29 +391,41 @@ class GraphSteps:
         import torch
 
         if generation != self._generation:
-            self._graphs.clear()
+            self._drop_all()
             self._generation = generation
         if key in self._graphs:
             return
         if len(self._graphs) >= self.max_graphs:
-            self._graphs.clear()
+            self._drop_all()
         static_in = tuple(self.dummy(key))
         if self.simulate:
             self._graphs[key] = (None, static_in, tuple(self.fn(*static_in)))
             self.stats["captures"] += 1
             return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fn(*static_in)  # warm-up: lazy inits, library handles, FFT plans
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_out = self.fn(*static_in)
+        with CAPTURE_LOCK:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fn(*static_in)  # warm-up: lazy inits, library handles, FFT plans
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    static_out = self.fn(*static_in)
+            except BaseException:
+                # the failed graph may or may not hold the pool now: later captures start a new one
+                self._pool = None
+                self.stats["failures"] = self.stats.get("failures", 0) + 1
+                raise
         self._graphs[key] = (graph, static_in, tuple(static_out))
         self.stats["captures"] += 1
+
+    def _drop_all(self) -> None:
+        """Forget every graph and their pool's handle (a new capture starts a fresh pool)."""
+        self._graphs.clear()
+        self._pool = None
 
     def run(self, key: Any, generation: Any, *inputs: torch.Tensor) -> tuple:
         self.capture(key, generation)

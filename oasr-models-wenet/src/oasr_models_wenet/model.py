@@ -533,6 +533,10 @@ class WenetASR:
     #: the most attention-history frames a stream keeps when its ``num_left_chunks`` is < 0
     #: (4096 frames = 164 s at 40 ms); older frames are dropped
     stream_max_history = 4096
+    #: the history frames :meth:`capture_stream_graphs` prepares by default when streams keep an
+    #: unbounded history (1024 frames: 41 s at 40 ms); older streams capture their larger history
+    #: buckets when they get there
+    stream_warm_history = 1024
     #: a :class:`~oasr.stream_cache.StepProfile` to time each phase of ``stream_step`` into
     #: (host seconds; ``benchmarks.streambench --phases``); None: no timing
     stream_profile: StepProfile | None = None
@@ -819,7 +823,9 @@ class WenetASR:
                     warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); "
                                   "the chunk step runs eagerly from now on", RuntimeWarning, stacklevel=2)
                     self.stream_cuda_graphs = False
-                    out, logp, best = self._chunk_compute(audio_t[:b].to(dev), ints_t[:b].to(dev))  # fmt: skip
+                    # the capture touched scratch rows only: this step runs from the streams'
+                    # unchanged state, at the padded shapes a replay would have (same numerics)
+                    out, logp, best = self._chunk_compute(audio_t.to(dev), ints_t.to(dev))
                 else:
                     out, logp, best = graphs.run(key, generation, audio_t, ints_t)
             else:
@@ -898,19 +904,27 @@ class WenetASR:
         return any(layer.conv_module is not None and layer.conv_module.lorder == 0
                    for layer in self.net.encoder.encoders)  # fmt: skip
 
-    def capture_stream_graphs(self, max_batch: int, chunk_size: int, max_history: int,
-                              streams: int | None = None) -> int:
+    def capture_stream_graphs(self, max_batch: int, chunk_size: int | None = None,
+                              max_history: int | None = None, streams: int | None = None) -> int:
         """Capture now the CUDA graphs a run of up to ``max_batch`` streams per step with
         ``chunk_size``-frame chunks and up to ``max_history`` history frames will replay (every
         batch bucket <= ``max_batch`` x history bucket), after growing the cache pool to
         ``streams`` (default ``max_batch``) streams of that history, so that no capture or growth
         happens while streams are served. Inputs are scratch rows only. Returns the number of
-        graphs captured (0 off CUDA or with graphs off)."""
+        graphs captured (0 off CUDA or with graphs off). Defaults (a server's warm-up): the
+        model's chunk, and the history its default options keep (``chunk_size x
+        num_left_chunks``), or :attr:`stream_warm_history` frames when that is unbounded."""
         import torch
 
         graphs = self._stream_graphs()
         if graphs is None:
             return 0
+        if chunk_size is None:
+            chunk_size = self.chunk_size
+        if max_history is None:
+            left = self.num_left_chunks
+            bounded = chunk_size * left if left >= 0 else self.stream_warm_history
+            max_history = min(bounded, self.stream_max_history)
         enc, pool = self.net.encoder, self.stream_pool
         pool.ensure(streams or max_batch, max_history + chunk_size)
         sub, context = enc.subsampling_rate, enc.right_context + 1

@@ -261,6 +261,8 @@ class ServerState:
                     [np.zeros(engine.sample_rate, dtype=np.float32)], DecodingOptions()
                 )
                 log.info("warm-up done in %.2f s", time.monotonic() - t0)
+                if getattr(engine, "streaming", None) is not None:
+                    self._warm_streams(engine)
             worker = EngineWorker(
                 engine,
                 max_queue=self.config.max_queue,
@@ -320,6 +322,31 @@ class ServerState:
                 log.exception("model failed to load: %s", message)
             if self.on_load_failure is not None:
                 self.on_load_failure(exc)
+
+    def _warm_streams(self, engine: Any) -> None:
+        """Streaming mode, before the server reports ready: the model captures now the CUDA graphs
+        of every batch bucket its streaming steps will use (up to ``max_batch_size`` streams, or
+        ``max_streams``) and sizes its cache pool for ``max_streams`` streams, from this one
+        thread. Captured while serving instead, the first steps of a size would stall, and a
+        capture would share the device with uploads running on other threads; growing the pool
+        later drops every graph. Models without ``capture_stream_graphs`` (or off CUDA) skip it;
+        a failure is a warning (the graphs are then captured as steps need them)."""
+        capture = getattr(engine.model, "capture_stream_graphs", None)
+        if capture is None:
+            return
+        streams = max(1, self.config.max_streams)
+        batch = max(1, min(int(engine.streaming.max_batch_size), streams))
+        t0 = time.monotonic()
+        try:
+            captured = capture(max_batch=batch, streams=streams)
+        except Exception:  # noqa: BLE001 - serving works without graphs captured ahead
+            log.warning("streams: CUDA graphs were not captured ahead; steps capture them as "
+                        "they need them", exc_info=True)  # fmt: skip
+            return
+        if captured:
+            log.info("streams: %d CUDA graphs captured ahead (up to %d streams per step, cache "
+                     "pool for %d streams) in %.2f s", captured, batch, streams,
+                     time.monotonic() - t0)  # fmt: skip
 
     def add_ready_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from the loader thread) once the model is ready; at once if it is."""

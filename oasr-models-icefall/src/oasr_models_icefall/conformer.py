@@ -30,6 +30,7 @@ from torch import nn
 
 from oasr.errors import CheckpointError
 from oasr.layers import DepthwiseConv1d, Embedding, Linear
+from oasr_models_icefall.nn import context_conv
 
 
 def double_swish(x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +226,7 @@ class ConformerDecoder(nn.Module):
     def forward(self, context: torch.Tensor) -> torch.Tensor:
         emb = self.embedding(context.clamp(min=0)) * (context >= 0).unsqueeze(-1).to(self.embedding.weight.dtype)
         if self.context_size > 1:
-            return torch.relu(self.conv(emb.transpose(1, 2)))[:, :, 0]
+            return torch.relu(context_conv(emb, self.conv))
         return torch.relu(emb[:, 0])
 
 

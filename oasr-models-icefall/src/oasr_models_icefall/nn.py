@@ -663,6 +663,22 @@ class StreamCaches:
 # -- heads ----------------------------------------------------------------------------------------------
 
 
+def context_conv(emb: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """The stateless decoder's grouped convolution over its whole context, as one contraction:
+    ``emb`` (N, context_size, D) -> (N, D), equal to ``conv(emb.transpose(1, 2))[:, :, 0]``.
+
+    Why not ``conv`` itself: with a kernel as long as its input, cuDNN picks FFT algorithms (about
+    ten kernels a call) for this tiny convolution, and the transducer search calls it once per
+    emitted symbol: on the H200 it was 0.69 s of a 0.81 s offline batch (64 x 30 s)."""
+    n, k, d = emb.shape
+    w = conv.weight  # (D, D / groups, K)
+    per_group = w.shape[1]
+    groups = d // per_group
+    # out[n, g, o] = sum_{k, i} w[g, o, i, k] * emb[n, k, g, i]
+    return torch.einsum("nkgi,goik->ngo", emb.reshape(n, k, groups, per_group),
+                        w.reshape(groups, per_group, per_group, k)).reshape(n, d)  # fmt: skip
+
+
 class Decoder(nn.Module):
     """icefall's stateless prediction network: embedding (negative ids embed to zero), a grouped
     convolution over the last ``context_size`` tokens, ReLU."""
@@ -680,7 +696,7 @@ class Decoder(nn.Module):
         emb = self.embedding(context.clamp(min=0)) * (context >= 0).unsqueeze(-1).to(self.embedding.weight.dtype)
         if self.context_size == 1:
             return emb[:, 0]
-        return torch.relu(self.conv(emb.transpose(1, 2)))[:, :, 0]
+        return torch.relu(context_conv(emb, self.conv))
 
 
 class Joiner(nn.Module):

@@ -68,6 +68,11 @@ def fused_decode(dec, log_probs, lengths, threads: int = THREADS, token_capacity
     device). Returns (records per utterance, best record, cost, reached final, overflowed)."""
     global _kernel
     import torch
+
+    if not hasattr(np, "row_stack"):
+        # numpy 2.5 dropped the alias; the numba on the H200 image still calls it while compiling
+        # the kernel (AttributeError there otherwise)
+        np.row_stack = np.vstack
     from numba import cuda
 
     if _kernel is None:

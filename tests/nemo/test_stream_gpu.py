@@ -1,10 +1,11 @@
-"""Nemotron streaming on CUDA (``pytest -m gpu tests/nemo``) with the opt-in CUDA graphs
-(``stream_cuda_graphs`` / ``OASR_NEMO_STREAM_GRAPHS=1``, not yet run on a GPU; the default eager
-step is ``test_gpu.py::test_nemotron_streaming_on_cuda``): the chunk step replayed as CUDA
+"""Nemotron streaming on CUDA (``pytest -m gpu tests/nemo``) with its CUDA graphs (the default
+there; ``OASR_NEMO_STREAM_GRAPHS=0`` turns them off; the eager step is also
+``test_gpu.py::test_nemotron_streaming_on_cuda``): the chunk step replayed as CUDA
 graphs per batch bucket gives the eager step's tokens and encoder output (float32, TF32 off),
 streams of different ages and lookaheads share steps, the greedy search's device loop (one and
 several symbols per frame) agrees, finals equal offline decoding on the device; in float16 the
-graphs replay exactly what the same padded steps give eagerly. Small on purpose (a fresh H200
+graphs replay exactly what the same padded steps give eagerly; a capture that fails in the
+middle of serving runs that step eagerly and loses no stream. Small on purpose (a fresh H200
 with a 45 s per-test limit)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _model(hf_checkpoints, dtype: str):  # noqa: ANN202
 
     model = load_model(EngineConfig(ckpt_dir=str(hf_checkpoints["nemotron"].path), device="cuda", dtype=dtype))
     model.keep_encoder_output = True
-    model.stream_cuda_graphs = True  # opt in (before the first stream creates the runtime)
+    assert model.stream_cuda_graphs  # the default on CUDA (unless OASR_NEMO_STREAM_GRAPHS=0)
     return model
 
 
@@ -103,3 +104,34 @@ def test_float16_graphs_replay_the_padded_eager_step(hf_checkpoints, waves) -> N
         assert _tokens(g) == _tokens(e)
         assert ge.shape == ee.shape and (ge - ee).abs().max().item() < 1e-2
     assert sum(bool(f.text) for f in graph_finals) >= 3
+
+
+def test_capture_failing_mid_serving_runs_the_step_eagerly(hf_checkpoints, waves) -> None:
+    """A real capture that cannot finish (a host read inside it, as an op that reads a scale
+    back would do) while streams are being served: that step runs eagerly on the thread's own
+    stream, graphs turn off with a warning, and every stream still ends with offline
+    decoding's text (none advanced twice, none dropped, every slot returned)."""
+    model = _model(hf_checkpoints, "float32")
+    clips = _clips(waves)
+    options = [DecodingOptions(model_options={"max_symbols_per_frame": 1})] * len(clips)
+    rt = model.stream_runtime
+    assert rt.graphs is not None
+    compute, seen = rt.graphs.fn, []
+
+    def failing(*args):  # noqa: ANN002, ANN202
+        out = compute(*args)
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(args[0].shape[0])
+            if len(seen) == 2:  # the second bucket's capture: streams are in flight by then
+                out[0].sum().item()
+        return out
+
+    rt.graphs.fn = failing
+    stream = torch.cuda.current_stream()
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        finals, _ = _run(model, clips, options)
+    assert rt.graphs is None and len(seen) == 2
+    assert torch.cuda.current_stream() == stream
+    offline = [model.transcribe([c], o)[0].text for c, o in zip(clips, options, strict=True)]
+    assert [f.text for f in finals] == offline
+    assert model.stream_occupancy()["streams"] == 0

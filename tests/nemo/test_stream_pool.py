@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +199,54 @@ def test_incremental_partial_text_equals_decoding_everything() -> None:
             tokens += new
             _extend_text(st, tok.decode_bytes(new))
             assert st.text == tok.decode(tokens)
+
+
+class _FailingCapture:
+    """Simulated graphs whose ``fail_at``-th capture fails after its warm-up and capture ran on
+    the scratch slot (what a real capture that cannot finish has done by then)."""
+
+    def __init__(self, rt, fail_at: int) -> None:  # noqa: ANN001
+        from oasr.stream_cache import GraphSteps
+
+        self.inner = GraphSteps(rt.compute, rt.dummy_inputs, simulate=True)
+        self.simulate, self.stats, self.fail_at, self.calls = True, self.inner.stats, fail_at, 0
+
+    def capture(self, key, generation) -> None:  # noqa: ANN001
+        new = key not in self.inner._graphs
+        self.inner.capture(key, generation)
+        self.calls += new
+        if new and self.calls == self.fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def run(self, key, generation, *inputs):  # noqa: ANN001, ANN002, ANN202
+        return self.inner.run(key, generation, *inputs)
+
+
+def test_failed_capture_runs_the_step_eagerly(nemotron, clips) -> None:
+    """Graphs are the default (on the CPU the runtime has none); a capture that fails in the
+    middle of serving warns, runs that very step eagerly and turns graphs off: no stream is
+    advanced twice or dropped, every final equals offline decoding and every slot comes back.
+    A failed capture ahead of serving returns 0 and leaves the steps eager."""
+    from oasr_models_nemo.model import NemotronASR
+
+    model = nemotron
+    rt = model.stream_runtime
+    assert os.environ.get("OASR_NEMO_STREAM_GRAPHS") == "0" or NemotronASR.stream_cuda_graphs
+    assert rt.graphs is None  # CPU: eager whatever the default
+    opts = DecodingOptions(model_options={"max_symbols_per_frame": 3})
+    try:
+        rt.graphs = _FailingCapture(rt, fail_at=2)  # bucket 1 captured, the next one fails
+        streams = [(model.new_stream(opts), c, 2400 + 800 * k) for k, c in enumerate(clips[:3])]
+        with pytest.warns(RuntimeWarning, match="capture failed"):
+            got = _feed(model, streams, starts=[0, 2, 2])
+        assert rt.graphs is None
+        rt.graphs = _FailingCapture(rt, fail_at=1)
+        with pytest.warns(RuntimeWarning, match="capture failed"):
+            assert model.capture_stream_graphs(max_batch=4) == 0
+        assert rt.graphs is None
+    finally:
+        rt.graphs = None
+    offline = model.transcribe(clips[:3], opts)
+    for (f, _), o in zip(got, offline, strict=True):
+        assert f.text == o.text and _tokens(f) == (o.segments[0].tokens if o.segments else [])
+    assert model.stream_occupancy()["streams"] == 0

@@ -318,10 +318,12 @@ class NemotronASR(NemoASR):
     #: keep each stream's encoder output chunks on its state (``encoder_output``; tests)
     keep_encoder_output = False
     #: streams run their chunk step as CUDA-graph replays on CUDA (one graph per batch bucket
-    #: and lookahead) and the chunk's greedy search in its device loop. Off unless
-    #: ``OASR_NEMO_STREAM_GRAPHS=1``: not yet run on a GPU (the eager step is the one shared
-    #: with the CPU and tested there)
-    stream_cuda_graphs = os.environ.get("OASR_NEMO_STREAM_GRAPHS", "0") in ("1", "true", "yes")
+    #: and lookahead) and the chunk's greedy search in its device loop. On by default on CUDA
+    #: (an H200 held 384 streams of 560 ms chunks with step p99 <= 100 ms, eager 320);
+    #: ``OASR_NEMO_STREAM_GRAPHS=0`` (or False here, before the first stream) keeps the eager
+    #: step. A capture that fails warns and that step and all later ones run eagerly. Nothing
+    #: changes on the CPU.
+    stream_cuda_graphs = os.environ.get("OASR_NEMO_STREAM_GRAPHS", "1").lower() not in ("0", "false", "no", "off")
     #: the attention history a stream keeps when the model's left context is unlimited
     stream_max_history = 1024
     #: a ``oasr.stream_cache.StepProfile`` (or any object with its ``start`` / ``lap`` and
@@ -372,8 +374,8 @@ class NemotronASR(NemoASR):
         ``lookahead`` (default: the model's) replay, after growing the cache pool to
         ``streams`` (default ``max_batch``) streams, and warm the greedy search's device loop
         for ``max_symbols`` symbols per frame (default: the model's), so that serving captures
-        nothing. Returns the number of step graphs captured (0 off CUDA or with
-        ``stream_cuda_graphs`` off)."""
+        nothing. Returns the number of step graphs captured (0 off CUDA, with
+        ``stream_cuda_graphs`` off, or when a capture failed: the steps then run eagerly)."""
         r = self.config.att_context[1] if lookahead is None or lookahead < 0 else int(lookahead)
         symbols = self.default_options.max_symbols_per_frame if max_symbols is None else max_symbols
         return self.stream_runtime.capture(max_batch, r, streams, (symbols,))

@@ -22,7 +22,8 @@ a few counters. One step builds, for every ready stream, the audio of its chunk 
 host-to-device copy), and one call computes the log-mel of every row, the subsampling, the
 Conformer layers and the projection into the joint: a fixed sequence of kernels for a given
 (batch, lookahead), captured as a CUDA graph per batch-size bucket on CUDA (padded rows read and
-write the pool's scratch slot 0) and run eagerly elsewhere.
+write the pool's scratch slot 0) and run eagerly elsewhere (and on CUDA with
+``OASR_NEMO_STREAM_GRAPHS=0``, or from a failed capture on: that step and the later ones).
 
 First and later chunks share that call: a first chunk is handed over as a later one whose first
 ``8 - 1`` mel frames are zero, its caches zero (a new slot), and the output frames those zeros
@@ -249,8 +250,8 @@ class NemotronStreamRuntime:
         bucket up to it) with ``lookahead``, after growing the pool to ``streams`` (default
         ``max_batch``) slots, and warm the greedy search's device loop of those buckets for each
         of ``max_symbols`` (symbols per frame; the loop's graphs are captured on first use), so
-        that serving captures nothing. Returns the step graphs captured (0 off CUDA or with
-        graphs off)."""
+        that serving captures nothing. Returns the step graphs captured (0 off CUDA, with
+        graphs off, or when a capture failed: graphs are then off, warned)."""
         if self.graphs is None:
             return 0
         self.pool.ensure(streams or max_batch)
@@ -260,7 +261,8 @@ class NemotronStreamRuntime:
         dev = self.model.device
         with torch.no_grad():
             for rows in (r for r in BATCH_BUCKETS if r <= top):
-                self.graphs.capture((rows, lookahead), self.pool.generation)
+                if not self._capture((rows, lookahead)):
+                    return 0
                 for symbols in sorted({int(m) for m in max_symbols if int(m) > 1}):
                     proj = torch.zeros(rows, t_out, self.initial["dec_out"].shape[-1], device=dev,
                                        dtype=self.model.dtype)
@@ -272,10 +274,31 @@ class NemotronStreamRuntime:
                     search.step(proj, [t_out] * rows)
         return self.graphs.stats["captures"] - before
 
+    def _capture(self, key: tuple[int, int]) -> bool:
+        """Capture the step graph of ``key`` unless it exists; False when the capture failed:
+        graphs are then off (warned) and every step from this one on runs eagerly. A failed
+        capture changes no stream: its warm-up and capture read and write only the scratch slot,
+        and the step that asked for it runs eagerly on the inputs it already built."""
+        graphs = self.graphs
+        if graphs is None:
+            return False
+        dev = self.model.device
+        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        try:
+            graphs.capture(key, self.pool.generation)
+        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: eager
+            if stream is not None:  # a capture that fails to end leaves its own stream current
+                torch.cuda.set_stream(stream)
+            warnings.warn(f"{self.model.name}: streaming CUDA-graph capture failed ({exc!r}); the "
+                          "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=4)
+            self.graphs = None
+            return False
+        return True
+
     # -- host side ----------------------------------------------------------------------------
     @property
     def _on_cuda_graphs(self) -> bool:
-        """CUDA graphs on a CUDA device (opted in): also the greedy search's device loop and
+        """CUDA graphs on a CUDA device (the default there): also the greedy search's device loop and
         page-locked audio buffers. Simulated graphs (CPU tests) change only the bucketing."""
         return self.graphs is not None and not self.graphs.simulate and self.model.device.type == "cuda"
 
@@ -365,16 +388,9 @@ class NemotronStreamRuntime:
             prof.lap("features")
         with torch.no_grad():
             out = proj = None
-            if graphs is not None:
-                key = (rows, lookahead)
-                try:
-                    graphs.capture(key, self.pool.generation)
-                except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: eager
-                    warnings.warn(f"{model.name}: streaming CUDA-graph capture failed ({exc!r}); the "
-                                  "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=3)
-                    self.graphs = None
-                else:
-                    out, proj = graphs.run(key, self.pool.generation, audio_t, ints_t)
+            key = (rows, lookahead)
+            if graphs is not None and self._capture(key):
+                out, proj = graphs.run(key, self.pool.generation, audio_t, ints_t)
             if out is None:
                 out, proj = self.compute(audio_t, ints_t)
             if prof is not None:

@@ -114,6 +114,7 @@ def test_cuda_graph_streaming_equals_eager(causal_release, helpers) -> None:
 
     def run(graphs: bool):
         model = load_model(EngineConfig(ckpt_dir=str(causal_release[1]), device="cuda", dtype="float32"))
+        assert model.stream_cuda_graphs  # the default on CUDA (unless OASR_ICEFALL_STREAM_GRAPHS=0)
         model.stream_cuda_graphs = graphs
         states = [model.new_stream(DecodingOptions()) for _ in ws]
         pos = [0] * len(ws)
@@ -129,6 +130,52 @@ def test_cuda_graph_streaming_equals_eager(causal_release, helpers) -> None:
     eager, _ = run(False)
     assert stats["graph_replays"] > 0
     for g, e in zip(graphed, eager, strict=True):
+        assert g.tokens == e.tokens and g.times == e.times
+        assert np.allclose(g.token_logprobs, e.token_logprobs, atol=1e-4)
+    assert sum(len(h.tokens) for h in eager) >= 10
+
+
+def test_capture_failing_mid_serving_runs_the_step_eagerly(causal_release, helpers) -> None:
+    """A real capture that cannot finish (a host read inside it) while streams are served: that
+    step runs eagerly on the thread's own stream, graphs turn off with a warning, and every
+    stream gives what the eager steps give (none advanced twice, none dropped)."""
+    ws = helpers.waves(3, seed=5)
+
+    def run(fail: bool):
+        model = load_model(EngineConfig(ckpt_dir=str(causal_release[1]), device="cuda", dtype="float32"))
+        model.stream_cuda_graphs = fail
+        seen = []
+        if fail:
+            graphs = model._stream_graphs(model.default_options.left_context_frames)
+            compute = graphs.fn
+
+            def failing(*args):
+                out = compute(*args)
+                if torch.cuda.is_current_stream_capturing():
+                    seen.append(args[0].shape[0])
+                    if len(seen) == 2:  # the second bucket's capture: streams are in flight
+                        out[0].sum().item()
+                return out
+
+            graphs.fn = failing
+        states = [model.new_stream(DecodingOptions()) for _ in ws]
+        pos = [0] * len(ws)
+        while any(p < len(w) for p, w in zip(pos, ws, strict=True)):
+            live = [k for k, w in enumerate(ws) if pos[k] < len(w) and (pos[0] >= 5120 * k or pos[k])]
+            model.stream_step([states[k] for k in live], [ws[k][pos[k] : pos[k] + 5120] for k in live],
+                              [pos[k] + 5120 >= len(ws[k]) for k in live])  # fmt: skip
+            for k in live:
+                pos[k] += 5120
+        assert model.stream_occupancy()["streams"] == 0
+        return [st.hyp for st in states], model, seen
+
+    stream = torch.cuda.current_stream()
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        failed, model, seen = run(True)
+    assert model.stream_cuda_graphs is False and len(seen) == 2
+    assert torch.cuda.current_stream() == stream
+    eager, _, _ = run(False)
+    for g, e in zip(failed, eager, strict=True):
         assert g.tokens == e.tokens and g.times == e.times
         assert np.allclose(g.token_logprobs, e.token_logprobs, atol=1e-4)
     assert sum(len(h.tokens) for h in eager) >= 10

@@ -266,6 +266,54 @@ def test_mixed_searches_share_a_step(causal_release, ws, graphs) -> None:
     assert len({tuple(t) for t in alone}) >= 3  # the searches differ
 
 
+def test_failed_capture_runs_the_step_eagerly(causal_release, ws) -> None:
+    """Graphs are the default (on the CPU no step is graphed); a capture that fails while streams
+    are served (after its warm-up and capture wrote the scratch slot, as a real one does) warns,
+    runs that very step eagerly and turns graphs off: every stream still gives what it gives
+    alone, none dropped, every slot returned. A failed capture ahead of serving returns 0."""
+    model = load_model(EngineConfig(ckpt_dir=str(causal_release[1])))
+    assert model._stream_graphs(model.default_options.left_context_frames) is None  # CPU: eager
+    opts = DecodingOptions(word_timestamps=True)
+
+    def alone(w):
+        st = model.new_stream(opts)
+        for i in range(0, len(w), 5120):
+            model.stream_step([st], [w[i : i + 5120]], [i + 5120 >= len(w)])
+        return st.hyp
+
+    solo = [alone(w) for w in ws]
+    model.stream_cuda_graphs = model._simulate_stream_graphs = True
+    graphs = model._stream_graphs(model.default_options.left_context_frames)
+    capture = graphs.capture
+
+    def failing(key, generation, fail_at=2):  # bucket 1 captured, the next one fails
+        new = key not in graphs._graphs
+        capture(key, generation)
+        if new and graphs.stats["captures"] == fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs.capture = failing
+    states = [model.new_stream(opts) for _ in ws]
+    pos = [0] * len(ws)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        while any(p < len(w) for p, w in zip(pos, ws, strict=True)):
+            live = [k for k, w in enumerate(ws) if pos[k] < len(w) and (pos[0] >= 5120 * k or pos[k])]
+            model.stream_step([states[k] for k in live], [ws[k][pos[k] : pos[k] + 5120] for k in live],
+                              [pos[k] + 5120 >= len(ws[k]) for k in live])  # fmt: skip
+            for k in live:
+                pos[k] += 5120
+    assert model.stream_cuda_graphs is False and graphs.stats["captures"] == 2
+    for st, one in zip(states, solo, strict=True):
+        assert st.hyp.tokens == one.tokens and st.hyp.times == one.times
+    assert model.stream_occupancy()["streams"] == 0
+    model.stream_cuda_graphs = True
+    graphs.capture = lambda key, generation: failing(key, generation, fail_at=graphs.stats["captures"] + 1)
+    graphs._graphs.clear()
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert model.capture_stream_graphs(8) == 0
+    assert model.stream_cuda_graphs is False
+
+
 def test_capture_stream_graphs_ahead(causal_release, ws) -> None:
     """capture_stream_graphs captures every bucket up to the batch size before serving (simulated
     on the CPU), so steps of 1..8 streams replay without capturing."""

@@ -91,6 +91,7 @@ def test_cuda_graphs_match_eager(releases, clips, name, no_tf32) -> None:
     from oasr.checkpoint import load_model
 
     gpu = load_model(EngineConfig(ckpt_dir=str(releases[name]), device="cuda", dtype="float32"))
+    assert gpu.cuda_graphs  # the default on CUDA (unless OASR_FUNASR_GRAPHS=0)
     waves = [clips[n] for n in ZH_CLIPS + EN_CLIPS]
     opts = DecodingOptions(word_timestamps=True)
 
@@ -118,3 +119,67 @@ def test_cuda_graphs_match_eager(releases, clips, name, no_tf32) -> None:
     gpu.cuda_graphs = True
     for _ in range(2):
         assert words(gpu.transcribe(sub, opts)) == eager_sub
+
+
+def _words(ts):  # noqa: ANN001, ANN202
+    return [(t.text, [(w.word, w.start, w.end) for w in t.words]) for t in ts]
+
+
+def test_graphs_are_captured_in_the_thread_that_runs_the_model(releases, clips, no_tf32) -> None:
+    """Captures happen lazily inside the model call (the engine worker's thread here), not ahead
+    from another thread, and the replays give the eager text."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from oasr.checkpoint import load_model
+
+    gpu = load_model(EngineConfig(ckpt_dir=str(releases["zh"]), device="cuda", dtype="float32"))
+    waves = [clips[n] for n in ZH_CLIPS]
+    opts = DecodingOptions(word_timestamps=True)
+    gpu.cuda_graphs = False
+    eager = _words(gpu.transcribe(waves, opts))
+    gpu.cuda_graphs = True
+    graphs = gpu._cuda_graphs()
+    record, threads = graphs._record, []
+
+    def spy(fn, static):  # noqa: ANN001, ANN202
+        threads.append(threading.get_ident())
+        return record(fn, static)
+
+    graphs._record = spy
+    with ThreadPoolExecutor(1) as worker:
+        worker_id = worker.submit(threading.get_ident).result()
+        for _ in range(3):  # eager (first use), capture, replay
+            assert _words(worker.submit(gpu.transcribe, waves, opts).result()) == eager
+    assert threads and set(threads) == {worker_id} != {threading.get_ident()}
+    assert graphs.stats["captures"] == 2 and graphs.stats["replays"] == 4 and graphs.disabled is None
+
+
+def test_capture_failing_inside_runs_the_call_eagerly(releases, clips, no_tf32) -> None:
+    """A real capture that cannot finish (a host read inside it): that call runs eagerly on the
+    caller's stream with the eager text, graphs turn off with a warning, later calls stay eager."""
+    from oasr.checkpoint import load_model
+
+    gpu = load_model(EngineConfig(ckpt_dir=str(releases["zh"]), device="cuda", dtype="float32"))
+    waves = [clips[n] for n in ZH_CLIPS]
+    opts = DecodingOptions(word_timestamps=True)
+    gpu.cuda_graphs = False
+    eager = _words(gpu.transcribe(waves, opts))
+    gpu.cuda_graphs = True
+    graphs = gpu._cuda_graphs()
+    encode = graphs._encode_predict
+
+    def failing(feats, lens):  # noqa: ANN001, ANN202
+        out = encode(feats, lens)
+        if torch.cuda.is_current_stream_capturing():
+            out[3].sum().item()  # a read back to the host: not capturable
+        return out
+
+    graphs._encode_predict = failing
+    stream = torch.cuda.current_stream()
+    assert _words(gpu.transcribe(waves, opts)) == eager  # first use: eager
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert _words(gpu.transcribe(waves, opts)) == eager  # the capture fails: eager
+    assert graphs.disabled is not None and graphs.stats["captures"] == 0
+    assert torch.cuda.current_stream() == stream
+    assert _words(gpu.transcribe(waves, opts)) == eager

@@ -117,7 +117,7 @@ def test_graph_bookkeeping_through_transcribe(releases, clips) -> None:
             (t.text, [(w.word, w.start, w.end) for w in t.words]) for t in m.transcribe(ws, opts)
         ]
 
-    assert m.cuda_graphs is False  # opt-in
+    assert m._cuda_graphs() is None  # the CPU: eager whatever the default (on)
     eager, eager_sub = run(waves), run(waves[1:])
     assert all(text and words for text, words in eager + eager_sub)
     g = m._graphs = _CPUGraphs(m.net, max_graphs=3)
@@ -133,3 +133,28 @@ def test_graph_bookkeeping_through_transcribe(releases, clips) -> None:
     with pytest.warns(RuntimeWarning, match="capture failed"):
         assert run(waves) == eager
     assert g.disabled is not None
+
+
+def test_a_pool_whose_graphs_are_all_dropped_is_renewed() -> None:
+    """Past ``max_graphs`` the least recently used graph goes; once none is left the next
+    capture gets a new memory pool (torch refuses to capture into a pool whose graphs are all
+    gone), and while one is left the pool is shared."""
+    g = _CPUGraphs(torch.nn.Module(), max_graphs=2)
+    args, shapes = (torch.ones(2, 3),), ((2, 3),)
+
+    def capture(key):  # noqa: ANN001, ANN202
+        return g._capture(key, lambda a: (2 * a,), args, shapes)
+
+    capture("a")
+    g._pool = pool = object()  # what the first real capture sets
+    capture("b")
+    assert g._pool is pool and list(g._graphs) == ["a", "b"]
+    capture("c")  # drops "a", "b" still holds the pool
+    assert g._pool is pool and list(g._graphs) == ["b", "c"]
+    g.max_graphs = 1
+    capture("d")  # drops both: a new pool
+    assert g._pool is None and list(g._graphs) == ["d"]
+    d = g._graphs["d"]
+    g._fill(d.inputs, args, 2)
+    d.graph.replay()
+    assert torch.equal(d.outputs[0], torch.full((2, 3), 2.0))

@@ -143,8 +143,8 @@ class ParaformerASR:
             )
         self.default_options = ParaformerOptions()
         #: on CUDA the encoder + predictor and the decoder replay CUDA graphs at bucketed shapes
-        #: (:mod:`oasr_models_funasr.graphs`); opt-in (``OASR_FUNASR_GRAPHS=1``) until measured
-        #: on a GPU
+        #: (:mod:`oasr_models_funasr.graphs`), captured lazily in the thread that calls the model;
+        #: on by default (``OASR_FUNASR_GRAPHS=0`` or False here: eager); no effect on the CPU
         self.cuda_graphs = graphs_enabled()
         self._graphs: ParaformerGraphs | None = None
         lfr_n = int(self.feature_spec.options["lfr_n"])

@@ -1,6 +1,5 @@
 """Nemotron streaming on CUDA (``pytest -m gpu tests/nemo``) with its CUDA graphs (the default
-there; ``OASR_NEMO_STREAM_GRAPHS=0`` turns them off; the eager step is also
-``test_gpu.py::test_nemotron_streaming_on_cuda``): the chunk step replayed as CUDA
+there; ``OASR_NEMO_STREAM_GRAPHS=0`` turns them off): the chunk step replayed as CUDA
 graphs per batch bucket gives the eager step's tokens and encoder output (float32, TF32 off),
 streams of different ages and lookaheads share steps, the greedy search's device loop (one and
 several symbols per frame) agrees, finals equal offline decoding on the device; in float16 the

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from oasr.stream_cache import BATCH_BUCKETS, bucket
+from oasr.stream_cache import BATCH_BUCKETS, CAPTURE_LOCK, bucket
 
 __all__ = [
     "FRAME_STEP",
@@ -287,7 +287,8 @@ class ParaformerGraphs:
         try:
             # thread_local: the engine's other threads (audio, features of the next batch) may
             # use the device meanwhile; only this thread's calls are checked against the capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            # (and one capture at a time in the process: oasr.stream_cache.CAPTURE_LOCK)
+            with CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 outputs = fn(*static)
         finally:
             # a capture that fails to begin or end leaves its own stream current: the eager

@@ -47,6 +47,7 @@ from typing import Any
 
 from oasr.decoders.context_graph import ContextGraph
 from oasr.decoders.hypothesis import Hypothesis
+from oasr.stream_cache import CAPTURE_LOCK
 
 __all__ = ["GPUCTCPrefixBeamSearch", "ctc_prefix_beam_search_gpu", "nbest_streams", "step_streams"]
 
@@ -346,7 +347,8 @@ def _advance_graphed(c: _Consts, tv: Any, ti: Any, kmask: Any, f: Any, i: Any, v
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        # one capture at a time, not invalidated by other threads (oasr.stream_cache.GraphSteps)
+        with CAPTURE_LOCK, torch.cuda.graph(graph, capture_error_mode="thread_local"):
             body()
     except Exception as e:  # pragma: no cover - depends on the device and torch build
         _GRAPH_FAILED.append(repr(e))

@@ -178,11 +178,15 @@ def _capture(fn: Any) -> Any:
     encoder allocate its memory afresh on every next call."""
     import torch
 
+    from oasr.stream_cache import CAPTURE_LOCK
+
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
+    # one capture at a time, and other threads' device work (a server's stream loop) must not
+    # invalidate it: see GraphSteps
+    with CAPTURE_LOCK, torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
         try:
             fn()
         except BaseException:

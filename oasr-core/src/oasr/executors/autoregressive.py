@@ -52,6 +52,7 @@ from oasr.layers import (
     paged_prefill_attention,
 )
 from oasr.layers.quantized import paged_decode_attention_fp8
+from oasr.stream_cache import CAPTURE_LOCK
 
 if TYPE_CHECKING:
     from oasr.scheduler import Request, SchedulerConfig
@@ -716,7 +717,9 @@ class AutoregressiveExecutor:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # one capture at a time in the process, not invalidated by other threads' device work
+        # (oasr.stream_cache.GraphSteps says why)
+        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             g.logits = run()
         g.graph = graph
         self._graphs[(b, nb)] = g

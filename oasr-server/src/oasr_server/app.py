@@ -263,6 +263,12 @@ class ServerState:
                 log.info("warm-up done in %.2f s", time.monotonic() - t0)
                 if getattr(engine, "streaming", None) is not None:
                     self._warm_streams(engine)
+                # what exists now (the model, torch, the libraries: ~300k objects) lives as long
+                # as the server: kept out of every later collection, a full one (the housekeeping
+                # every MEMORY_HOUSEKEEPING_S, or Python's own) no longer stops the event loop and
+                # the stream loop for ~100-200 ms to walk it all
+                gc.collect()
+                gc.freeze()
             worker = EngineWorker(
                 engine,
                 max_queue=self.config.max_queue,

@@ -104,6 +104,8 @@ class StreamingEngineLoop:
         #: loop thread only: the streams the engine holds, by request id
         self._live: dict[str, EngineStream] = {}
         self._ids = itertools.count(1)
+        #: the event loops a wake-up of the loop thread is scheduled on
+        self._wake_on: set[asyncio.AbstractEventLoop] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,11 +156,28 @@ class StreamingEngineLoop:
         with self._cond:
             if not self._stopping:
                 self._commands.append(command)
-                self._cond.notify()
+                # one wake-up of the loop thread per event-loop turn, not one per command: a
+                # woken thread takes the GIL from the event loop for a step attempt, and
+                # hundreds of streams post thousands of appends a second; the commands of one
+                # turn of the event loop (every socket it read) go over together
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # not on an event loop: wake it now
+                    loop = None
+                if loop is None:
+                    self._cond.notify()
+                elif loop not in self._wake_on:
+                    self._wake_on.add(loop)
+                    loop.call_soon(self._wake, loop)
                 return
         from oasr_server.errors import NotReadyError
 
         stream._fail(NotReadyError("the server is shutting down; retry on another instance"))
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._cond:
+            self._wake_on.discard(loop)
+            self._cond.notify()
 
     # -- loop thread -------------------------------------------------------------------------
     def _run(self) -> None:

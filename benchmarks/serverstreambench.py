@@ -117,7 +117,12 @@ class Report:
     #: loop, one core, is the limit)
     server_loop_cpu_s: float | None = None
     server_cpu_per_append_us: float | None = None
+    #: the measured round's engine steps: batches, mean batch, CUDA graphs captured (0 expected:
+    #: the server captures them all while it warms up) and replayed
     server_steps: dict[str, float] = field(default_factory=dict)
+    dtype: str = "auto"
+    #: warnings and errors the server logged (its stderr), the last 20
+    server_warnings: list[str] = field(default_factory=list)
     leftover: dict[str, float] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
 
@@ -176,7 +181,7 @@ class StreamRef:
 
 
 def reference(ckpt: str, device: str, threads: int, streams: list[np.ndarray], chunk: int,
-              uploads: list[np.ndarray], max_batch: int | None = None,
+              uploads: list[np.ndarray], max_batch: int | None = None, dtype: str = "auto",
               ) -> tuple[list[StreamRef], list[str], int]:  # fmt: skip
     """The in-process streaming engine on the same audio, fed in the client's chunks; returns the
     per-stream references, the upload texts and the model's sample rate. ``max_batch`` (default:
@@ -189,7 +194,7 @@ def reference(ckpt: str, device: str, threads: int, streams: list[np.ndarray], c
     torch.set_num_threads(threads)
     engine = ASREngine(EngineConfig(ckpt_dir=ckpt, device=device, service_mode="streaming",
                                     max_batch_size=max_batch or max(1, len(streams)),
-                                    num_threads=threads))  # fmt: skip
+                                    num_threads=threads, dtype=dtype))  # fmt: skip
     try:
         waves = [s.astype(np.float32) / 32768.0 for s in streams]
         rids = [
@@ -235,23 +240,25 @@ def reference(ckpt: str, device: str, threads: int, streams: list[np.ndarray], c
 # -- the server ------------------------------------------------------------------------------------
 def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: int, uploads: int,
                  batch_wait_ms: float, log_level: str = "warning",
-                 switch_interval_ms: float | None = None) -> subprocess.Popen:  # fmt: skip
+                 switch_interval_ms: float | None = None, dtype: str = "auto",
+                 log: Any = subprocess.PIPE) -> subprocess.Popen:  # fmt: skip
     """``switch_interval_ms``: the server process's ``sys.setswitchinterval`` (an experiment:
     how long a thread waiting for the GIL, e.g. the event loop after a socket call, may wait
-    while the stream loop thread runs Python; None: Python's 5 ms)."""
+    while the stream loop thread runs Python; None: Python's 5 ms). ``log``: where the server's
+    stderr goes (a file: a pipe nobody reads would stall the server once it fills)."""
     boot = "from oasr_server.cli import main; main()"
     if switch_interval_ms is not None:
         boot = f"import sys; sys.setswitchinterval({switch_interval_ms / 1000.0!r}); {boot}"
     cmd = [
         sys.executable, "-c", boot,
         "--ckpt-dir", ckpt, "--device", device, "--threads", str(threads),
-        "--service-mode", "streaming", "--http-bind", f"127.0.0.1:{port}",
+        "--service-mode", "streaming", "--http-bind", f"127.0.0.1:{port}", "--dtype", dtype,
         "--max-streams", str(streams + 8), "--max-batch-size", str(max(16, streams)),
         "--max-queue", str(max(64, 2 * uploads)), "--stream-batch-wait-ms", str(batch_wait_ms),
         "--no-demo", "--log-level", log_level,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("OASR_")}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def _raise_open_files(need: int) -> None:
@@ -277,6 +284,16 @@ def cpu_seconds(pid: int, thread: int | None = None) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _warnings(log: Path) -> list[str]:
+    """The warning and error lines of the server's log, the last 20."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    keep = [ln for ln in lines if any(w in ln for w in ("Warning", "WARNING", "ERROR", "Error"))]
+    return [ln[:300] for ln in keep[-20:]]
 
 
 def read_metrics(base: str) -> str:
@@ -537,7 +554,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         model_chunk_ms: float | None = None, uploads: int = 4, upload_seconds: float = 4.0,
         clients: int = 1, threads: int = 2, batch_wait_ms: float = 0.0, warmup_rounds: int = 0,
         p99_target_ms: float = 150.0, log_level: str = "warning",
-        switch_interval_ms: float | None = None) -> Report:  # fmt: skip
+        switch_interval_ms: float | None = None, dtype: str = "auto") -> Report:  # fmt: skip
     from benchmarks.serverbench import free_port
 
     _raise_open_files(2 * streams + 256)  # the server and the clients inherit it
@@ -553,17 +570,23 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         chunk = max(1, int(round(chunk_ms * sr / 1000)))
         pcm = [stream_pcm(i, seconds, sr) for i in range(streams)]
         up_pcm = [upload_pcm(k, upload_seconds, sr) for k in range(uploads)]
-        refs, up_ref, _ = reference(ckpt, device, threads, pcm, chunk, up_pcm)
+        refs, up_ref, _ = reference(ckpt, device, threads, pcm, chunk, up_pcm, dtype=dtype)
         blobs = [wav_bytes(u, sr) for u in up_pcm]
 
         port = free_port()
         base = f"http://127.0.0.1:{port}"
+        server_log = Path(tmp) / "server.log"
+        log_file = server_log.open("wb")
         proc = start_server(ckpt, device=device, threads=threads, port=port, streams=streams,
                             uploads=uploads, batch_wait_ms=batch_wait_ms, log_level=log_level,
-                            switch_interval_ms=switch_interval_ms)  # fmt: skip
+                            switch_interval_ms=switch_interval_ms, dtype=dtype,
+                            log=log_file)  # fmt: skip
         group = None
         try:
-            wait_ready(base, proc, timeout=180.0)
+            try:
+                wait_ready(base, proc, timeout=180.0)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}; its log: {_warnings(server_log)}") from None
             # phases spread over one model chunk: independent streams' chunks become ready
             # evenly over time, not all in the same client chunk
             group = Clients(clients, port, streams, seconds, sr, chunk, model_chunk_s)
@@ -597,6 +620,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            log_file.close()
+        server_warnings = _warnings(server_log)
         # a final that differs: does the in-process engine itself change it with the batch?
         differing = [
             r["i"] for r in records if r["final"] is not None and r["final"] != refs[r["i"]].final
@@ -604,7 +629,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         alone: dict[int, str] = {}
         if differing:
             solo, _, _ = reference(
-                ckpt, device, threads, [pcm[i] for i in differing[:16]], chunk, [], max_batch=1
+                ckpt, device, threads, [pcm[i] for i in differing[:16]], chunk, [], max_batch=1,
+                dtype=dtype,
             )
             alone = {i: r.final for i, r in zip(differing, solo, strict=False)}
 
@@ -660,6 +686,12 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
     turns = metric(after, "oasr_stream_turns_total") - metric(before, "oasr_stream_turns_total")
     if turns != streams:
         mismatches.append(f"the server counted {turns:g} committed turns, expected {streams}")
+    graphs = {
+        f"{kind}_measured": metric(after, "oasr_stream_cache", {"kind": kind})
+        - metric(before, "oasr_stream_cache", {"kind": kind})
+        for kind in ("graph_captures", "graph_replays")
+    }
+    graphs["graph_captures_before"] = metric(before, "oasr_stream_cache", {"kind": "graph_captures"})
     batches = metric(after, "oasr_batch_size_count") - metric(before, "oasr_batch_size_count")
     rows = metric(after, "oasr_batch_size_sum") - metric(before, "oasr_batch_size_sum")
     ms = 1000.0
@@ -685,7 +717,9 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         server_cpu_s=cpu,
         server_loop_cpu_s=None if loop0 is None or loop1 is None else round(loop1 - loop0, 2),
         server_cpu_per_append_us=round(cpu / appends * 1e6, 1) if cpu is not None and appends else None,
-        server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0},
+        server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0,
+                      **graphs},
+        dtype=dtype, server_warnings=server_warnings,
         leftover=leftover, mismatches=mismatches,
     )  # fmt: skip
 
@@ -708,7 +742,9 @@ def print_report(r: Report) -> None:
     print(
         f"  client send lag ms  p99 {r.send_lag_p99_ms:7.1f}  max {r.send_lag_max_ms:7.1f};  "
         f"uploads p50 {r.upload_latency_p50_s:.2f} s max {r.upload_latency_max_s:.2f} s;  "
-        f"server batches {r.server_steps.get('batches', 0):g} (mean {r.server_steps.get('mean_batch', 0)})"
+        f"server batches {r.server_steps.get('batches', 0):g} (mean {r.server_steps.get('mean_batch', 0)}; "
+        f"CUDA graphs captured {r.server_steps.get('graph_captures_measured', 0):g}, replayed "
+        f"{r.server_steps.get('graph_replays_measured', 0):g})"
     )
     print(
         f"  server process CPU {r.server_cpu_s} s (event loop {r.server_loop_cpu_s} s) in {r.wall_s} s "
@@ -718,6 +754,8 @@ def print_report(r: Report) -> None:
         f"  finals equal to the engine's {r.finals_equal}/{r.streams}, uploads {r.uploads_equal}/{r.uploads}; "
         f"held (checks pass, p99 <= {r.p99_target_ms:g} ms): {'yes' if r.held else 'NO'}"
     )
+    for w in r.server_warnings:
+        print(f"  server log: {w}")
     for m in r.mismatches[:20]:
         print(f"    {m}")
     if len(r.mismatches) > 20:
@@ -782,6 +820,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--p99-target-ms", type=float, default=150.0)
     p.add_argument(
+        "--dtype",
+        default="auto",
+        help="the model's dtype in the server and the reference (auto: float16 on CUDA)",
+    )
+    p.add_argument(
         "--server-switch-interval-ms",
         type=float,
         default=None,
@@ -806,7 +849,7 @@ def main(argv: list[str] | None = None) -> dict:
         batch_wait_ms=args.batch_wait_ms if args.batch_wait_ms is not None else (5.0 if cuda else 0.0),
         warmup_rounds=args.warmup_rounds if args.warmup_rounds is not None else (1 if cuda else 0),
         p99_target_ms=args.p99_target_ms, log_level=args.log_level,
-        switch_interval_ms=args.server_switch_interval_ms,
+        switch_interval_ms=args.server_switch_interval_ms, dtype=args.dtype,
     )  # fmt: skip
     print_report(report)
     out = asdict(report)

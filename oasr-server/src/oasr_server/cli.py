@@ -65,6 +65,11 @@ def serve_command(
         ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    dtype: Annotated[
+        str,
+        typer.Option("--dtype", metavar="auto|float32|float16|bfloat16",
+                     help="The model's compute dtype (auto: float32 on CPU, float16 on CUDA)."),
+    ] = "auto",
     quantization: Annotated[
         Optional[str],  # noqa: UP045
         typer.Option(
@@ -333,6 +338,7 @@ def serve_command(
         engine_config = EngineConfig(
             ckpt_dir=ckpt_dir,
             device=device,
+            dtype=dtype,
             max_batch_size=max_batch_size,
             max_audio_seconds=max_audio_seconds,
             num_threads=threads,

@@ -183,7 +183,8 @@ class ServerMetrics:
         self.stream_cache = Gauge(
             "oasr_stream_cache",
             "Streaming cache pool of the engine's model (--service-mode streaming): live streams, "
-            "slots, blocks_used, blocks (allocated), bytes.",
+            "slots, blocks_used, blocks (allocated), bytes; graph_captures / graph_replays: its "
+            "streaming steps' CUDA graphs captured and replayed so far.",
             ["kind"],
             registry=r,
         )
@@ -224,7 +225,8 @@ class ServerMetrics:
     def bind_stream_cache(self, occupancy: Callable[[], dict]) -> None:
         """``occupancy()``: the streaming scheduler's gauges (``pool_*`` keys, see
         docs/cache_manager.md); models without a pool report zeros."""
-        for kind in ("streams", "slots", "blocks_used", "blocks", "bytes"):
+        for kind in ("streams", "slots", "blocks_used", "blocks", "bytes", "graph_captures",
+                     "graph_replays"):  # fmt: skip
             self.stream_cache.labels(kind).set_function(
                 lambda kind=kind: float(occupancy().get(f"pool_{kind}", 0))
             )

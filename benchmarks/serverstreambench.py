@@ -244,7 +244,8 @@ def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: in
                  log: Any = subprocess.PIPE) -> subprocess.Popen:  # fmt: skip
     """``switch_interval_ms``: the server process's ``sys.setswitchinterval`` (an experiment:
     how long a thread waiting for the GIL, e.g. the event loop after a socket call, may wait
-    while the stream loop thread runs Python; None: Python's 5 ms). ``log``: where the server's
+    while the stream loop thread runs Python; None: the server's own, 1 ms once its streaming
+    loop runs, ``oasr_server.stream_worker.SWITCH_INTERVAL_S``). ``log``: where the server's
     stderr goes (a file: a pipe nobody reads would stall the server once it fills)."""
     boot = "from oasr_server.cli import main; main()"
     if switch_interval_ms is not None:
@@ -828,7 +829,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--server-switch-interval-ms",
         type=float,
         default=None,
-        help="experiment: the server's sys.setswitchinterval (default: Python's 5 ms)",
+        help="experiment: the server's sys.setswitchinterval (default: the server's, 1 ms)",
     )
     p.add_argument("--log-level", default="warning", help="the server's --log-level")
     p.add_argument("--json", type=Path, default=None)

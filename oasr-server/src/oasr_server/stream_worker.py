@@ -15,6 +15,11 @@ A step may *hold* to fill its batch (``--stream-batch-wait-ms``, the scheduler's
 the oldest ready chunk has waited less than the hold. The loop then sleeps until the hold ends or
 a command arrives (new audio may complete the batch), and steps again.
 
+The event loop and this thread share the GIL, and each lets go of it often (socket calls, numpy
+over more than 500 elements, device waits); getting it back waits for the other thread's switch
+interval, so the loop lowers the process's ``sys.setswitchinterval`` from Python's 5 ms to
+:data:`SWITCH_INTERVAL_S` (1 ms) when it starts (unless something else changed it).
+
 All streaming engine calls (``add_streaming_request``, ``feed_chunk``, ``step``, ``abort``) are
 made from this one thread: whatever the engine promises about threads, nothing here needs it.
 A stream leaves the engine when its final result arrives, when it is aborted (the client
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -42,6 +48,11 @@ if TYPE_CHECKING:
     from oasr.types import DecodingOptions, Transcript
 
 log = logging.getLogger("oasr_server.streams")
+
+#: the process's ``sys.setswitchinterval`` once the streaming loop runs (Python's default 5 ms
+#: unless something else changed it)
+SWITCH_INTERVAL_S = 0.001
+_PYTHON_SWITCH_INTERVAL_S = 0.005
 
 
 @dataclass(eq=False)
@@ -111,6 +122,12 @@ class StreamingEngineLoop:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if sys.getswitchinterval() == _PYTHON_SWITCH_INTERVAL_S:  # (not set by someone else)
+            # the event loop and this thread both run Python and both let go of the GIL
+            # often (socket calls, numpy over > 500 elements, device waits); a thread that
+            # let go waits for the other's switch interval to get it back, 5 ms by default:
+            # per append on the event loop, per numpy call of a large step here
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="oasr-stream-engine", daemon=True)
         self._thread.start()
 

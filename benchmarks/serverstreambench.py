@@ -121,7 +121,8 @@ class Report:
     #: the server captures them all while it warms up) and replayed
     server_steps: dict[str, float] = field(default_factory=dict)
     dtype: str = "auto"
-    #: warnings and errors the server logged (its stderr), the last 20
+    #: warnings and errors the server logged (its stderr; with ``--log-level info`` also its
+    #: warm-up lines), the last 20
     server_warnings: list[str] = field(default_factory=list)
     leftover: dict[str, float] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
@@ -288,12 +289,14 @@ def cpu_seconds(pid: int, thread: int | None = None) -> float | None:
 
 
 def _warnings(log: Path) -> list[str]:
-    """The warning and error lines of the server's log, the last 20."""
+    """The warning and error lines of the server's log and its warm-up lines (``--log-level
+    info``: how long the warm-up took, the CUDA graphs captured ahead), the last 20."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return []
-    keep = [ln for ln in lines if any(w in ln for w in ("Warning", "WARNING", "ERROR", "Error"))]
+    marks = ("Warning", "WARNING", "ERROR", "Error", "warm-up done", "captured ahead")
+    keep = [ln for ln in lines if any(w in ln for w in marks)]
     return [ln[:300] for ln in keep[-20:]]
 
 

@@ -3,13 +3,26 @@
 # HTTP uploads (6 s WAVs) at once through a real `oasr-server --service-mode streaming
 # --stream-batch-wait-ms 5` on the H200 (WeNet medium shape, random weights, fp16); every final
 # and every delta checked against the in-process streaming engine; one unmeasured warm-up round
-# first (CUDA graphs, cache pool). ~75 s expected (server start ~20 s, 2 rounds ~12 s each).
-# Expect: finals 500/500 (a differing final is re-run in-process alone and classified), uploads
-# 32/32, leftovers all 0, client send lag p99 < 20 ms; target partial latency p99 <= 150 ms
-# (unmeasured so far). If p99 misses: look at server_loop_cpu_s (event loop near wall_s = one
-# core is the limit) and server_steps.mean_batch in the JSON.
+# first. The server captures its streaming CUDA graphs while it warms up (every batch bucket up
+# to 512 x history buckets up to 1024 frames; cache pool sized for 508 streams), so ~85 s
+# expected (server start ~30 s, 2 rounds ~12 s each).
+# Run of 2026-12-02 (before the fixes): FAILED. A graph capture hit torch's "use_count > 0"
+# graph-pool assertion after the cache pool grew (GraphSteps reused the pool handle of graphs it
+# had dropped), every later step ran eagerly at other shapes than the reference's graphs: finals
+# 328/500, ~400 streams per step at ~0.7 s each, partial p99 1661 ms, 320 us of server CPU per
+# append event (event loop 10.4 s of 13.6 s).
+# Expect now: a "captured ahead" server log line and no "capture failed"; "CUDA graphs captured
+# 0" in the measured round; finals 500/500 (a differing final is re-run in-process with one
+# stream per step; if the engine's own text changes, fp16 numerics depend on the batch's shapes:
+# rerun with --dtype float32 to check the server path), uploads 32/32, leftovers 0; target
+# partial p99 <= 150 ms. If p99 misses: server_loop_cpu_s near wall_s (event loop is the limit),
+# server_steps.mean_batch, and --server-switch-interval-ms (the server sets 1 ms by default).
 mkdir -p $OUT/serverscale
-timeout 115 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
+timeout 25 python3 -m pytest -q -p no:cacheprovider -m gpu tests/server/test_stream_graphs_gpu.py \
+  > $OUT/serverscale/pytest_gpu.log 2>&1
+echo "pytest rc=$?"; tail -15 $OUT/serverscale/pytest_gpu.log
+timeout 92 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
   --streams 500 --seconds 10 --chunk-ms 100 --uploads 32 --clients 4 --batch-wait-ms 5 \
-  --json $OUT/serverscale/serverstream_500.json > $OUT/serverscale/serverstream_500.log 2>&1
-echo "serverstreambench rc=$?"; tail -30 $OUT/serverscale/serverstream_500.log
+  --log-level info --json $OUT/serverscale/serverstream_500.json \
+  > $OUT/serverscale/serverstream_500.log 2>&1
+echo "serverstreambench rc=$?"; tail -40 $OUT/serverscale/serverstream_500.log

@@ -18,11 +18,11 @@
 # partial p99 <= 150 ms. If p99 misses: server_loop_cpu_s near wall_s (event loop is the limit),
 # server_steps.mean_batch, and --server-switch-interval-ms (the server sets 1 ms by default).
 mkdir -p $OUT/serverscale
-timeout 25 python3 -m pytest -q -p no:cacheprovider -m gpu tests/server/test_stream_graphs_gpu.py \
-  > $OUT/serverscale/pytest_gpu.log 2>&1
-echo "pytest rc=$?"; tail -15 $OUT/serverscale/pytest_gpu.log
-timeout 92 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
+timeout 95 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
   --streams 500 --seconds 10 --chunk-ms 100 --uploads 32 --clients 4 --batch-wait-ms 5 \
   --log-level info --json $OUT/serverscale/serverstream_500.json \
   > $OUT/serverscale/serverstream_500.log 2>&1
 echo "serverstreambench rc=$?"; tail -40 $OUT/serverscale/serverstream_500.log
+timeout 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/server/test_stream_graphs_gpu.py \
+  > $OUT/serverscale/pytest_gpu.log 2>&1
+echo "pytest rc=$?"; tail -15 $OUT/serverscale/pytest_gpu.log

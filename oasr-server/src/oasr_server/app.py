@@ -88,6 +88,10 @@ class ServerState:
         #: streaming service mode: the thread that feeds stream turns to the engine
         self.stream_engine: StreamingEngineLoop | None = None
         self.metrics = ServerMetrics()
+        #: after the warm-up, keep every object that exists then out of later garbage
+        #: collections (``gc.freeze``; the ``oasr-server`` process sets it: it lives as long as
+        #: they do, an in-process app in a larger program may not)
+        self.freeze_after_warmup = False
         self.ready = False
         self.load_error: str | None = None
         self.started_at = int(time.time())
@@ -263,12 +267,13 @@ class ServerState:
                 log.info("warm-up done in %.2f s", time.monotonic() - t0)
                 if getattr(engine, "streaming", None) is not None:
                     self._warm_streams(engine)
-                # what exists now (the model, torch, the libraries: ~300k objects) lives as long
-                # as the server: kept out of every later collection, a full one (the housekeeping
-                # every MEMORY_HOUSEKEEPING_S, or Python's own) no longer stops the event loop and
-                # the stream loop for ~100-200 ms to walk it all
-                gc.collect()
-                gc.freeze()
+                if self.freeze_after_warmup:
+                    # what exists now (the model, torch, the libraries: ~300k objects) lives as
+                    # long as the server: kept out of every later collection, a full one (the
+                    # housekeeping every MEMORY_HOUSEKEEPING_S, or Python's own) no longer stops
+                    # the event loop and the stream loop for ~100-200 ms to walk it all
+                    gc.collect()
+                    gc.freeze()
             worker = EngineWorker(
                 engine,
                 max_queue=self.config.max_queue,

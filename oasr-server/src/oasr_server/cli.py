@@ -404,6 +404,7 @@ def serve_command(
             server.should_exit = True
 
     app = create_app(config, engine_config=engine_config, on_load_failure=on_load_failure)
+    app.state.oasr.freeze_after_warmup = True  # this process is the server: see ServerState
     server = _draining_server(
         uvicorn.Config(
             app,

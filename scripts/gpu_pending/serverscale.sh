@@ -1,7 +1,10 @@
 # serverscale helper (issue #20, server part): 500 realtime WebSocket streams (10 s each, 100 ms
 # pcm16 appends at 16 kHz, 4 client processes, phases spread over one 640 ms model chunk) + 32
 # HTTP uploads (6 s WAVs) at once through a real `oasr-server --service-mode streaming
-# --stream-batch-wait-ms 5` on the H200 (WeNet medium shape, random weights, fp16); every final
+# --stream-batch-wait-ms 5` on the H200 (WeNet medium shape, random weights, float32: in fp16
+# near-tied CTC argmaxes of random weights flip with the GEMM shapes, and the reference steps all
+# 500 streams at once while the server steps ~10-30, so fp16 cannot tell whether the server path
+# is exact; the step is host-bound either way); every final
 # and every delta checked against the in-process streaming engine; one unmeasured warm-up round
 # first. The server captures its streaming CUDA graphs while it warms up (every batch bucket up
 # to 512 x history buckets up to 1024 frames; cache pool sized for 508 streams), so ~85 s
@@ -20,7 +23,7 @@
 mkdir -p $OUT/serverscale
 timeout 95 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
   --streams 500 --seconds 10 --chunk-ms 100 --uploads 32 --clients 4 --batch-wait-ms 5 \
-  --log-level info --json $OUT/serverscale/serverstream_500.json \
+  --dtype float32 --log-level info --json $OUT/serverscale/serverstream_500.json \
   > $OUT/serverscale/serverstream_500.log 2>&1
 echo "serverstreambench rc=$?"; tail -40 $OUT/serverscale/serverstream_500.log
 timeout 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/server/test_stream_graphs_gpu.py \

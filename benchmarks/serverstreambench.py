@@ -288,6 +288,11 @@ def cpu_seconds(pid: int, thread: int | None = None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _progress(t0: float, what: str) -> None:
+    """One line of progress (a run cut short by ``timeout`` still shows where its time went)."""
+    print(f"[{time.monotonic() - t0:6.1f} s] {what}", flush=True)
+
+
 def _warnings(log: Path) -> list[str]:
     """The warning and error lines of the server's log and its warm-up lines (``--log-level
     info``: how long the warm-up took, the CUDA graphs captured ahead), the last 20."""
@@ -574,7 +579,9 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         chunk = max(1, int(round(chunk_ms * sr / 1000)))
         pcm = [stream_pcm(i, seconds, sr) for i in range(streams)]
         up_pcm = [upload_pcm(k, upload_seconds, sr) for k in range(uploads)]
+        t_start = time.monotonic()
         refs, up_ref, _ = reference(ckpt, device, threads, pcm, chunk, up_pcm, dtype=dtype)
+        _progress(t_start, "in-process reference done")
         blobs = [wav_bytes(u, sr) for u in up_pcm]
 
         port = free_port()
@@ -589,16 +596,19 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         try:
             try:
                 wait_ready(base, proc, timeout=180.0)
+                _progress(t_start, "server ready (loaded, warmed up, graphs captured)")
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; its log: {_warnings(server_log)}") from None
             # phases spread over one model chunk: independent streams' chunks become ready
             # evenly over time, not all in the same client chunk
             group = Clients(clients, port, streams, seconds, sr, chunk, model_chunk_s)
+            _progress(t_start, f"{clients} client processes prepared")
             timeout = 60 + 2 * seconds
             for _ in range(warmup_rounds):
                 answers, pool = uploads_in_threads(base, blobs, 1.0)
                 group.round(timeout)
                 pool.shutdown(wait=True)
+                _progress(t_start, "warm-up round done")
             before = read_metrics(base)
             answers, pool = uploads_in_threads(base, blobs, 1.0)
             # the main thread runs uvicorn's event loop (every socket, every event)
@@ -608,6 +618,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 cpu_seconds(proc.pid, proc.pid),
             )
             records, failed = group.round(timeout)
+            _progress(t_start, "measured round done")
             pool.shutdown(wait=True)
             wall, cpu1, loop1 = (
                 time.monotonic() - t,
@@ -616,6 +627,11 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
             )
             time.sleep(0.5)  # the server releases the sessions after their sockets close
             after = read_metrics(base)
+        except BaseException:  # cut short (timeout's SIGTERM, a failed round): what the server said
+            log_file.flush()
+            for line in _warnings(server_log):
+                print(f"  server log: {line}", flush=True)
+            raise
         finally:
             if group is not None:
                 group.close()

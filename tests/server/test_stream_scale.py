@@ -163,3 +163,59 @@ def test_many_streams_and_uploads_through_the_server() -> None:
     assert all(v == 0 for v in r.leftover.values()), r.leftover
     assert 0 < r.partial_latency_p50_ms <= r.partial_latency_p99_ms
     assert r.final_latency_max_ms > 0
+
+
+def test_event_loop_pcm16_conversion_is_decode_raw_pcm() -> None:
+    """The realtime fast path (mono pcm16 at the model's rate, converted on the event loop in
+    pieces of 500 samples so that numpy keeps the GIL) gives decode_raw_pcm's values exactly."""
+    from oasr.audio import RawPCMFormat, decode_raw_pcm
+    from oasr_server.streaming import _pcm16_to_float
+
+    every = np.arange(-32768, 32768, dtype="<i2").tobytes()
+    fmt = RawPCMFormat(sample_rate=16000, encoding="pcm_s16le", channels=1)
+    assert np.array_equal(_pcm16_to_float(every, len(every) // 2), decode_raw_pcm(every, fmt)[0])
+    odd = every[:3001]  # a trailing half sample is not read
+    assert np.array_equal(_pcm16_to_float(odd, 1500), decode_raw_pcm(odd[:3000], fmt)[0])
+
+
+def test_stream_loop_wakes_once_per_event_loop_turn() -> None:
+    """Commands posted in one turn of the event loop wake the loop thread once (a woken thread
+    takes the GIL from the event loop); the next turn may wake it again."""
+    from oasr_server.stream_worker import StreamingEngineLoop
+
+    class Engine:
+        def __init__(self) -> None:
+            self.fed: list[int] = []
+
+        def add_streaming_request(self, options: object, request_id: str) -> str:
+            return request_id
+
+        def feed_chunk(self, rid: str, audio: np.ndarray, is_last: bool = False) -> None:
+            self.fed.append(len(audio))
+
+        def step(self) -> list:
+            return []
+
+    engine = Engine()
+    loop = StreamingEngineLoop(engine)  # type: ignore[arg-type]
+    wakes: list[object] = []
+    original = loop._wake
+    loop._wake = lambda ev_loop: (wakes.append(ev_loop), original(ev_loop))  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        stream = loop.open(None, lambda _text: None)  # type: ignore[arg-type]
+        for _ in range(5):
+            loop.feed(stream, np.zeros(160, np.float32))
+        await asyncio.sleep(0)
+        assert len(wakes) == 1  # six commands, one wake-up
+        loop.feed(stream, np.zeros(160, np.float32))
+        await asyncio.sleep(0)
+        assert len(wakes) == 2
+        loop.start()
+        deadline = time.monotonic() + 10
+        while len(engine.fed) < 6 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        loop.stop(10)
+
+    asyncio.run(scenario())
+    assert engine.fed == [160] * 6

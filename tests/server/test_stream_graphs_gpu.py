@@ -76,7 +76,7 @@ def test_graphs_recaptured_after_the_pool_grows_and_beside_another_thread() -> N
     other.start()
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no "capture failed" fallback
+            warnings.filterwarnings("error", message=".*capture failed")  # no eager fallback
             generation = model.stream_pool.generation
             model.stream_pool.ensure(4 * model.stream_pool.capacity + 8, 512)  # drops every graph
             assert model.stream_pool.generation != generation

@@ -411,10 +411,14 @@ class GraphSteps:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
+            caller_stream = torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     static_out = self.fn(*static_in)
             except BaseException:
+                # a capture that fails to begin or end leaves torch's capture stream current: the
+                # caller's eager fallback must run on its own stream again
+                torch.cuda.set_stream(caller_stream)
                 # the failed graph may or may not hold the pool now: later captures start a new one
                 self._pool = None
                 self.stats["failures"] = self.stats.get("failures", 0) + 1

@@ -806,12 +806,9 @@ class _IcefallASR:
         """Capture ``key``'s step graph unless it exists; False when the capture failed (warned;
         ``stream_cuda_graphs`` is then False: eager steps from now on). A failed capture leaves
         every stream as it was: its warm-up and capture touch only the scratch slot 0."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
-            graphs.capture(key, generation)
+            graphs.capture(key, generation)  # restores this thread's stream when it fails
         except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run eagerly
-            if stream is not None:  # a capture that fails to end leaves its own stream current
-                torch.cuda.set_stream(stream)
             warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); the "
                           "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=3)
             self.stream_cuda_graphs = False

@@ -282,13 +282,9 @@ class NemotronStreamRuntime:
         graphs = self.graphs
         if graphs is None:
             return False
-        dev = self.model.device
-        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         try:
-            graphs.capture(key, self.pool.generation)
+            graphs.capture(key, self.pool.generation)  # restores this thread's stream when it fails
         except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: eager
-            if stream is not None:  # a capture that fails to end leaves its own stream current
-                torch.cuda.set_stream(stream)
             warnings.warn(f"{self.model.name}: streaming CUDA-graph capture failed ({exc!r}); the "
                           "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=4)
             self.graphs = None

@@ -453,12 +453,13 @@ class WfstDecoder:
     def decode(self, log_probs: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None,
                fused: bool | None = None) -> list[WfstHypothesis]:  # fmt: skip
         """Offline: the one-best of every row of ``log_probs`` [B, T, V]. ``fused``: run the
-        whole search as one CUDA kernel (``oasr_decoders_wfst.fused``); by default only on CUDA
-        with ``OASR_WFST_FUSED=1`` (it has not yet run on a real GPU), where a kernel that fails
-        to build or launch warns once and falls back; asked for explicitly it raises."""
+        whole search as one CUDA kernel (``oasr_decoders_wfst.fused``); by default on CUDA unless
+        ``OASR_WFST_FUSED=0`` (H200, 5000-word graph, 64 x 30 s: 0.083 s against the tensor
+        search's 4.9 s, the same words), where a kernel that fails to build or launch warns once
+        and falls back to the tensor search; asked for explicitly it raises."""
         explicit = fused is not None
-        if fused is None:  # opt-in until the kernel has run on a GPU (docs/wfst_decoder_gpu.md)
-            fused = (self.device.type == "cuda" and os.environ.get("OASR_WFST_FUSED") == "1"
+        if fused is None:  # docs/wfst_decoder_gpu.md, "The fused kernel"
+            fused = (self.device.type == "cuda" and os.environ.get("OASR_WFST_FUSED", "1") != "0"
                      and not WfstDecoder._fused_broken)  # fmt: skip
         if fused:
             from oasr_decoders_wfst.fused import decode_fused

@@ -138,6 +138,30 @@ def waves(n: int = 3, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
+#: samples per streaming step in the tests (320 ms at 16 kHz)
+STEP = 5120
+
+
+def run_alone(model, wave: np.ndarray, opts):
+    """A stream fed ``wave`` on its own, :data:`STEP` samples per step: its hypothesis."""
+    st = model.new_stream(opts)
+    for i in range(0, len(wave), STEP):
+        model.stream_step([st], [wave[i : i + STEP]], [i + STEP >= len(wave)])
+    return st.hyp
+
+
+def feed_staggered(model, states: list, ws: list[np.ndarray]) -> None:
+    """Feed ``ws[k]`` to ``states[k]`` in shared steps of :data:`STEP` samples, stream ``k``
+    joining ``k`` steps late: batches of 1, 2, 3 ... streams of different ages."""
+    pos = [0] * len(ws)
+    while any(p < len(w) for p, w in zip(pos, ws, strict=True)):
+        live = [k for k, w in enumerate(ws) if pos[k] < len(w) and (pos[0] >= STEP * k or pos[k])]
+        model.stream_step([states[k] for k in live], [ws[k][pos[k] : pos[k] + STEP] for k in live],
+                          [pos[k] + STEP >= len(ws[k]) for k in live])  # fmt: skip
+        for k in live:
+            pos[k] += STEP
+
+
 def calibration_features() -> tuple[torch.Tensor, torch.Tensor]:
     """icefall's decoding features of :func:`waves` (80-bin fbank, padded with log(1e-10))."""
     from oasr.features.kaldi import KaldiFbank
@@ -157,4 +181,5 @@ def helpers():
     import types
 
     return types.SimpleNamespace(VOCAB=VOCAB, build_reference=build_reference, waves=waves,
-                                 write_release=write_release, tokens_table=tokens_table)
+                                 write_release=write_release, tokens_table=tokens_table,
+                                 run_alone=run_alone, feed_staggered=feed_staggered)

@@ -117,13 +117,7 @@ def test_cuda_graph_streaming_equals_eager(causal_release, helpers) -> None:
         assert model.stream_cuda_graphs  # the default on CUDA (unless OASR_ICEFALL_STREAM_GRAPHS=0)
         model.stream_cuda_graphs = graphs
         states = [model.new_stream(DecodingOptions()) for _ in ws]
-        pos = [0] * len(ws)
-        while any(p < len(w) for p, w in zip(pos, ws, strict=True)):
-            live = [k for k, w in enumerate(ws) if pos[k] < len(w) and (pos[0] >= 5120 * k or pos[k])]
-            model.stream_step([states[k] for k in live], [ws[k][pos[k] : pos[k] + 5120] for k in live],
-                              [pos[k] + 5120 >= len(ws[k]) for k in live])  # fmt: skip
-            for k in live:
-                pos[k] += 5120
+        helpers.feed_staggered(model, states, ws)
         return [st.hyp for st in states], model.stream_occupancy()
 
     graphed, stats = run(True)
@@ -159,13 +153,7 @@ def test_capture_failing_mid_serving_runs_the_step_eagerly(causal_release, helpe
 
             graphs.fn = failing
         states = [model.new_stream(DecodingOptions()) for _ in ws]
-        pos = [0] * len(ws)
-        while any(p < len(w) for p, w in zip(pos, ws, strict=True)):
-            live = [k for k, w in enumerate(ws) if pos[k] < len(w) and (pos[0] >= 5120 * k or pos[k])]
-            model.stream_step([states[k] for k in live], [ws[k][pos[k] : pos[k] + 5120] for k in live],
-                              [pos[k] + 5120 >= len(ws[k]) for k in live])  # fmt: skip
-            for k in live:
-                pos[k] += 5120
+        helpers.feed_staggered(model, states, ws)
         assert model.stream_occupancy()["streams"] == 0
         return [st.hyp for st in states], model, seen
 

@@ -181,30 +181,17 @@ def test_silence_too_short_for_a_frame_is_empty(causal) -> None:
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_batched_step_independent_of_other_streams(causal_release, ws, graphs) -> None:
+def test_batched_step_independent_of_other_streams(causal_release, ws, graphs, helpers) -> None:
     """A stream's tokens and token times (and, within float rounding, log-probabilities) do not
     depend on which streams share its steps: streams of different ages (and, with the graph steps simulated on the CPU, a
     batch padded to its bucket with scratch rows) equal each stream run alone."""
     model = load_model(EngineConfig(ckpt_dir=str(causal_release[1])))
     model.stream_cuda_graphs = model._simulate_stream_graphs = graphs
     opts = DecodingOptions(word_timestamps=True)
-
-    def alone(w):
-        st = model.new_stream(opts)
-        for i in range(0, len(w), 5120):
-            model.stream_step([st], [w[i : i + 5120]], [i + 5120 >= len(w)])
-        return st.hyp
-
-    solo = [alone(w) for w in ws]
+    solo = [helpers.run_alone(model, w, opts) for w in ws]
     states = [model.new_stream(opts) for _ in ws]
-    pos = [0] * len(ws)
-    while any(p < len(w) for p, w in zip(pos, ws, strict=True)):
-        # stream k joins k steps late; a batch of 1, 2 or 3 (bucket 4: one padded row)
-        live = [k for k, w in enumerate(ws) if pos[k] < len(w) and (pos[0] >= 5120 * k or pos[k])]
-        model.stream_step([states[k] for k in live], [ws[k][pos[k] : pos[k] + 5120] for k in live],
-                          [pos[k] + 5120 >= len(ws[k]) for k in live])  # fmt: skip
-        for k in live:
-            pos[k] += 5120
+    # stream k joins k steps late; a batch of 1, 2 or 3 (bucket 4: one padded row)
+    helpers.feed_staggered(model, states, ws)
     for st, one in zip(states, solo, strict=True):
         assert st.hyp.tokens == one.tokens and st.hyp.times == one.times
         # float rounding of a GEMM may depend on its row count (CPU BLAS): within 1e-4
@@ -266,7 +253,7 @@ def test_mixed_searches_share_a_step(causal_release, ws, graphs) -> None:
     assert len({tuple(t) for t in alone}) >= 3  # the searches differ
 
 
-def test_failed_capture_runs_the_step_eagerly(causal_release, ws) -> None:
+def test_failed_capture_runs_the_step_eagerly(causal_release, ws, helpers) -> None:
     """Graphs are the default (on the CPU no step is graphed); a capture that fails while streams
     are served (after its warm-up and capture wrote the scratch slot, as a real one does) warns,
     runs that very step eagerly and turns graphs off: every stream still gives what it gives
@@ -274,14 +261,7 @@ def test_failed_capture_runs_the_step_eagerly(causal_release, ws) -> None:
     model = load_model(EngineConfig(ckpt_dir=str(causal_release[1])))
     assert model._stream_graphs(model.default_options.left_context_frames) is None  # CPU: eager
     opts = DecodingOptions(word_timestamps=True)
-
-    def alone(w):
-        st = model.new_stream(opts)
-        for i in range(0, len(w), 5120):
-            model.stream_step([st], [w[i : i + 5120]], [i + 5120 >= len(w)])
-        return st.hyp
-
-    solo = [alone(w) for w in ws]
+    solo = [helpers.run_alone(model, w, opts) for w in ws]
     model.stream_cuda_graphs = model._simulate_stream_graphs = True
     graphs = model._stream_graphs(model.default_options.left_context_frames)
     capture = graphs.capture
@@ -294,14 +274,8 @@ def test_failed_capture_runs_the_step_eagerly(causal_release, ws) -> None:
 
     graphs.capture = failing
     states = [model.new_stream(opts) for _ in ws]
-    pos = [0] * len(ws)
     with pytest.warns(RuntimeWarning, match="capture failed"):
-        while any(p < len(w) for p, w in zip(pos, ws, strict=True)):
-            live = [k for k, w in enumerate(ws) if pos[k] < len(w) and (pos[0] >= 5120 * k or pos[k])]
-            model.stream_step([states[k] for k in live], [ws[k][pos[k] : pos[k] + 5120] for k in live],
-                              [pos[k] + 5120 >= len(ws[k]) for k in live])  # fmt: skip
-            for k in live:
-                pos[k] += 5120
+        helpers.feed_staggered(model, states, ws)
     assert model.stream_cuda_graphs is False and graphs.stats["captures"] == 2
     for st, one in zip(states, solo, strict=True):
         assert st.hyp.tokens == one.tokens and st.hyp.times == one.times

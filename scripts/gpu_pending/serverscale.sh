@@ -14,7 +14,12 @@
 # had dropped), every later step ran eagerly at other shapes than the reference's graphs: finals
 # 328/500, ~400 streams per step at ~0.7 s each, partial p99 1661 ms, 320 us of server CPU per
 # append event (event loop 10.4 s of 13.6 s).
-# Expect now: a "captured ahead" server log line and no "capture failed"; "CUDA graphs captured
+# Run of 2026-12-02 after the fixes (float32; results in docs/benchmarks.md, eighth session):
+# 128 graphs captured ahead in 6.9 s, none while serving (643 replays), partial p99 119.6 ms,
+# final p99 122 ms, uploads 32/32, leftovers 0, 276 us server CPU per append; finals 445/500:
+# of 16 re-run one stream per step, 12 give the server's text (batch-shape numerics), 4 the
+# reference's. Still to do: a reference stepped at the server's batch shapes, to account for all.
+# Expect: a "captured ahead" server log line and no "capture failed"; "CUDA graphs captured
 # 0" in the measured round; finals 500/500 (a differing final is re-run in-process with one
 # stream per step; if the engine's own text changes, fp16 numerics depend on the batch's shapes:
 # rerun with --dtype float32 to check the server path), uploads 32/32, leftovers 0; target

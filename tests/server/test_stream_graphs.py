@@ -99,13 +99,17 @@ class _FakeCUDA:
     def current_stream() -> Any:
         return _FakeCUDA.Stream()
 
+    @staticmethod
+    def set_stream(s: Any) -> None:  # GraphSteps puts the caller's stream back after a failure
+        assert isinstance(s, _FakeCUDA.Stream)
+
 
 def test_graph_steps_recapture_after_dropping_every_graph(monkeypatch) -> None:
     from oasr.stream_cache import GraphSteps
 
     alloc = _Allocator()
     fake = _FakeCUDA(alloc)
-    for name in ("CUDAGraph", "graph_pool_handle", "graph", "Stream", "stream", "current_stream"):
+    for name in ("CUDAGraph", "graph_pool_handle", "graph", "Stream", "stream", "current_stream", "set_stream"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor]:

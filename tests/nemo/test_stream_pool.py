@@ -201,25 +201,22 @@ def test_incremental_partial_text_equals_decoding_everything() -> None:
             assert st.text == tok.decode(tokens)
 
 
-class _FailingCapture:
+def _FailingCapture(rt, fail_at: int):  # noqa: ANN001, ANN202, N802
     """Simulated graphs whose ``fail_at``-th capture fails after its warm-up and capture ran on
     the scratch slot (what a real capture that cannot finish has done by then)."""
+    from oasr.stream_cache import GraphSteps
 
-    def __init__(self, rt, fail_at: int) -> None:  # noqa: ANN001
-        from oasr.stream_cache import GraphSteps
+    class Failing(GraphSteps):
+        calls = 0
 
-        self.inner = GraphSteps(rt.compute, rt.dummy_inputs, simulate=True)
-        self.simulate, self.stats, self.fail_at, self.calls = True, self.inner.stats, fail_at, 0
+        def capture(self, key, generation) -> None:  # noqa: ANN001
+            new = key not in self._graphs
+            super().capture(key, generation)
+            self.calls += new
+            if new and self.calls == fail_at:
+                raise RuntimeError("operation not permitted when stream is capturing")
 
-    def capture(self, key, generation) -> None:  # noqa: ANN001
-        new = key not in self.inner._graphs
-        self.inner.capture(key, generation)
-        self.calls += new
-        if new and self.calls == self.fail_at:
-            raise RuntimeError("operation not permitted when stream is capturing")
-
-    def run(self, key, generation, *inputs):  # noqa: ANN001, ANN002, ANN202
-        return self.inner.run(key, generation, *inputs)
+    return Failing(rt.compute, rt.dummy_inputs, simulate=True)
 
 
 def test_failed_capture_runs_the_step_eagerly(nemotron, clips) -> None:

@@ -8,6 +8,7 @@ Nothing here imports torch."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from oasr.errors import UnknownModelError
@@ -147,3 +148,15 @@ __all__ = [
     "install_hint",
     "resolve_model_name",
 ]
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off switch read from the environment variable ``name``: ``0`` / ``false`` / ``no`` /
+    ``off`` turn it off, ``1`` / ``true`` / ``yes`` / ``on`` on (any case); unset or anything
+    else: ``default``."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return default

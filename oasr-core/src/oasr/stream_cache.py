@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -425,6 +426,18 @@ class GraphSteps:
                 raise
         self._graphs[key] = (graph, static_in, tuple(static_out))
         self.stats["captures"] += 1
+
+    def try_capture(self, key: Any, generation: Any, owner: str) -> bool:
+        """:meth:`capture`, or False when the capture failed: warned once (``owner``: the model's
+        name), and the caller turns its graphs off and runs this step and the later ones
+        eagerly. Nothing of any stream changed (see the class docstring)."""
+        try:
+            self.capture(key, generation)
+        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run eagerly
+            warnings.warn(f"{owner}: streaming CUDA-graph capture failed ({exc!r}); the chunk step "
+                          "runs eagerly from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
+            return False
+        return True
 
     def _drop_all(self) -> None:
         """Forget every graph and their pool's handle (a new capture starts a fresh pool)."""

@@ -26,7 +26,6 @@ calls, so a stream decoded chunk by chunk gives exactly the offline result.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from oasr.defaults import env_switch
 from oasr.errors import InvalidRequestError
 from oasr_decoders_wfst.graph import WfstGraph
 
@@ -459,7 +459,7 @@ class WfstDecoder:
         and falls back to the tensor search; asked for explicitly it raises."""
         explicit = fused is not None
         if fused is None:  # docs/wfst_decoder_gpu.md, "The fused kernel"
-            fused = (self.device.type == "cuda" and os.environ.get("OASR_WFST_FUSED", "1") != "0"
+            fused = (self.device.type == "cuda" and env_switch("OASR_WFST_FUSED", True)
                      and not WfstDecoder._fused_broken)  # fmt: skip
         if fused:
             from oasr_decoders_wfst.fused import decode_fused

@@ -35,7 +35,6 @@ all of whose graphs are gone).
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections import OrderedDict
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 
+from oasr.defaults import env_switch
 from oasr.stream_cache import BATCH_BUCKETS, CAPTURE_LOCK, bucket
 
 __all__ = [
@@ -66,7 +66,7 @@ TOKEN_STEP = 8
 def graphs_enabled() -> bool:
     """True unless ``OASR_FUNASR_GRAPHS`` is ``0`` (``false``, ``no``, ``off``); graphs run only
     on CUDA either way."""
-    return os.environ.get("OASR_FUNASR_GRAPHS", "1").lower() not in ("0", "false", "no", "off")
+    return env_switch("OASR_FUNASR_GRAPHS", True)
 
 
 def round_up(n: int, step: int) -> int:

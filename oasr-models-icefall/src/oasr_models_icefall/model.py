@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +51,7 @@ from oasr.decoders.graph_search import (
     graph_transcripts,
     refuse_graph_search_streaming,
 )
+from oasr.defaults import env_switch
 from oasr.errors import CheckpointError, InvalidRequestError, UnsupportedOptionError
 from oasr.features.kaldi import KaldiFbank
 from oasr.layers import default_dtype, resolve_dtype
@@ -188,7 +187,7 @@ class _IcefallASR:
     #: 256 streams of 320 ms chunks at step p99 16.5 / 14.7 / 32.5 ms, eager 241 / 231 / 582);
     #: ``OASR_ICEFALL_STREAM_GRAPHS=0`` or False here: the eager step. A capture that fails warns
     #: and that step and the later ones run eagerly. Nothing changes on the CPU
-    stream_cuda_graphs = os.environ.get("OASR_ICEFALL_STREAM_GRAPHS", "1").lower() not in ("0", "false", "no", "off")
+    stream_cuda_graphs = env_switch("OASR_ICEFALL_STREAM_GRAPHS", True)
     #: tests: the graph steps' bucketing and padding on the CPU (GraphSteps(simulate=True))
     _simulate_stream_graphs = False
     #: host seconds per phase of the stream steps (a benchmark sets a StepProfile; None: off)
@@ -806,14 +805,10 @@ class _IcefallASR:
         """Capture ``key``'s step graph unless it exists; False when the capture failed (warned;
         ``stream_cuda_graphs`` is then False: eager steps from now on). A failed capture leaves
         every stream as it was: its warm-up and capture touch only the scratch slot 0."""
-        try:
-            graphs.capture(key, generation)  # restores this thread's stream when it fails
-        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run eagerly
-            warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); the "
-                          "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=3)
-            self.stream_cuda_graphs = False
-            return False
-        return True
+        if graphs.try_capture(key, generation, self.name):
+            return True
+        self.stream_cuda_graphs = False
+        return False
 
     def capture_stream_graphs(self, max_batch: int, chunk_size: int | None = None,
                               left_context_frames: int | None = None, streams: int | None = None,

@@ -17,7 +17,6 @@ Offline: NeMo mel (core ``nemo_mel``, the checkpoint's preprocessor) -> FastConf
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from oasr.decoders.transducer import (
     TransducerModifiedBeamSearch,
     duration_token_timestamps,
 )
+from oasr.defaults import env_switch
 from oasr.errors import UnsupportedOptionError
 from oasr.layers import resolve_dtype
 from oasr.model import ProgressCallback
@@ -323,7 +323,7 @@ class NemotronASR(NemoASR):
     #: ``OASR_NEMO_STREAM_GRAPHS=0`` (or False here, before the first stream) keeps the eager
     #: step. A capture that fails warns and that step and all later ones run eagerly. Nothing
     #: changes on the CPU.
-    stream_cuda_graphs = os.environ.get("OASR_NEMO_STREAM_GRAPHS", "1").lower() not in ("0", "false", "no", "off")
+    stream_cuda_graphs = env_switch("OASR_NEMO_STREAM_GRAPHS", True)
     #: the attention history a stream keeps when the model's left context is unlimited
     stream_max_history = 1024
     #: a ``oasr.stream_cache.StepProfile`` (or any object with its ``start`` / ``lap`` and

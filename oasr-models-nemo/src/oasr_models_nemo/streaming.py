@@ -37,7 +37,6 @@ as offline, so a stream's result equals offline decoding, whatever streams share
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -282,14 +281,10 @@ class NemotronStreamRuntime:
         graphs = self.graphs
         if graphs is None:
             return False
-        try:
-            graphs.capture(key, self.pool.generation)  # restores this thread's stream when it fails
-        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: eager
-            warnings.warn(f"{self.model.name}: streaming CUDA-graph capture failed ({exc!r}); the "
-                          "chunk step runs eagerly from now on", RuntimeWarning, stacklevel=4)
-            self.graphs = None
-            return False
-        return True
+        if graphs.try_capture(key, self.pool.generation, self.model.name):
+            return True
+        self.graphs = None
+        return False
 
     # -- host side ----------------------------------------------------------------------------
     @property

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -817,17 +816,13 @@ class WenetASR:
                 # (page-locked inputs: the replay copies the host buffers into its inputs itself)
                 key = (rows, w_max, s_max)
                 generation = (pool.generation, enc.pos_enc.pe.data_ptr())
-                try:
-                    graphs.capture(key, generation)
-                except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run eagerly
-                    warnings.warn(f"{self.name}: streaming CUDA-graph capture failed ({exc!r}); "
-                                  "the chunk step runs eagerly from now on", RuntimeWarning, stacklevel=2)
+                if graphs.try_capture(key, generation, self.name):
+                    out, logp, best = graphs.run(key, generation, audio_t, ints_t)
+                else:
                     self.stream_cuda_graphs = False
                     # the capture touched scratch rows only: this step runs from the streams'
                     # unchanged state, at the padded shapes a replay would have (same numerics)
                     out, logp, best = self._chunk_compute(audio_t.to(dev), ints_t.to(dev))
-                else:
-                    out, logp, best = graphs.run(key, generation, audio_t, ints_t)
             else:
                 out, logp, best = self._chunk_compute(audio_t.to(dev, non_blocking=True),
                                                       ints_t.to(dev, non_blocking=True))  # fmt: skip

@@ -9,7 +9,8 @@ prediction network 2 x 640, durations 0..4), random weights, written with ``save
 loaded by OASR as released. ``--batch`` inputs of ``--seconds`` seconds: OASR's
 ``model.transcribe`` (mel on the device, encoder, search; fp16 on CUDA) against transformers'
 ``generate`` on the same weights in the same dtype, given its features already on the device (its
-feature extraction is not counted). CTC and TDT; RTFx = audio seconds / wall seconds (best of
+feature extraction is not counted; ``transformers_end_to_end_s`` adds its processor, run with
+``device=`` on the same device, to the call, as OASR's time includes its mel). CTC and TDT; RTFx = audio seconds / wall seconds (best of
 ``--repeats`` after a warm-up) and the speedup. Both decode the same greedy tokens (reported:
 ``same_tokens`` on the first ``--check`` inputs).
 
@@ -292,6 +293,14 @@ def _hf_tokens(kind: str, out, lengths: list[int], blank: int) -> list[list[int]
     return rows
 
 
+def _reference_generate(ref, kind: str, feats, mask, max_new: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "ctc":
+            return ref.generate(input_features=feats, attention_mask=mask)
+        return ref.generate(input_features=feats, attention_mask=mask, max_new_tokens=max_new)
+
+
 def offline(args, kind: str, shape: dict) -> dict:
     import torch
 
@@ -317,6 +326,15 @@ def offline(args, kind: str, shape: dict) -> dict:
     ours_s, ours = _best(lambda: model.transcribe(waves, opts), args.repeats, args.device)
     ours_tokens = [t.segments[0].tokens if t.segments else [] for t in ours]
     split = {}
+    if args.cudnn_attention:  # the same call with cuDNN's SDPA tried first (fixed shapes)
+        from oasr.layers import fixed_shape_attention
+
+        def cudnn_first():
+            with fixed_shape_attention():
+                return model.transcribe(waves, opts)
+
+        cudnn_s, _ = _best(cudnn_first, args.repeats, args.device)
+        split["oasr_cudnn_attention_s"] = round(cudnn_s, 4)
     if args.profile:
         from benchmarks.profiling import profile_call
 
@@ -352,13 +370,30 @@ def offline(args, kind: str, shape: dict) -> dict:
         max_new = 12 * int(max(lengths))
 
         def reference():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if kind == "ctc":
-                    return ref.generate(input_features=feats, attention_mask=mask)
-                return ref.generate(input_features=feats, attention_mask=mask, max_new_tokens=max_new)
+            return _reference_generate(ref, kind, feats, mask, max_new)
 
         ref_s, ref_out = _best(reference, max(1, args.repeats - 1), args.device)
+
+        fe_device = [args.device]
+
+        def reference_end_to_end():
+            # what a user of transformers runs: the processor (its torch STFT on the same
+            # device, the fastest way it offers) and generate, from the same waveforms
+            try:
+                x = fe(waves, sampling_rate=SR, return_tensors="pt", device=fe_device[0])
+            except RuntimeError as e:  # some versions leave the waveforms on the CPU
+                print(f"transformers' processor on {fe_device[0]} failed ({e}); on the CPU",
+                      file=sys.stderr)
+                fe_device[0] = "cpu"
+                x = fe(waves, sampling_rate=SR, return_tensors="pt")
+            return _reference_generate(ref, kind, x.input_features.to(args.device, dtype),
+                                       x.attention_mask.to(args.device), max_new)
+
+        e2e_s, _ = _best(reference_end_to_end, max(1, args.repeats - 1), args.device)
+        if args.profile:
+            from benchmarks.profiling import profile_call
+
+            split["reference_profile"] = profile_call(reference, args.device)
     ref_tokens = _hf_tokens(kind, ref_out, lengths, blank)
     check = min(args.check, args.batch)
     return {
@@ -369,6 +404,10 @@ def offline(args, kind: str, shape: dict) -> dict:
         "speedup": round(ref_s / ours_s, 2),
         # transformers' feature extraction (CPU, numpy) is not in transformers_s
         "transformers_features_s": round(fe_s, 4),
+        # processor with its features on the device, then generate: the whole call, as OASR's
+        "transformers_end_to_end_s": round(e2e_s, 4),
+        "transformers_processor_device": fe_device[0],
+        "speedup_end_to_end": round(e2e_s / ours_s, 2),
         "tokens_per_input": round(sum(len(t) for t in ours_tokens) / len(ours_tokens), 1),
         "same_tokens": ours_tokens[:check] == ref_tokens[:check],
         **split,
@@ -558,7 +597,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="streaming --find-max: start no new count after this many seconds "
                         "(shared by the modes measured)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one OASR call (top operators to stderr and in the JSON)")
+                   help="also profile one OASR call and one transformers generate (top operators "
+                        "to stderr and in the JSON)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="offline: also time OASR with cuDNN's attention kernel tried first")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     import torch

@@ -8,6 +8,7 @@ the most device time (or host time on the CPU)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -22,15 +23,18 @@ def profile_call(fn: Callable[[], Any], device: str, rows: int = 20) -> dict[str
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    # OASR_PROFILE_SHAPES=1: one row per operator and input shapes (which tensor a copy is)
+    shapes = os.environ.get("OASR_PROFILE_SHAPES", "") not in ("", "0")
+    with profile(activities=activities, record_shapes=shapes) as prof:
         t0 = time.perf_counter()
         fn()
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    averages = prof.key_averages()
+    averages = prof.key_averages(group_by_input_shape=shapes)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    print(averages.table(sort_by=key, row_limit=rows), file=sys.stderr)
+    print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=70,
+                         max_shapes_column_width=110), file=sys.stderr)
     top = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:rows]
     runtime = sum(e.self_cpu_time_total for e in averages
                   if e.key.startswith("cuda") or e.key.startswith("cudaStream"))  # fmt: skip
@@ -41,5 +45,6 @@ def profile_call(fn: Callable[[], Any], device: str, rows: int = 20) -> dict[str
         "device_busy_s": round(device_busy / 1e6, 4),
         "launches": int(sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC"))),
         "graph_replays": int(sum(e.count for e in averages if e.key == "cudaGraphLaunch")),
-        "top": [{"op": e.key, "count": e.count, "ms": round(getattr(e, key) / 1e3, 2)} for e in top],
+        "top": [{"op": e.key, "count": e.count, "ms": round(getattr(e, key) / 1e3, 2),
+                 **({"shapes": str(e.input_shapes)[:200]} if shapes else {})} for e in top],
     }  # fmt: skip

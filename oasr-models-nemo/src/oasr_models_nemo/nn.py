@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr.errors import CheckpointError
-from oasr.layers import Embedding, LayerNorm, Linear, attention
+from oasr.layers import Embedding, LayerNorm, Linear, attention, position_bias
 from oasr.layers.conformer import BatchNorm1d, DepthwiseConv1d, glu, swish
 from oasr.layers.recurrent import LSTMCell
 from oasr_models_nemo.config import NemoConfig
@@ -174,15 +174,6 @@ def rel_pe(high: int, low: int, dim: int, device: torch.device, dtype: torch.dty
     return torch.stack([f.sin(), f.cos()], dim=-1).reshape(len(pos), dim).to(dtype)
 
 
-def _rel_shift(x: torch.Tensor, s: int) -> torch.Tensor:
-    """(B, H, T, P = 2S - 1) scores over distances ``S-1 .. -(S-1)`` -> (B, H, T, S) with column
-    j holding the score of distance ``(S - T + i) - j`` for query i (Transformer-XL's shift):
-    column ``T - 1 - i + j`` of row i, a strided view (no copy of the (B, H, T, 2S) scores)."""
-    b, h, t, p = x.shape
-    x = x.contiguous()
-    return x.as_strided((b, h, t, s), (h * t * p, t * p, p - 1, 1), x.storage_offset() + t - 1)
-
-
 class RelPosAttention(nn.Module):
     def __init__(self, c: NemoConfig) -> None:
         super().__init__()
@@ -208,19 +199,17 @@ class RelPosAttention(nn.Module):
         (True: attend) or None; caches (B, H, C, dk). Returns the output and the keys / values
         of all S frames."""
         b, t, _ = x.shape
-        q = self._heads(self.q_proj(x))
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
         if k_cache is not None:
             k = torch.cat([k_cache, k], dim=2)
             v = torch.cat([v_cache, v], dim=2)
         s = k.shape[2]
-        p = self.relative_k_proj(pe).view(1, -1, self.heads, self.head_dim).transpose(1, 2)
-        bd = torch.matmul(q + self.bias_v[None, :, None], p.transpose(-1, -2))
-        bd = _rel_shift(bd, s) * self.scale
-        if mask is not None:
-            bd = bd.masked_fill(~mask, _neg(bd.dtype))
-        out = attention(q + self.bias_u[None, :, None], k, v, mask=bd, scale=self.scale)
+        # Transformer-XL's position term (matrix "bd") over distances S-1 .. -(S-1), shifted
+        bd = position_bias(q + self.bias_v, self.relative_k_proj(pe).view(-1, self.heads, self.head_dim),
+                           self.scale, shift_keys=s, mask=mask, fill=_neg(x.dtype))
+        out = attention((q + self.bias_u).transpose(1, 2), k, v, mask=bd, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
     def forward_local(self, x: torch.Tensor, valid: torch.Tensor, context: tuple[int, int],
@@ -351,7 +340,7 @@ class FastConformerLayer(nn.Module):
 
     def forward(self, x, pe, mask, valid, *, local: tuple[tuple[int, int], str] | None = None,
                 cache: LayerCache | None = None):
-        x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
+        x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)
         h = self.norm_self_att(x)
         k = v = conv_in = None
         if local is not None:
@@ -362,7 +351,7 @@ class FastConformerLayer(nn.Module):
             x = x + a
         c, conv_in = self.conv(self.norm_conv(x), valid, None if cache is None else cache.conv)
         x = x + c
-        x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
+        x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
         return self.norm_out(x), k, v, conv_in
 
 
@@ -408,7 +397,8 @@ class FastConformerEncoder(nn.Module):
         attention of that many frames each side (block-wise)."""
         c = self.config
         x, lengths = self.subsampling(feats, lengths)
-        x = x * self.input_scale
+        if self.input_scale != 1.0:  # (a pass over the frames saved when it is 1)
+            x = x * self.input_scale
         b, t, _ = x.shape
         valid = torch.arange(t, device=x.device)[None, :] < lengths[:, None]
         context = att_context or c.att_context
@@ -441,7 +431,8 @@ class FastConformerEncoder(nn.Module):
         chunked-limited mask serves them all. Returns the output and each layer's keys / values
         over all C + T frames and causal-convolution input (the caller trims them)."""
         c = self.config
-        x = x * self.input_scale
+        if self.input_scale != 1.0:  # (a pass over the frames saved when it is 1)
+            x = x * self.input_scale
         b, t, _ = x.shape
         cached = caches[0].k.shape[2]
         s = cached + t

@@ -14,7 +14,8 @@ Modules
 
 Functional ops
     :func:`attention` (``scaled_dot_product_attention``), :func:`attention_with_weights`,
-    :func:`paged_decode_attention` (one decode step over a paged KV cache), :func:`gelu`.
+    :func:`paged_decode_attention` (one decode step over a paged KV cache), :func:`gelu`,
+    :func:`position_bias` (relative-position attention's position term as an SDPA mask).
 
 Op overrides (for kernel providers)
     Every op has a name: ``linear``, ``layer_norm``, ``conv1d``, ``embedding``, ``gelu``,
@@ -59,6 +60,7 @@ from oasr.layers.attention import (
     causal_mask,
     fixed_shape_attention,
     paged_decode_attention,
+    position_bias,
 )
 from oasr.layers.basic import (
     GELUMLP,
@@ -98,6 +100,7 @@ __all__ = [
     "install_kernel_providers",
     "override",
     "paged_decode_attention",
+    "position_bias",
     "register_override",
     "resolve_dtype",
     "set_overrides_enabled",

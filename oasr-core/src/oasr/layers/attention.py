@@ -100,6 +100,69 @@ def attention(
     return call_op(_ATTENTION, q.device.type, _attention_native, q, k, v, mask, is_causal, scale)
 
 
+#: the row stride (elements) of a float mask that the memory-efficient SDPA kernel reads as it
+#: is; a mask with another row stride is first copied into a padded tensor by PyTorch
+_MASK_ALIGN = 16
+
+
+def position_bias(
+    q: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    *,
+    shift_keys: int | None = None,
+    mask: torch.Tensor | None = None,
+    fill: float = float("-inf"),
+) -> torch.Tensor:
+    """The position term of relative-position attention as an additive SDPA mask:
+    ``scale * q . pos^T`` per head, (B, H, T, S).
+
+    ``q`` (B, T, H, D): the queries with their position bias added (``q + pos_bias_v``), in the
+    layout the projection gives. ``pos`` (P, H, D) or (1, P, H, D) (one table for the batch) or
+    (B, P, H, D): projected position embeddings. Without ``shift_keys`` column j is key j
+    (P == S: WeNet/ESPnet's "latest" form). With ``shift_keys=S`` the table covers relative
+    distances ``S-1 .. -(S-1)`` (P == 2S - 1) and column j of query i is distance
+    ``(S - T + i) - j`` (Transformer-XL's shift, NeMo/icefall), taken as a strided view.
+    ``mask`` (bool, broadcastable to (B, H, T, S), True = may attend) puts ``fill`` where False.
+
+    Why not ``matmul(q, pos^T) * scale`` in (B, H, T, D): with one table for the batch that
+    matmul runs as a batched GEMM over a broadcast operand (a slow legacy kernel on Hopper), and
+    the scale, the shift and the mask are each a pass over the largest tensor of the layer. Here
+    the table is scaled (it is small), the GEMM is one per head over all B*T queries, and the
+    shift is folded into the one copy of the result, into a buffer whose rows are aligned for
+    the attention kernel (so SDPA does not copy it again)."""
+    b, t, h, d = q.shape
+    pos = pos * scale
+    if pos.dim() == 3 or pos.shape[0] == 1:
+        table = pos.reshape(-1, h, d)  # (P, H, D)
+        p = table.shape[0]
+        scores = torch.matmul(q.reshape(b * t, h, d).transpose(0, 1), table.permute(1, 2, 0))
+        scores = scores.view(h, b, t, p).transpose(0, 1)  # (B, H, T, P), a view
+    else:
+        p = pos.shape[1]
+        scores = torch.matmul(q.transpose(1, 2), pos.permute(0, 2, 3, 1))  # (B, H, T, P)
+    if shift_keys is not None:
+        s = shift_keys
+        if p != 2 * s - 1:
+            raise ValueError(f"a shifted position table needs {2 * s - 1} rows, got {p}")
+        sb, sh, st, sp = scores.stride()
+        if sp != 1:
+            scores = scores.contiguous()
+            sb, sh, st, sp = scores.stride()
+        # row i starts at column T - 1 - i (distance S - T + i); one column further per key;
+        # the (S - T) keys before the queries (a cache) lie to the left of that diagonal
+        scores = scores.as_strided((b, h, t, s), (sb, sh, st - 1, 1),
+                                   scores.storage_offset() + (s - 1) - (s - t))
+    else:
+        s = p
+    padded = -(-s // _MASK_ALIGN) * _MASK_ALIGN
+    out = torch.empty(b, h, t, padded, dtype=scores.dtype, device=scores.device)[..., :s]
+    out.copy_(scores)
+    if mask is not None:  # (torch.where has no out= form taking a Python fill value)
+        out.masked_fill_(~mask, fill)
+    return out
+
+
 _PAGED_DECODE_ATTENTION = declare_op("paged_decode_attention")
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr.layers._dispatch import call_op, declare_op
-from oasr.layers.attention import attention
+from oasr.layers.attention import attention, position_bias
 from oasr.layers.basic import Conv1d, LayerNorm, Linear, Op
 from oasr.layers.fused import glu_depthwise_conv1d
 
@@ -257,17 +257,15 @@ class RelPositionMultiHeadAttention(nn.Module):
             k = torch.cat([cache[0], k], dim=2)
             v = torch.cat([cache[1], v], dim=2)
         p = self.linear_pos(pos_emb)
-        p = p.view(p.shape[0], -1, self.h, self.d_k).transpose(1, 2)  # (B|1, H, S, D)
+        p = p.view(p.shape[0], -1, self.h, self.d_k)  # (B|1, S, H, D)
         q_u = (q + self.pos_bias_u).transpose(1, 2)  # (B, H, T, D)
-        q_v = (q + self.pos_bias_v).transpose(1, 2)
         scale = 1.0 / math.sqrt(self.d_k)
-        bias = torch.matmul(q_v, p.transpose(-2, -1)) * scale  # (B, H, T, S)
         if mask is not None:
             # a query row with no visible key (padding rows only) would give NaN; let it see
             # everything instead (its output is discarded by the caller)
-            mask = mask | ~mask.any(dim=-1, keepdim=True)
-            bias = bias.masked_fill(~mask.unsqueeze(1), float("-inf"))
-        out = attention(q_u, k, v, bias.to(q_u.dtype), False, scale)
+            mask = (mask | ~mask.any(dim=-1, keepdim=True)).unsqueeze(1)
+        bias = position_bias(q + self.pos_bias_v, p.to(q.dtype), scale, mask=mask)  # (B, H, T, S)
+        out = attention(q_u, k, v, bias, False, scale)
         out = out.transpose(1, 2).reshape(b, t, self.d_model)
         return self.linear_out(out), (k, v)
 

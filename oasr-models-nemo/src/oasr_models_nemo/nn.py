@@ -75,6 +75,25 @@ class Conv2dLayer(nn.Module):
         return F.conv2d(x, self.weight, self.bias, stride=self.stride, groups=self.groups)
 
 
+_FUSED_CONV_RELU = [True]  # cleared for the process when cuDNN refuses the fused form
+
+
+def _conv2d(h: torch.Tensor, layer: Conv2dLayer, pad: int, relu: bool) -> tuple[torch.Tensor, bool]:
+    """``layer``'s convolution of ``h`` (zero padding ``pad`` on both axes); with ``relu`` on
+    CUDA, cuDNN's fused convolution + bias + ReLU (one pass over the output, which for the
+    first layer is 3 GB at 128 x 30 s: 35 -> 24 ms for the whole subsampling on an H200).
+    Returns the output and whether the ReLU is applied."""
+    if relu and h.is_cuda and _FUSED_CONV_RELU[0]:
+        try:
+            return torch.cudnn_convolution_relu(
+                h, layer.weight, layer.bias, (layer.stride,) * 2, (pad,) * 2, (1, 1),
+                layer.groups), True
+        except RuntimeError:
+            _FUSED_CONV_RELU[0] = False
+    return F.conv2d(h, layer.weight, layer.bias, stride=layer.stride, padding=pad,
+                    groups=layer.groups), False
+
+
 class Subsampling(nn.Module):
     """FastConformer's ``dw_striding``: Conv2d(1 -> C, stride 2), ReLU, then (depthwise Conv2d
     stride 2, pointwise Conv2d, ReLU) until the factor is reached; flatten (C x freq) and project.
@@ -111,25 +130,29 @@ class Subsampling(nn.Module):
         # 128 x 30 s, and every pass over it counts (a batch of equal lengths has one such frame)
         shortest = int(lengths.min())
         symmetric = self.pad[0] == self.pad[1]
-        for layer in self.layers:
-            if isinstance(layer, Conv2dLayer):
-                if layer.stride > 1:
-                    if symmetric:  # the convolution pads (no padded copy of its input)
-                        h = F.conv2d(h, layer.weight, layer.bias, stride=layer.stride,
-                                     padding=self.pad[0], groups=layer.groups)
-                    else:
-                        h = layer(F.pad(h, (*self.pad, *self.pad)))
-                    lengths = torch.div(lengths + sum(self.pad) - self.kernel, self.stride,
-                                        rounding_mode="floor") + 1
-                    shortest = (shortest + sum(self.pad) - self.kernel) // self.stride + 1
+        layers = list(self.layers)
+        fused = False  # whether the last convolution applied the ReLU that follows it
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Conv2dLayer):  # a ReLU: in place (the convolution's output)
+                if not fused:
+                    h = torch.relu_(h)
+                continue
+            # a ReLU after zeroing frames equals zeroing after the ReLU: fuse it into the conv
+            relu = i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU)
+            pad = 0
+            if layer.stride > 1:
+                if symmetric:  # the convolution pads (no padded copy of its input)
+                    pad = self.pad[0]
                 else:
-                    h = layer(h)
-                if shortest < h.shape[2]:
-                    t = torch.arange(shortest, h.shape[2], device=h.device)
-                    keep = (t[None, :] < lengths[:, None]).to(h.dtype)[:, None, :, None]
-                    h[:, :, shortest:] *= keep
-            else:  # the ReLUs, in place: the convolution's output is ours
-                h = torch.relu_(h)
+                    h = F.pad(h, (*self.pad, *self.pad))
+                lengths = torch.div(lengths + sum(self.pad) - self.kernel, self.stride,
+                                    rounding_mode="floor") + 1
+                shortest = (shortest + sum(self.pad) - self.kernel) // self.stride + 1
+            h, fused = _conv2d(h, layer, pad, relu)
+            if shortest < h.shape[2]:
+                t = torch.arange(shortest, h.shape[2], device=h.device)
+                keep = (t[None, :] < lengths[:, None]).to(h.dtype)[:, None, :, None]
+                h[:, :, shortest:] *= keep
         b, ch, t, f = h.shape
         return self.linear(h.transpose(1, 2).reshape(b, t, ch * f)), lengths
 

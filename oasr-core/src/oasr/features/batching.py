@@ -6,6 +6,7 @@ is given; ``mask_frames`` blanks the frames past each item's length."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 
@@ -69,6 +70,25 @@ class _PinnedStaging(threading.local):
 
 _staging = _PinnedStaging()
 
+#: batches of at least this many samples (64 MB) fill the staging buffer in parallel
+_PARALLEL_FILL_SAMPLES = 16 << 20
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _fill_workers() -> int:
+    return min(8, (os.cpu_count() or 1) // 2)
+
+
+def _fill_pool():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(_fill_workers(), thread_name_prefix="oasr-batch-fill")
+        return _pool
+
 
 def padded_batch(
     waves: Sequence[np.ndarray], device: torch.device | str
@@ -97,9 +117,18 @@ def padded_batch(
         st.buffer = torch.empty(max(need, 1 << 20), dtype=torch.float32, pin_memory=True)
     flat = st.buffer[: b * n]
     rows = flat.numpy().reshape(b, n)
-    for i, w in enumerate(waves):
-        rows[i, : lens[i]] = w
+
+    def fill(i: int) -> None:
+        rows[i, : lens[i]] = waves[i]
         rows[i, lens[i] :] = 0.0
+
+    if need >= _PARALLEL_FILL_SAMPLES and _fill_workers() > 1:
+        # a large batch (128 x 30 s is 245 MB) is filled by several threads: numpy releases
+        # the GIL while it copies, and one core alone cannot use the host's memory bandwidth
+        list(_fill_pool().map(fill, range(b)))
+    else:
+        for i in range(b):
+            fill(i)
     x = flat.view(b, n).to(dev, non_blocking=True)
     st.event = torch.cuda.Event()
     st.event.record()

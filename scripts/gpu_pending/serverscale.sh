@@ -18,15 +18,22 @@
 # 128 graphs captured ahead in 6.9 s, none while serving (643 replays), partial p99 119.6 ms,
 # final p99 122 ms, uploads 32/32, leftovers 0, 276 us server CPU per append; finals 445/500:
 # of 16 re-run one stream per step, 12 give the server's text (batch-shape numerics), 4 the
-# reference's. Still to do: a reference stepped at the server's batch shapes, to account for all.
+# reference's. Since then (serverfinals): the check is well-posed. On the CPU, batch composition
+# moves the medium shape's logits by <= 3.4e-6 of their spread and changed 0/32 finals; the
+# random head has 0.4 % of its frames within 1e-3 of the spread, so the H200's rounding flips
+# some. A sharper or blank-dominant random head does not remove such ties (the noise scales with
+# the logits) and a smoother one misses a dropped 100 ms piece in 9/24 streams, so the benchmark
+# now steps each differing stream again in-process and passes its final only when the model's
+# logits reach it by choices among tokens tied within 2e-3 of the spread (tie_margins in the
+# JSON; a dropped piece needs 0.10-0.35).
 # Expect: a "captured ahead" server log line and no "capture failed"; "CUDA graphs captured
-# 0" in the measured round; finals 500/500 (a differing final is re-run in-process with one
-# stream per step; if the engine's own text changes, fp16 numerics depend on the batch's shapes:
-# rerun with --dtype float32 to check the server path), uploads 32/32, leftovers 0; target
-# partial p99 <= 150 ms. If p99 misses: server_loop_cpu_s near wall_s (event loop is the limit),
-# server_steps.mean_batch, and --server-switch-interval-ms (the server sets 1 ms by default).
+# 0" in the measured round; finals equal + tied = 500/500, every tie_margin <= 2e-3 (None would
+# be a real server difference: ordering, dropped/duplicated audio, final flush), uploads
+# 32/32, leftovers 0; target partial p99 <= 150 ms. If p99 misses: server_loop_cpu_s near
+# wall_s (event loop is the limit), server_steps.mean_batch, and --server-switch-interval-ms
+# (the server sets 1 ms by default).
 mkdir -p $OUT/serverscale
-timeout 95 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
+timeout 115 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
   --streams 500 --seconds 10 --chunk-ms 100 --uploads 32 --clients 4 --batch-wait-ms 5 \
   --dtype float32 --log-level info --json $OUT/serverscale/serverstream_500.json \
   > $OUT/serverscale/serverstream_500.log 2>&1

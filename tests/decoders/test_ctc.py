@@ -142,3 +142,25 @@ def test_registry_resolves_decoders() -> None:
     from oasr.plugins import resolve
 
     assert resolve("decoder", "ctc_prefix_beam") is ctc_prefix_beam_search
+
+
+def test_batched_greedy_equals_stepwise_search_on_ragged_rows():
+    """ctc_greedy_search (numpy over whole rows) gives what CTCGreedySearch gives stepping each
+    row: tokens, times, run-maximum log-probs and the score, exactly."""
+    import torch
+
+    from oasr.decoders.ctc import CTCGreedySearch, ctc_greedy_search
+
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        b, t, v = 4, int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(2, 6, (1,), generator=g))
+        lp = torch.randn(b, t, v, generator=g).log_softmax(-1)
+        lens = [int(n) for n in torch.randint(0, t + 1, (b,), generator=g)]
+        blank = int(torch.randint(0, v, (1,), generator=g))
+        batched = ctc_greedy_search(lp, lens, blank)
+        for row, hyp in enumerate(batched):
+            step = CTCGreedySearch(blank)
+            step.step(lp[row, : lens[row]])
+            want = step.result()
+            assert (hyp.tokens, hyp.times, hyp.token_logprobs, hyp.score) == (
+                want.tokens, want.times, want.token_logprobs, want.score)

@@ -51,11 +51,16 @@ def test_reachable_follows_ctc_collapse_and_spelling() -> None:
     assert not ctc_reachable(logits, pieces, 0, " a c", 0.0)
 
 
-def _finals(pcm: list[np.ndarray], max_batch: int | None) -> list[str]:
+def _reference(pcm: list[np.ndarray], uploads: list[np.ndarray] = (),
+               max_batch: int | None = None) -> tuple[list[str], list[str]]:  # fmt: skip
     from benchmarks.serverstreambench import reference
 
-    refs, _, _ = reference(CKPT, "cpu", 1, pcm, CHUNK, [], max_batch=max_batch)
-    return [r.final for r in refs]
+    refs, texts, _ = reference(CKPT, "cpu", 1, pcm, CHUNK, list(uploads), max_batch=max_batch)
+    return [r.final for r in refs], texts
+
+
+def _finals(pcm: list[np.ndarray], max_batch: int | None) -> list[str]:
+    return _reference(pcm, max_batch=max_batch)[0]
 
 
 def test_batch_composition_keeps_finals_and_a_dropped_piece_fails_the_check() -> None:
@@ -66,7 +71,7 @@ def test_batch_composition_keeps_finals_and_a_dropped_piece_fails_the_check() ->
         TIE_TOLERANCE,
         StreamRef,
         check_stream,
-        stream_logits,
+        model_logits,
         stream_pcm,
         tie_margin,
     )  # fmt: skip
@@ -77,9 +82,13 @@ def test_batch_composition_keeps_finals_and_a_dropped_piece_fails_the_check() ->
     assert all(len(t) >= 10 for t in together)  # texts to compare, not blanks
     broken = [np.concatenate([p[: 10 * CHUNK], p[11 * CHUNK :]]) for p in pcm]
     dropped = _finals(broken, None)
-    logits, pieces, blank = stream_logits(
-        CKPT, "cpu", "float32", [p.astype(np.float32) / 32768.0 for p in pcm], CHUNK
-    )
+    waves = [p.astype(np.float32) / 32768.0 for p in pcm]
+    logits, offline, pieces, blank = model_logits(CKPT, "cpu", "float32", waves, CHUNK, waves[:2])
+    # the offline logits are the upload path's: its text is their best path
+    _, uploads = _reference(pcm[:1], pcm[:2])
+    assert [
+        tie_margin(lg, pieces, blank, t, 0.5) for lg, t in zip(offline, uploads, strict=True)
+    ] == [0.0, 0.0]
     tol = TIE_TOLERANCE["float32"]
     for i in range(len(pcm)):
         assert tie_margin(logits[i], pieces, blank, together[i], 0.5) == 0.0

@@ -24,10 +24,10 @@
 # some. A sharper or blank-dominant random head does not remove such ties (the noise scales with
 # the logits) and a smoother one misses a dropped 100 ms piece in 9/24 streams, so the benchmark
 # now steps each differing stream again in-process and passes its final only when the model's
-# logits reach it by choices among tokens tied within 2e-3 of the spread (tie_margins in the
+# logits reach it by choices among tokens tied within 5e-3 of the spread (tie_margins in the
 # JSON; a dropped piece needs 0.10-0.35).
 # Expect: a "captured ahead" server log line and no "capture failed"; "CUDA graphs captured
-# 0" in the measured round; finals equal + tied = 500/500, every tie_margin <= 2e-3 (None would
+# 0" in the measured round; finals equal + tied = 500/500, every tie_margin <= 5e-3 (None would
 # be a real server difference: ordering, dropped/duplicated audio, final flush), uploads
 # 32/32, leftovers 0; target partial p99 <= 150 ms. If p99 misses: server_loop_cpu_s near
 # wall_s (event loop is the limit), server_steps.mean_batch, and --server-switch-interval-ms

@@ -92,7 +92,7 @@ def _nemo(spec: dict, device: str, dtype, seed: int):
 
 
 def measure(name: str, device: str, repeats: int, seconds: float, batch: int = 0,
-            seed: int = 0) -> dict:
+            seed: int = 0, profile_rows: int = 0) -> dict:
     import torch
 
     spec = dict(MODELS[name], **({"batch": batch} if batch else {}))
@@ -114,11 +114,18 @@ def measure(name: str, device: str, repeats: int, seconds: float, batch: int = 0
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     best = min(times[1:])
+    profile = None
+    if profile_rows:
+        from benchmarks.profiling import profile_call
+
+        with torch.no_grad():
+            profile = profile_call(lambda: run(feats, lens), device, rows=profile_rows)
     out = out.float()
     return {"model": name, "batch": spec["batch"], "seconds": seconds, "dtype": str(dtype)[6:],
             "encoder_s": round(best, 4), "rtfx": round(spec["batch"] * seconds / best, 1),
             "output_shape": list(out.shape), "output_mean_abs": float(out.abs().mean()),
-            "output_row0": [round(float(v), 4) for v in out[0, :4, :4].flatten()]}
+            "output_row0": [round(float(v), 4) for v in out[0, :4, :4].flatten()],
+            **({"profile": profile} if profile else {})}
 
 
 def compare(old_path: Path, new_path: Path) -> list[dict]:
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="override each model's batch")
+    p.add_argument("--profile", action="store_true", help="profile one call of each model too")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--compare", type=Path, nargs=2, metavar=("OLD", "NEW"))
     args = p.parse_args(argv)
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     rows = []
     for name in args.models.split(","):
-        rows.append(measure(name, args.device, args.repeats, args.seconds, args.batch))
+        rows.append(measure(name, args.device, args.repeats, args.seconds, args.batch,
+                            profile_rows=25 if args.profile else 0))
         print(json.dumps(rows[-1]), file=sys.stderr)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -436,12 +436,22 @@ def _stream_run(model, n: int, args, r: int, chunk: int, profile_cls) -> dict:
     captures0 = graphs.stats["captures"] if graphs is not None else 0
     model.stream_profile = profile_cls() if profile_cls is not None else None
     lat, finals = [], {}
+    step_profile = None
     ticks = int(args.stream_seconds * SR) // chunk
     for k in range(ticks):
         for rid, w in zip(rids, waves, strict=True):
             engine.feed_chunk(rid, w[k * chunk:(k + 1) * chunk], is_last=k == ticks - 1)
         if k == 2 and model.stream_profile is not None:
             model.stream_profile = profile_cls()  # the warm-up steps are not profiled
+        if args.stream_profile and k == ticks // 2:  # one measured step under the profiler
+            from benchmarks.profiling import profile_call
+
+            outs = []
+            step_profile = profile_call(lambda out=outs: out.extend(engine.step()), args.device, rows=25)
+            for o in outs:
+                if o.is_final:
+                    finals[o.request_id] = o.text
+            continue
         t0 = time.perf_counter()
         outs = engine.step()
         _sync(args.device)
@@ -468,6 +478,7 @@ def _stream_run(model, n: int, args, r: int, chunk: int, profile_cls) -> dict:
            "p99_ms": round(p99, 2), "max_ms": round(float(lat_ms.max()), 2),
            "real_time": bool(p99 <= args.p99_target_ms), "finished": len(finals),
            "text_equal_offline": round(float(np.mean(same)), 3) if same else None,
+           **({"step_profile": step_profile} if step_profile is not None else {}),
            "graph_captures_during_run": (graphs.stats["captures"] - captures0) if graphs is not None else 0,
            "pool": {k: v for k, v in occupancy.items() if k.startswith("pool_")}}  # fmt: skip
     if profile is not None:
@@ -602,6 +613,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile one OASR call and one transformers generate (top operators "
                         "to stderr and in the JSON)")
+    p.add_argument("--stream-profile", action="store_true",
+                   help="streaming: one step in the middle of each run under the torch profiler "
+                        "(not timed; top operators in the JSON)")
     p.add_argument("--cudnn-attention", action="store_true",
                    help="offline: also time OASR with cuDNN's attention kernel tried first")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")

@@ -45,6 +45,9 @@ def profile_call(fn: Callable[[], Any], device: str, rows: int = 20) -> dict[str
         "device_busy_s": round(device_busy / 1e6, 4),
         "launches": int(sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC"))),
         "graph_replays": int(sum(e.count for e in averages if e.key == "cudaGraphLaunch")),
+        # where the host's time goes as well (launches, syncs, Python-side ops)
+        "top_host": [{"op": e.key, "count": e.count, "ms": round(e.self_cpu_time_total / 1e3, 2)}
+                     for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]],
         "top": [{"op": e.key, "count": e.count, "ms": round(getattr(e, key) / 1e3, 2),
                  **({"shapes": str(e.input_shapes)[:200]} if shapes else {})} for e in top],
     }  # fmt: skip

@@ -74,7 +74,7 @@ def test_batch_composition_keeps_finals_and_a_dropped_piece_fails_the_check() ->
         model_logits,
         stream_pcm,
         tie_margin,
-    )  # fmt: skip
+    )
 
     pcm = [stream_pcm(i, 4.0, 16000) for i in range(4)]
     together = _finals(pcm, None)

@@ -315,12 +315,16 @@ class ConvModule(nn.Module):
         h = glu(self.pointwise_conv1(x), dim=-1)
         if valid is not None:
             h = h.masked_fill(~valid[..., None], 0.0)
-        h = h.transpose(1, 2)
         padded = None
         if self.causal:
             if cache is None:
-                cache = h.new_zeros(h.shape[0], h.shape[1], self.left)
-            h = padded = torch.cat([cache, h], dim=2)
+                cache = h.new_zeros(h.shape[0], h.shape[2], self.left)
+            # joined along time in the frames' (B, T, D) memory, which the depthwise
+            # convolution reads in place on CUDA (a (B, D, T) join would send it to a slow
+            # NCHW kernel: 5.7 of a 46 ms Nemotron step at 384 streams on an H200)
+            h = padded = torch.cat([cache.transpose(1, 2), h], dim=1).transpose(1, 2)
+        else:
+            h = h.transpose(1, 2)
         h = self.depthwise_conv(h)
         if self.layer_norm:
             h = self.norm(h.transpose(1, 2))

@@ -77,6 +77,26 @@ def detect_format(path: Path) -> str:
     )
 
 
+def _strict_float32(model: ASRModel) -> None:
+    """A model running float32 on CUDA gets float32 convolutions: PyTorch lets cuDNN compute
+    them in TF32 by default (10 mantissa bits) and picks its algorithm per shape, so the same
+    audio decoded in another batch (a server step of 12 streams, a test's step of 500) came out
+    different at near-tied tokens. fp16/bf16 models are unaffected (the switch concerns float32
+    only); ``OASR_ALLOW_TF32=1`` keeps PyTorch's default. Matmuls are float32 by default."""
+    import torch
+
+    net = getattr(model, "net", None)  # every family's network; else the model's own fields
+    first = next(net.parameters(), None) if isinstance(net, torch.nn.Module) else None
+    device, dtype = ((first.device, first.dtype) if first is not None
+                     else (getattr(model, "device", None), getattr(model, "dtype", None)))
+    if (isinstance(device, torch.device) and device.type == "cuda" and dtype == torch.float32
+            and torch.backends.cudnn.allow_tf32):
+        from oasr.defaults import env_switch
+
+        if not env_switch("OASR_ALLOW_TF32", False):
+            torch.backends.cudnn.allow_tf32 = False
+
+
 def load_model(config: EngineConfig) -> ASRModel:
     """Resolve, detect and load the checkpoint named by ``config.ckpt_dir``."""
     if config.ckpt_dir is None:
@@ -94,6 +114,7 @@ def load_model(config: EngineConfig) -> ASRModel:
 
     install_kernel_providers(config.device)
     model = get_registry("checkpoint_format").resolve(fmt).load(path, config)
+    _strict_float32(model)
     if config.quantization is not None and getattr(model, "quantization", None) is None:
         # online quantization (a quantized native checkpoint arrives quantized already)
         from oasr.quantization.apply import quantize_model

@@ -111,13 +111,6 @@ class Conv2d(Op):
             nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            # channels-last in and out: cuDNN's fast kernels on Hopper are NHWC, and given
-            # NCHW it converts the input and the output in passes of their own (H200,
-            # WeNet-large subsampling at 64 x 30 s: 7 ms of conversions)
-            cl = torch.channels_last
-            return F.conv2d(x.contiguous(memory_format=cl), self.weight.contiguous(memory_format=cl),
-                            self.bias, stride=self.stride)
         return F.conv2d(x, self.weight, self.bias, stride=self.stride)
 
     def extra_repr(self) -> str:

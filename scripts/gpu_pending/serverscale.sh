@@ -26,6 +26,11 @@
 # now steps each differing stream again in-process and passes its final only when the model's
 # logits reach it by choices among tokens tied within 5e-3 of the spread (tie_margins in the
 # JSON; a dropped piece needs 0.10-0.35).
+# Run of 2026-12-02, ninth session (float32, after load_model turned cuDNN's TF32 off for float32
+# models): finals 500/500 and uploads 32/32 EQUAL (0 tied): TF32 convolutions choosing their
+# algorithm per batch shape were the cause. Partial p99 262.7 ms (p50 20.6), final p99 188 ms:
+# the true-float32 convolutions cost the latency target. NEXT: the float16 run below (the serving
+# precision, tie tolerance 3e-2) for p99 <= 150 ms; then, if p99 misses, a profile of one step.
 # Expect: a "captured ahead" server log line and no "capture failed"; "CUDA graphs captured
 # 0" in the measured round; finals equal + tied = 500/500, every tie_margin <= 5e-3 (None would
 # be a real server difference: ordering, dropped/duplicated audio, final flush), uploads
@@ -35,9 +40,9 @@
 mkdir -p $OUT/serverscale
 timeout 115 python3 -m benchmarks.serverstreambench --shape medium --device cuda --threads 4 \
   --streams 500 --seconds 10 --chunk-ms 100 --uploads 32 --clients 4 --batch-wait-ms 5 \
-  --dtype float32 --log-level info --json $OUT/serverscale/serverstream_500.json \
-  > $OUT/serverscale/serverstream_500.log 2>&1
-echo "serverstreambench rc=$?"; tail -40 $OUT/serverscale/serverstream_500.log
+  --dtype float16 --log-level info --json $OUT/serverscale/serverstream_500_fp16.json \
+  > $OUT/serverscale/serverstream_500_fp16.log 2>&1
+echo "serverstreambench rc=$?"; tail -40 $OUT/serverscale/serverstream_500_fp16.log
 timeout 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/server/test_stream_graphs_gpu.py \
   > $OUT/serverscale/pytest_gpu.log 2>&1
 echo "pytest rc=$?"; tail -15 $OUT/serverscale/pytest_gpu.log

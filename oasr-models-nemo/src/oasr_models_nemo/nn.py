@@ -147,7 +147,7 @@ class Subsampling(nn.Module):
                     h = F.pad(h, (*self.pad, *self.pad))
                 lengths = torch.div(lengths + sum(self.pad) - self.kernel, self.stride,
                                     rounding_mode="floor") + 1
-                shortest = (shortest + sum(self.pad) - self.kernel) // self.stride + 1
+                shortest = max(0, (shortest + sum(self.pad) - self.kernel) // self.stride + 1)
             h, fused = _conv2d(h, layer, pad, relu)
             if shortest < h.shape[2]:
                 t = torch.arange(shortest, h.shape[2], device=h.device)

@@ -148,15 +148,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if x.is_cuda:
             torch.cuda.synchronize()
 
-    def timed(fused: bool) -> tuple[list[float], Any]:
-        dec.decode(x[: min(2, args.batch)], fused=fused)  # warm-up (and the kernel's JIT)
-        sync()
-        runs, out = [], None
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            out = dec.decode(x, fused=fused)
+    def timed(fused: bool, threads: int | None = None) -> tuple[list[float], Any]:
+        if threads is not None:
+            os.environ["OASR_WFST_FUSED_THREADS"] = str(threads)
+        try:
+            dec.decode(x[: min(2, args.batch)], fused=fused)  # warm-up (and the kernel's JIT)
             sync()
-            runs.append(time.perf_counter() - t0)
+            runs, out = [], None
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                out = dec.decode(x, fused=fused)
+                sync()
+                runs.append(time.perf_counter() - t0)
+        finally:
+            if threads is not None:
+                os.environ.pop("OASR_WFST_FUSED_THREADS", None)
         return runs, out
 
     variants: dict[str, Any] = {}
@@ -165,6 +171,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             variants["fused"] = timed(True)
         except Exception as exc:  # noqa: BLE001 - reported, the tensor search still runs
             variants["fused_error"] = repr(exc)
+        for threads in args.fused_threads:  # the same kernel at other block sizes
+            try:
+                variants[f"fused_{threads}_threads"] = timed(True, threads)
+            except Exception as exc:  # noqa: BLE001 - reported
+                variants[f"fused_{threads}_threads_error"] = repr(exc)
     if not args.no_tensor:
         variants["tensor"] = timed(False)
     main_key = "fused" if "fused" in variants else "tensor"
@@ -244,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ref-repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fused-threads", type=lambda v: [int(t) for t in v.split(",") if t], default=[],
+                   help="with --fused: also time the kernel at these threads per block (e.g. 512,1024)")
     p.add_argument("--fused", action="store_true",
                    help="also time the fused CUDA kernel (not yet run on a GPU: run under timeout)")
     p.add_argument("--no-tensor", action="store_true", help="skip the tensor search")

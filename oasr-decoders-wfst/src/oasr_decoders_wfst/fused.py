@@ -23,11 +23,23 @@ import os
 import numpy as np
 
 INT32_MAX = 2**31 - 1
+#: threads per block (one block per utterance); 256 is what ran on the H200. Each thread walks a
+#: share of the frontier, so more threads per block may pay where 64 utterances leave half the
+#: SMs idle: ``OASR_WFST_FUSED_THREADS`` (<= 1024; a multiple of 32 on a GPU) and ``wfstbench
+#: --fused-threads`` to measure it
 THREADS = 256
 _kernel = None
 
 
-def decode_fused(dec, log_probs, lengths=None, threads: int = THREADS):
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        threads = int(os.environ.get("OASR_WFST_FUSED_THREADS", "") or THREADS)
+    if not 1 <= threads <= 1024:
+        raise ValueError(f"threads per block must be in 1..1024, not {threads}")
+    return threads
+
+
+def decode_fused(dec, log_probs, lengths=None, threads: int | None = None):
     """:meth:`WfstDecoder.decode` by the fused kernel; utterances that overflow a buffer are
     decoded again by the tensor search. Returns ``WfstHypothesis`` per row."""
     import torch
@@ -62,13 +74,14 @@ def simulated() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
-def fused_decode(dec, log_probs, lengths, threads: int = THREADS, token_capacity: int | None = None,
+def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capacity: int | None = None,
                  record_capacity: int = 1 << 18):  # fmt: skip
     """Decode with the fused kernel: ``dec`` is a :class:`WfstDecoder` (its graph, options and
     device). Returns (records per utterance, best record, cost, reached final, overflowed)."""
     global _kernel
     import torch
 
+    threads = _threads(threads)
     if not hasattr(np, "row_stack"):
         # numpy 2.5 dropped the alias; the numba on the H200 image still calls it while compiling
         # the kernel (AttributeError there otherwise)

@@ -7,14 +7,22 @@ implementations, in one call.
     python -m benchmarks.quantbench device --shape tiny --requests 16 --batch 8   # a quick look
     python -m benchmarks.asrbench --workload quant --device cuda   # the same as "device"
 
-``cpu``: the whole ``oasr transcribe`` process (``--compute-type int8``: int8_w8a8 linears and
-the int8 tied output projection; ``OASR_INT8_TIED_OUTPUT=0`` in the environment keeps that one
-float) and the whole faster-whisper process (``compute_type="int8"``), in turn, on the same CTranslate2
-tiny.en weights (the CLI's default model), the same nine English files (benchmarks/cpubench.py's
-``short`` set), the same thread count, greedy decoding with each tool's defaults otherwise.
-Optionally the float sides too (``--float``). The report gives median wall seconds, CPU seconds
-of the process tree, peak RSS, corpus WER (Whisper's English normaliser) and the ratios OASR /
-faster-whisper.
+``cpu``: the whole ``oasr transcribe`` process (``--compute-type int8``: int8_w8a8 linears, the
+int8 tied output projection and bfloat16 encoder self-attention where the CPU has native
+bfloat16; ``OASR_INT8_TIED_OUTPUT=0`` / ``OASR_INT8_BF16_ATTENTION=0`` in the environment keep
+those float32) and the whole faster-whisper process (``compute_type="int8"``), in turn, on the
+same CTranslate2 tiny.en weights (the CLI's default model), the same files (``--inputs short``:
+benchmarks/cpubench.py's nine English files; ``english``: every English recording of
+tests/data/speech once, for a WER on more words), the same thread count and the same decoding,
+set explicitly on both sides (:data:`DECODING`): greedy at temperature 0, the fallback
+temperatures 0.2 ... 1.0 with one sample each (faster-whisper's default ``best_of=5`` is set to
+1, what OASR's fallback draws), the compression-ratio / log-probability / no-speech thresholds
+2.4 / -1.0 / 0.6, conditioned on the previous text, timestamps on (first one <= 1 s), blank and
+non-speech tokens suppressed, no prompt, no VAD (``oasr --no-vad-gate``: OASR's default scan
+for speech-free inputs is work faster-whisper does not do; ``--oasr-vad-gate`` keeps it),
+English (both .en). Optionally the float sides too (``--float``). The report gives median wall
+seconds, CPU seconds of the process tree, peak RSS, corpus and per-file WER (Whisper's English
+normaliser) and the ratios OASR / faster-whisper.
 
 ``device``: random weights of Whisper's shapes (``--shape``, default large-v3), ``--requests``
 30-second inputs decoded greedily to exactly ``--tokens`` tokens each (benchmarks/synthetic.py's
@@ -46,6 +54,32 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------- CPU
+#: the decoding both CPU sides run, as faster-whisper's ``transcribe`` arguments; OASR's
+#: ``oasr transcribe`` defaults are the same (greedy, Whisper's fallback) with ``--no-vad-gate``
+DECODING: dict[str, Any] = {
+    "language": "en", "task": "transcribe", "beam_size": 1, "best_of": 1,
+    "temperature": [0.0, 0.2, 0.4, 0.6, 0.8, 1.0], "compression_ratio_threshold": 2.4,
+    "log_prob_threshold": -1.0, "no_speech_threshold": 0.6, "condition_on_previous_text": True,
+    "prompt_reset_on_temperature": 0.5, "initial_prompt": None, "without_timestamps": False,
+    "max_initial_timestamp": 1.0, "suppress_blank": True, "suppress_tokens": [-1],
+    "word_timestamps": False, "vad_filter": False,
+}  # fmt: skip
+#: OASR's side of :data:`DECODING` (its defaults otherwise)
+OASR_DECODING = ["--language", "en", "--beam-size", "1", "--no-vad-gate"]
+
+
+def english_set() -> tuple[list[Path], list[str], float]:
+    """Every English recording of tests/data/speech once (one container per recording)."""
+    rows = [json.loads(line) for line in (REPO / "tests/data/speech/manifest.jsonl").read_text().splitlines()
+            if line.strip()]  # fmt: skip
+    seen: dict[str, dict] = {}
+    for r in rows:
+        if r["language"] == "en":
+            seen.setdefault(Path(r["audio"]).stem, r)
+    files = [REPO / "tests/data/speech" / r["audio"] for r in seen.values()]
+    return files, [r["text"] for r in seen.values()], sum(float(r["duration_s"]) for r in seen.values())
+
+
 def fw_worker(argv: list[str]) -> None:
     """faster-whisper in its own process: load, transcribe each file, print the texts (JSON)."""
     parser = argparse.ArgumentParser()
@@ -59,7 +93,7 @@ def fw_worker(argv: list[str]) -> None:
     model = WhisperModel(args.ckpt, device="cpu", compute_type=args.compute_type, cpu_threads=args.threads)
     texts = []
     for f in args.files:
-        segments, _ = model.transcribe(f, beam_size=1)
+        segments, _ = model.transcribe(f, **DECODING)
         texts.append("".join(s.text for s in segments).strip())
     print(json.dumps(texts))
 
@@ -71,17 +105,18 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
 
     ckpt = args.ckpt_dir or str(default_checkpoint())
     threads = ["--threads", str(args.threads)] if args.threads else []
+    dec = OASR_DECODING if not args.oasr_vad_gate else OASR_DECODING[:-1]
     sides: dict[str, Any] = {
-        "oasr_int8": ("oasr", ["--compute-type", "int8", *threads]),
+        "oasr_int8": ("oasr", ["--compute-type", "int8", *threads, *dec]),
         "faster_whisper_int8": ("fw", "int8"),
     }
     if args.float:
-        sides["oasr_float32"] = ("oasr", threads)
+        sides["oasr_float32"] = ("oasr", [*threads, *dec])
         sides["faster_whisper_float32"] = ("fw", "float32")
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        files, refs, audio_s = input_set("short", tmp)
+        files, refs, audio_s = input_set("short", tmp) if args.inputs == "short" else english_set()
         for _ in range(args.repeats):
             for name, (kind, extra) in sides.items():
                 if kind == "oasr":
@@ -104,7 +139,11 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
         "workload": "quant-cpu", "files": len(files), "audio_s": round(audio_s, 2),
         "repeats": args.repeats, "threads": args.threads or "default", "cpus": os.cpu_count(),
         "normalizer": english_normalizer()[1], "loadavg_after": os.getloadavg(),
+        "decoding": DECODING, "oasr_args": dec, "inputs": args.inputs,
         "results": table, "ratio_oasr_int8_over_faster_whisper_int8": ratio,
+        "runs": {name: [{k: r[k] for k in ("wall_s", "cpu_s", "peak_mb")} for r in rs] for name, rs in runs.items()},
+        "per_file_wer": {f.name: {name: round(corpus_wer([ref], [rs[-1]["texts"][k]]), 2) for name, rs in runs.items()}
+                         for k, (f, ref) in enumerate(zip(files, refs, strict=True))},
         "texts": {name: rs[-1]["texts"] for name, rs in runs.items()},
     }  # fmt: skip
     print(f"quant cpu: {len(files)} English files, {audio_s:.1f} s of audio, {args.repeats} run(s) each, "
@@ -112,6 +151,8 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{'side':<24}{'wall s':>9}{'cpu s':>9}{'peak MB':>9}{'WER %':>8}")
     for name, row in table.items():
         print(f"{name:<24}{row['wall_s']:>9.2f}{row['cpu_s']:>9.2f}{row['peak_mb']:>9.0f}{row['wer']:>8.2f}")
+    print("per-file WER %: " + "  ".join(f"{f}: " + "/".join(f"{w:.1f}" for w in row.values())
+                                         for f, row in report["per_file_wer"].items()))  # fmt: skip
     print(f"oasr int8 / faster-whisper int8: wall {ratio['wall_s']:.2f}x  cpu {ratio['cpu_s']:.2f}x  "
           f"memory {ratio['peak_mb']:.2f}x (target: wall <= 1.0x, WER no worse)")  # fmt: skip
     return report
@@ -295,6 +336,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     cpu.add_argument("--threads", type=int, default=2, help="both sides' threads (0: each one's default)")
     cpu.add_argument("--repeats", type=int, default=1)
     cpu.add_argument("--float", action="store_true", help="also both float32 sides")
+    cpu.add_argument("--inputs", choices=("short", "english"), default="short",
+                     help="short: the nine files; english: every English recording once")
+    cpu.add_argument("--oasr-vad-gate", action="store_true",
+                     help="OASR keeps its default VAD gate (faster-whisper has none)")
     dev = sub.add_parser("device", help="fp8/int8 vs fp16 vs transformers on a CUDA GPU")
     dev.add_argument("--shape", default="large-v3", help="benchmarks/synthetic.py SHAPES key")
     dev.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run of the OASR sides)")

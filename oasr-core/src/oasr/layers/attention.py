@@ -425,6 +425,11 @@ class KVCache:
         self._len = 0
 
 
+#: query x key positions from which :attr:`MultiHeadAttention.attention_dtype` applies (a 30 s
+#: Whisper window: 1500 x 1500; a decode step: 1 x its keys)
+LONG_ATTENTION = 256 * 256
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with separate q/k/v/out :class:`Linear` projections.
 
@@ -435,7 +440,15 @@ class MultiHeadAttention(nn.Module):
 
     ``key_bias=False`` drops the key projection bias (Whisper); a constant key bias cannot change
     a softmax over keys, so dropping it is exact.
+
+    ``attention_dtype`` (None: the inputs' dtype): on the CPU, an unmasked attention of at least
+    :data:`LONG_ATTENTION` query x key positions (an encoder's self-attention over a window, not a
+    decode step) runs its softmax(q k^T) v in this dtype, the projections staying as they are.
+    int8 quantization on the CPU sets bfloat16 (:func:`oasr.quantization.apply.quantize_module`).
     """
+
+    #: per-instance override: the dtype of long unmasked CPU attention (class docstring)
+    attention_dtype: torch.dtype | None = None
 
     def __init__(
         self,
@@ -509,6 +522,12 @@ class MultiHeadAttention(nn.Module):
             if is_causal:
                 mask = causal_mask(t, past, x.device)
             out, weights = attention_with_weights(q, k, v, mask)
+        elif (
+            self.attention_dtype is not None and mask is None and q.device.type == "cpu"
+            and t * s >= LONG_ATTENTION and q.dtype != self.attention_dtype
+        ):  # fmt: skip
+            cd = self.attention_dtype
+            out = attention(q.to(cd), k.to(cd), v.to(cd), None, is_causal).to(q.dtype)
         else:
             out = attention(q, k, v, mask, is_causal)
         out = self.out_proj(out.transpose(1, 2).reshape(b, t, self.embed_dim))

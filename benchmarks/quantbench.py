@@ -20,7 +20,8 @@ temperatures 0.2 ... 1.0 with one sample each (faster-whisper's default ``best_o
 2.4 / -1.0 / 0.6, conditioned on the previous text, timestamps on (first one <= 1 s), blank and
 non-speech tokens suppressed, no prompt, no VAD (``oasr --no-vad-gate``: OASR's default scan
 for speech-free inputs is work faster-whisper does not do; ``--oasr-vad-gate`` keeps it),
-English (both .en). Optionally the float sides too (``--float``). The report gives median wall
+English (both .en). Optionally the float sides too (``--float``) and the int8 side with float32 attention
+(``--fp32-attention``, what it was before bfloat16 attention). The report gives median wall
 seconds, CPU seconds of the process tree, peak RSS, corpus and per-file WER (Whisper's English
 normaliser) and the ratios OASR / faster-whisper.
 
@@ -110,6 +111,8 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
         "oasr_int8": ("oasr", ["--compute-type", "int8", *threads, *dec]),
         "faster_whisper_int8": ("fw", "int8"),
     }
+    if args.fp32_attention:  # the int8 side as before bfloat16 attention: a before / after pair
+        sides["oasr_int8_fp32_attention"] = ("oasr", ["--compute-type", "int8", *threads, *dec])
     if args.float:
         sides["oasr_float32"] = ("oasr", [*threads, *dec])
         sides["faster_whisper_float32"] = ("fw", "float32")
@@ -121,7 +124,8 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
             for name, (kind, extra) in sides.items():
                 if kind == "oasr":
                     out = Path(tempfile.mkdtemp(dir=tmp))
-                    wall, cpu, peak, _ = measure(oasr_cmd(files, out, list(extra)))
+                    env = {**os.environ, "OASR_INT8_BF16_ATTENTION": "0"} if "fp32_attention" in name else None
+                    wall, cpu, peak, _ = measure(oasr_cmd(files, out, list(extra)), env=env)
                     texts = [(out / f"{f.stem}.txt").read_text().strip() for f in files]
                 else:
                     cmd = [sys.executable, "-m", "benchmarks.quantbench", "fw-worker", "--ckpt", ckpt,
@@ -338,6 +342,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     cpu.add_argument("--float", action="store_true", help="also both float32 sides")
     cpu.add_argument("--inputs", choices=("short", "english"), default="short",
                      help="short: the nine files; english: every English recording once")
+    cpu.add_argument("--fp32-attention", action="store_true",
+                     help="also the int8 side with OASR_INT8_BF16_ATTENTION=0 (before / after)")
     cpu.add_argument("--oasr-vad-gate", action="store_true",
                      help="OASR keeps its default VAD gate (faster-whisper has none)")
     dev = sub.add_parser("device", help="fp8/int8 vs fp16 vs transformers on a CUDA GPU")

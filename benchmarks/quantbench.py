@@ -13,7 +13,8 @@ bfloat16; ``OASR_INT8_TIED_OUTPUT=0`` / ``OASR_INT8_BF16_ATTENTION=0`` in the en
 those float32) and the whole faster-whisper process (``compute_type="int8"``), in turn, on the
 same CTranslate2 tiny.en weights (the CLI's default model), the same files (``--inputs short``:
 benchmarks/cpubench.py's nine English files; ``english``: every English recording of
-tests/data/speech once, for a WER on more words), the same thread count and the same decoding,
+tests/data/speech once, for a WER on more words; ``startup``: one 2 s file, what a process
+costs before its audio), the same thread count and the same decoding,
 set explicitly on both sides (:data:`DECODING`): greedy at temperature 0, the fallback
 temperatures 0.2 ... 1.0 with one sample each (faster-whisper's default ``best_of=5`` is set to
 1, what OASR's fallback draws), the compression-ratio / log-probability / no-speech thresholds
@@ -119,7 +120,7 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        files, refs, audio_s = input_set("short", tmp) if args.inputs == "short" else english_set()
+        files, refs, audio_s = english_set() if args.inputs == "english" else input_set(args.inputs, tmp)
         for _ in range(args.repeats):
             for name, (kind, extra) in sides.items():
                 if kind == "oasr":
@@ -340,8 +341,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     cpu.add_argument("--threads", type=int, default=2, help="both sides' threads (0: each one's default)")
     cpu.add_argument("--repeats", type=int, default=1)
     cpu.add_argument("--float", action="store_true", help="also both float32 sides")
-    cpu.add_argument("--inputs", choices=("short", "english"), default="short",
-                     help="short: the nine files; english: every English recording once")
+    cpu.add_argument("--inputs", choices=("short", "english", "startup"), default="short",
+                     help="short: the nine files; english: every English recording once; "
+                          "startup: one 2 s file (the fixed cost: imports, model load)")
     cpu.add_argument("--fp32-attention", action="store_true",
                      help="also the int8 side with OASR_INT8_BF16_ATTENTION=0 (before / after)")
     cpu.add_argument("--oasr-vad-gate", action="store_true",

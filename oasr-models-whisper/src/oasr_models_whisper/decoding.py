@@ -216,12 +216,17 @@ def apply_timestamp_rules(
     mask |= begin[:, None] & (col[None, :] < tb)
     mask |= begin[:, None] & (col[None, :] > tb + max_initial[:, None])
     logits.masked_fill_(mask, neg)
-    # a timestamp wins when the timestamps together outweigh every single text token
+    force_likelier_timestamp(logits, tb, col)
+
+
+def force_likelier_timestamp(logits: torch.Tensor, tb: int, col: torch.Tensor) -> None:
+    """The last timestamp rule, in place on (B, V) ``logits``: a row's text tokens are masked
+    when its timestamps together outweigh every single text token; ``col`` is ``arange(V)``."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
     best_text = logprobs[:, :tb].max(dim=-1).values
     force = ts_mass > best_text
-    logits.masked_fill_(force[:, None] & (col[None, :] < tb), neg)
+    logits.masked_fill_(force[:, None] & (col[None, :] < tb), -math.inf)
 
 
 # --------------------------------------------------------------------------- search strategies

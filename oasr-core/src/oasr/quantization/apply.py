@@ -18,7 +18,6 @@ lookup stays float. Only for ``int8_w8a8`` on the CPU (:func:`tied_applies`).
 from __future__ import annotations
 
 import fnmatch
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +110,9 @@ def tied_applies(method: str, device: torch.device | str) -> bool:
     80 MB) and the int8 GEMM a quarter of it, unless ``OASR_INT8_TIED_OUTPUT=0``. Not on CUDA
     (unmeasured there) nor for fp8 (a vocabulary size is rarely the multiple of 16 torch's fp8
     GEMM needs)."""
-    if os.environ.get(TIED_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    from oasr.defaults import env_switch
+
+    if not env_switch(TIED_ENV, True):
         return False
     return method == "int8_w8a8" and torch.device(device).type == "cpu"
 
@@ -138,7 +139,9 @@ def attention_dtype_applies(method: str, device: torch.device | str) -> bool:
     native bfloat16, unless ``OASR_INT8_BF16_ATTENTION=0``. tiny.en at 1 thread: the encoder's
     flash attention 30 -> 14 ms per layer and window, about half the encoder; the error it adds
     (about 2e-3 absolute on unit-scale attention outputs) is below the int8 activations' own."""
-    if os.environ.get(ATTENTION_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    from oasr.defaults import env_switch
+
+    if not env_switch(ATTENTION_ENV, True):
         return False
     return method == "int8_w8a8" and torch.device(device).type == "cpu" and _cpu_has_bf16()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from oasr.types import DecodingOptions, EngineConfig
+from tests.streaming_helpers import feed_streams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,21 +29,7 @@ def _run(model, audios, chunk: int, piece: int, starts: list[int]):
     ``starts[i]``: (final texts, tokens, encoder outputs)."""
     opts = DecodingOptions(beam_size=1)
     states = [model.new_stream(opts, chunk_size=chunk, keep_encoder_output=True) for _ in audios]
-    pos = [0] * len(audios)
-    finals: list = [None] * len(audios)
-    step = 0
-    while any(f is None for f in finals):
-        rows = [i for i in range(len(audios)) if finals[i] is None and starts[i] <= step]
-        step += 1
-        if not rows:
-            continue
-        chunks = [audios[i][pos[i] : pos[i] + piece] for i in rows]
-        for i in rows:
-            pos[i] += piece
-        ups = model.stream_step([states[i] for i in rows], chunks, [pos[i] >= len(audios[i]) for i in rows])
-        for i, up in zip(rows, ups, strict=True):
-            if up.is_final:
-                finals[i] = up
+    finals = feed_streams(model, states, audios, piece, starts)
     return ([f.text for f in finals], [f.transcript.segments[0].tokens if f.transcript.segments else [] for f in finals],
             [torch.cat(s.enc).float().cpu() for s in states])  # fmt: skip
 

@@ -33,6 +33,7 @@ from tests.server.test_streaming_engine import (  # noqa: E402
     receive_until,
     speech,
 )
+from tests.streaming_helpers import feed_streams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 U2PP = REPO / "tests" / "data" / "wenet" / "u2pp_conformer"
@@ -150,25 +151,9 @@ def test_graph_steps_recapture_after_dropping_every_graph(monkeypatch) -> None:
 
 # -- a failed capture in the middle of a run -----------------------------------------------------
 def _feed(model: Any, audios: list[np.ndarray], starts: list[int], piece: int = 3200) -> list[Any]:
-    """All streams through ``stream_step`` in shared batches, stream i joining at step
-    ``starts[i]``; the final updates."""
+    """All streams in shared batches, stream i joining at step ``starts[i]``; the final updates."""
     states = [model.new_stream(DecodingOptions(), chunk_size=4) for _ in audios]
-    pos, finals, step = [0] * len(audios), [None] * len(audios), 0
-    while any(f is None for f in finals):
-        rows = [i for i in range(len(audios)) if finals[i] is None and starts[i] <= step]
-        step += 1
-        if not rows:
-            continue
-        chunks = [audios[i][pos[i] : pos[i] + piece] for i in rows]
-        for i in rows:
-            pos[i] += piece
-        ups = model.stream_step(
-            [states[i] for i in rows], chunks, [pos[i] >= len(audios[i]) for i in rows]
-        )
-        for i, up in zip(rows, ups, strict=True):
-            if up.is_final:
-                finals[i] = up
-    return finals
+    return feed_streams(model, states, audios, piece, starts)
 
 
 def test_failed_capture_runs_the_step_from_unchanged_state(monkeypatch) -> None:

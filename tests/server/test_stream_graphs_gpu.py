@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from oasr.types import DecodingOptions, EngineConfig
+from tests.streaming_helpers import feed_streams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,19 +33,8 @@ def _read(name: str) -> np.ndarray:
 
 def _run(model, audios: list[np.ndarray], piece: int = 5120) -> list[list[int]]:
     states = [model.new_stream(DecodingOptions(beam_size=1), chunk_size=8) for _ in audios]
-    pos, finals = [0] * len(audios), [None] * len(audios)
-    while any(f is None for f in finals):
-        rows = [i for i in range(len(audios)) if finals[i] is None]
-        chunks = [audios[i][pos[i] : pos[i] + piece] for i in rows]
-        for i in rows:
-            pos[i] += piece
-        ups = model.stream_step(
-            [states[i] for i in rows], chunks, [pos[i] >= len(audios[i]) for i in rows]
-        )
-        for i, up in zip(rows, ups, strict=True):
-            if up.is_final:
-                finals[i] = up.transcript.segments[0].tokens if up.transcript.segments else []
-    return finals
+    return [up.transcript.segments[0].tokens if up.transcript.segments else []
+            for up in feed_streams(model, states, audios, piece)]
 
 
 def test_graphs_recaptured_after_the_pool_grows_and_beside_another_thread() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +42,6 @@ from oasr_models_whisper.decoding import (
     apply_timestamp_rules,
     compression_ratio,
     detect_language,
-    force_likelier_timestamp,
     initial_tokens,
     resolve_suppress_tokens,
 )
@@ -449,38 +447,12 @@ class WhisperDriver:
                 info.last_timestamp = sampled[-1]
             host[k] = (n, n > 0 and sampled[-1] >= tb, n < 2 or sampled[-2] >= tb,
                        info.last_timestamp, info.max_initial, i)  # fmt: skip
-        if self.device.type == "cpu":
-            self._timestamp_rules_cpu(logits, host)
-            return
         state = torch.from_numpy(host).to(self.device, non_blocking=True)
         n, last_is_ts, penult_is_ts, last_ts, max_initial, idx = state.unbind(1)
         sub = logits[idx]
         apply_timestamp_rules(sub, self.tok, sampled_count=n, last_is_ts=last_is_ts.bool(),
                               penult_is_ts=penult_is_ts.bool(), last_ts=last_ts,
                               max_initial=max_initial, cols=self._cols)  # fmt: skip
-        logits[idx] = sub
-
-    def _timestamp_rules_cpu(self, logits: torch.Tensor, host: np.ndarray) -> None:
-        """:func:`apply_timestamp_rules` on the CPU, the same values: each row's masks are one
-        or two column ranges, filled as slices of the row (a few small ops per row where the
-        batched form builds and combines a dozen (rows, vocabulary) masks: ~2 ms a step for
-        tiny.en at 9 rows), then the last rule batched as there."""
-        tb, eot, neg = self.tok.timestamp_begin, self.tok.eot, -math.inf
-        for n, last_is_ts, penult_is_ts, last_ts, max_initial, i in host.tolist():
-            row = logits[i]
-            row[self.tok.no_timestamps] = neg
-            if last_is_ts and penult_is_ts:  # a closed pair is followed by text (or eot)
-                row[tb:] = neg
-            elif last_is_ts:  # an open pair is closed by a timestamp (or eot)
-                row[:eot] = neg
-            if last_ts >= 0:  # timestamps never decrease; a closed segment is not empty
-                row[tb : last_ts if last_is_ts and not penult_is_ts else last_ts + 1] = neg
-            if n == 0:  # the first token is a timestamp, no later than max_initial
-                row[:tb] = neg
-                row[tb + max_initial + 1 :] = neg
-        idx = torch.from_numpy(host[:, 5])
-        sub = logits[idx]
-        force_likelier_timestamp(sub, tb, self._cols)
         logits[idx] = sub
 
     def finished(self, row: Row, ex: AutoregressiveExecutor) -> None:

@@ -266,20 +266,25 @@ def test_layers_cuda_attention_half():
 
 
 @pytest.mark.gpu
-def test_cuda_layout_path_and_position_bias_equal_the_plain_ops():
-    """The CUDA fast path for frames held as (B, T, C) (depthwise Conv1d through cuDNN's NHWC
-    kernel) and position_bias give what the plain convolution / the CPU give, in float32."""
+def test_cuda_layout_paths_and_position_bias_equal_the_plain_ops():
+    """The CUDA fast paths for frames held as (B, T, C) (pointwise Conv1d as a GEMM, depthwise
+    Conv1d through cuDNN's NHWC kernel) and position_bias give what the plain convolutions / the
+    CPU give, in float32."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     import torch.nn.functional as F
 
-    from oasr.layers import position_bias
+    from oasr.layers import Conv1d, position_bias
     from oasr.layers.conformer import DepthwiseConv1d
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
     frames = torch.randn(3, 37, 64, device=dev)  # (B, T, C)
     x = frames.transpose(1, 2)  # (B, C, T) with (B, T, C) memory
+    pw = Conv1d(64, 96, 1).to(dev)
+    want = F.conv1d(x.contiguous(), pw.weight, pw.bias)
+    got = pw(x)
+    assert got.stride(1) == 1 and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     dw = DepthwiseConv1d(64, 9, padding=4).to(dev)
     want = F.conv1d(x.contiguous(), dw.weight, dw.bias, padding=4, groups=64)
     assert torch.allclose(dw(x), want, atol=1e-5, rtol=1e-5)

@@ -127,6 +127,15 @@ class Conv1d(Op):
             nn.init.uniform_(self.weight, -bound, bound)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.is_cuda and self.kernel_size == 1 and self.stride == 1 and self.padding == 0
+                and x.dim() == 3 and x.stride(1) == 1):
+            # pointwise, on a transposed (B, T, C) frame tensor (how the Conformer convolution
+            # modules hold theirs): one GEMM with the bias fused, over the frames as they lie.
+            # cuDNN would convert the layout and add the bias in passes of its own (H200, one
+            # WeNet convolution module at 64 x 30 s fp16: 0.36 vs 0.62 ms at d=256, 0.53 vs
+            # 1.48 ms at d=512, scripts/gpu_pending/conformer_layouts.py). The result keeps the
+            # (B, T, C) memory.
+            return F.linear(x.transpose(1, 2), self.weight[:, :, 0], self.bias).transpose(1, 2)
         return F.conv1d(x, self.weight, self.bias, stride=self.stride, padding=self.padding)
 
     def extra_repr(self) -> str:

@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--encoder-lookahead", type=int, default=None,
                         help="synthetic: SchedulerConfig.encoder_lookahead (default: the engine's)")
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="synthetic: one more run per backend under torch.profiler (top device ops)")
     parser.add_argument("--varied", action="store_true",
                         help="synthetic: per-request decode lengths in [tokens/4, 7*tokens/4]")
     stream = parser.add_argument_group("streaming workload (benchmarks/streambench.py)")
@@ -330,6 +332,8 @@ def _synthetic(args: argparse.Namespace) -> dict:
         cuda_graphs=False if args.no_cuda_graphs else None,
         varied=args.varied,
         encoder_lookahead=args.encoder_lookahead,
+        repeats=args.repeats,
+        profile=args.torch_profile,
     )
     print_table(report)
     if smoke:  # every backend ran, produced the forced number of tokens and comparable text

@@ -230,7 +230,8 @@ def offline(args, ref, shape: dict) -> dict:
 
 
 def _stream_run(args, path: Path, n: int) -> dict:
-    """``n`` streams fed 320 ms each per tick in lockstep; the engine step serving all of them."""
+    """``n`` streams fed one chunk each per tick in lockstep (``--chunk-frames`` 50 Hz frames:
+    16 = 320 ms, 32 = 640 ms); the engine step serving all of them."""
     import torch
 
     from oasr.engine import ASREngine
@@ -239,17 +240,19 @@ def _stream_run(args, path: Path, n: int) -> dict:
     engine = ASREngine(EngineConfig(ckpt_dir=str(path), device=args.device, dtype=args.dtype,
                                     service_mode="streaming", max_batch_size=max(n, 1)))  # fmt: skip
     model = engine.model
-    chunk = 5120  # 320 ms
+    chunk_frames = args.chunk_frames
+    chunk = chunk_frames * 320  # samples: 20 ms per 50 Hz frame
     try:
         waves = _waves(n, args.stream_seconds, seed=n)
-        rids = [engine.add_streaming_request(DecodingOptions()) for _ in range(n)]
+        options = DecodingOptions.build(chunk_size=chunk_frames)
+        rids = [engine.add_streaming_request(options) for _ in range(n)]
         captured = 0
         if args.stream_graphs is not None:  # else the model's default: on with CUDA
             model.stream_cuda_graphs = args.stream_graphs
         graphs = bool(model.stream_cuda_graphs) and model.device.type == "cuda"
         if graphs:  # the one bucket a lockstep run replays, captured before timing
             with torch.no_grad():
-                captured = model.capture_stream_graphs(n, 16, 128, streams=n, buckets=[n])
+                captured = model.capture_stream_graphs(n, chunk_frames, 128, streams=n, buckets=[n])
         profile = None
         if args.profile:  # host seconds per phase of the timed steps
             from oasr.stream_cache import StepProfile
@@ -284,9 +287,9 @@ def streaming(args, ref, shape: dict) -> dict:
     import torch
 
     torch.manual_seed(0)
-    m = ref.model.AsrModel(feature_dim=80, causal=True, use_ctc=False, chunk_size="16",
+    m = ref.model.AsrModel(feature_dim=80, causal=True, use_ctc=False, chunk_size=str(args.chunk_frames),
                            left_context_frames="128", **shape).eval()  # fmt: skip
-    out = {"chunk_ms": 320, "p99_target_ms": args.p99_target_ms, "find_max": bool(args.find_max), "runs": []}
+    out = {"chunk_ms": 20 * args.chunk_frames, "p99_target_ms": args.p99_target_ms, "find_max": bool(args.find_max), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = _write_release(Path(tmp), m, shape["vocab_size"])
         runs: dict[int, dict] = {}
@@ -329,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 128, 256])
     p.add_argument("--stream-seconds", type=float, default=6.4)
+    p.add_argument("--chunk-frames", type=int, default=16,
+                   help="streaming chunk in 50 Hz frames, as icefall's --chunk-size: 16 (320 ms, the "
+                        "default) or 32 (640 ms, the chunk of issue #20's WeNet target); the model is "
+                        "trained with chunk 16, and both sizes run through the same streaming step")
     p.add_argument("--skip-streaming", action="store_true")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--find-max", action="store_true",

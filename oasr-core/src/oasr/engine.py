@@ -227,7 +227,9 @@ class ASREngine:
         if streaming:
             return self._transcribe_streaming(inputs, options)
         t0 = time.perf_counter()
-        futures = self._run_requests(self.load_audios(inputs), options)
+        futures = self._stream_requests(inputs, options)
+        if futures is None:
+            futures = self._run_requests(self.load_audios(inputs), options)
         out: list[RequestOutput] = []
         for k, f in enumerate(futures):
             if isinstance(f, BaseException):
@@ -266,6 +268,60 @@ class ASREngine:
         for k, fut in zip(todo, futures, strict=True):
             out[k] = fut
         return out
+
+    def _stream_requests(self, sources: Sequence[AudioInput],
+                         options: DecodingOptions) -> list[Future | BaseException] | None:  # fmt: skip
+        """Decode ``sources`` in the decode pool and queue each input into the scheduler as its
+        samples arrive (the inputs decoded by then together, shortest first), so the model
+        starts on the first files while the pool decodes the rest; then wait. A Future (done) per
+        input, in order, or the input's own decoding error. None where this does not apply (no
+        pool, or the batch executor, whose batches stay the sorted whole list of
+        :meth:`_run_requests`; options the model refuses: that path reports them)."""
+        pool = self._pool_for(sum(not _local_input(x) for x in sources))
+        if pool is None or isinstance(self.scheduler.executor, BatchExecutor):
+            return None
+        try:
+            options = options.validate_for(self.model)
+        except Exception:  # noqa: BLE001 - _run_requests answers every input with it
+            return None
+        sched = self.scheduler
+        arrived: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        limit = self.config.max_audio_seconds
+        for i, x in enumerate(sources):
+            if not _local_input(x):
+                pool.submit(x, self.sample_rate, max_seconds=limit).add_done_callback(
+                    lambda f, i=i: arrived.put((i, f))
+                )
+        out: list[Future | BaseException | None] = [None] * len(sources)
+        for i, x in enumerate(sources):
+            if _local_input(x):  # file objects and arrays, here, while the pool decodes
+                arrived.put((i, x))
+        sched.start()
+        left = len(sources)
+        while left:
+            batch = [arrived.get()]
+            while True:  # everything decoded by now goes in together
+                try:
+                    batch.append(arrived.get_nowait())
+                except queue.Empty:
+                    break
+            left -= len(batch)
+            ready: list[tuple[int, np.ndarray]] = []
+            for i, item in batch:
+                try:
+                    audio = item.result() if isinstance(item, Future) else item
+                    ready.append((i, self.load_audio(audio)))  # arrays: the length check only
+                except Exception as exc:  # noqa: BLE001 - this input fails alone
+                    out[i] = exc
+            ready.sort(key=lambda r: r[1].shape[-1])
+            try:
+                futures = sched.submit_many([a for _, a in ready], options)
+            except Exception as exc:  # noqa: BLE001 - a full queue: these inputs fail with it
+                futures = [exc] * len(ready)  # type: ignore[list-item]
+            for (i, _), fut in zip(ready, futures, strict=True):
+                out[i] = fut
+        sched.wait_all([f for f in out if isinstance(f, Future)])
+        return out  # type: ignore[return-value]
 
     def _progress_reporter(self, audios: Sequence[Any], todo: list[int], progress: ProgressCallback) -> Any:
         """``report(j, share)`` for the j-th queued input -> ``progress(seconds done, total)``:
@@ -390,6 +446,8 @@ class ASREngine:
                 from oasr.decode_pool import AudioDecodePool
 
                 self._decode_pool = AudioDecodePool(self.config.decode_processes)
+                # every worker starts now, beside the first decodes (not one more per call)
+                self._decode_pool.start(wait=False)
         return self._decode_pool
 
     @overload
@@ -411,6 +469,15 @@ class ASREngine:
         input that fails raises its error (:meth:`transcribe_outputs` keeps the others)."""
         single = _is_single(inputs)
         items = [inputs] if single else list(inputs)  # type: ignore[arg-type]
+        streamed = None if progress is not None else self._stream_requests(items, decoding or DecodingOptions())  # type: ignore[arg-type]
+        if streamed is not None:
+            # the serial path's errors: the first input that did not decode, else the first
+            # that failed in the model
+            for r in streamed:
+                if isinstance(r, BaseException):
+                    raise r
+            texts = [r.result() for r in streamed]  # type: ignore[union-attr]
+            return texts[0] if single else texts
         audios = self.load_audios(items)  # type: ignore[arg-type]
         for audio in audios:
             if isinstance(audio, BaseException):

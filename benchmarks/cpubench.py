@@ -20,7 +20,9 @@ long-form: three 30 s windows), ``startup`` one 2 s file (model load + first tra
 The sides run in turn (oasr, faster-whisper, oasr, ...) ``--repeats`` times; the report gives
 each side's median wall seconds, CPU seconds (user + system of the whole process tree), peak
 memory (the largest sum of the tree's resident sets, sampled every 10 ms), corpus WER, and the
-ratios OASR / faster-whisper. ``--busy`` keeps one pure-Python CPU hog pinned to core 0 for the
+ratios OASR / faster-whisper. Both sides run with OASR's bytecode compiled beforehand
+(:func:`compiled_env`: what an installed wheel has; site-packages, faster-whisper included,
+already has its ``.pyc``). ``--busy`` keeps one pure-Python CPU hog pinned to core 0 for the
 whole run (both sides under the same load).
 """
 
@@ -128,6 +130,28 @@ def input_set(name: str, tmp: Path) -> tuple[list[Path], list[str], float]:
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def compiled_env(tmp: Path) -> dict[str, str]:
+    """The environment both sides run in: Python's bytecode of every OASR source compiled
+    beforehand into a cache under ``tmp`` (``PYTHONPYCACHEPREFIX``), as a wheel install has it.
+    faster-whisper, torch and the rest of site-packages carry their ``.pyc`` files from pip;
+    OASR's editable sources in a checkout may have none, and where ``PYTHONDONTWRITEBYTECODE``
+    is set (as on CI machines) every OASR process would compile its ~70 modules again (about
+    0.25 s here): a cost of the checkout, not of OASR."""
+    import compileall
+
+    prefix = tmp / "pycache"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(prefix)
+    old = sys.pycache_prefix
+    sys.pycache_prefix = str(prefix)  # where compileall writes (the prefix the children read)
+    try:
+        for src in sorted(REPO.glob("oasr*/src")):
+            compileall.compile_dir(src, quiet=1, workers=1)
+    finally:
+        sys.pycache_prefix = old
+    return env
+
+
 def _tree(root: int) -> list[int]:
     """``root`` and its descendants (a scan of /proc)."""
     children: dict[int, list[int]] = {}
@@ -222,14 +246,15 @@ def fw_worker(argv: list[str]) -> None:
     print(json.dumps(texts))
 
 
-def run_side(side: str, files: list[Path], ckpt: str, args: argparse.Namespace, tmp: Path) -> Run:
+def run_side(side: str, files: list[Path], ckpt: str, args: argparse.Namespace, tmp: Path,
+             env: dict[str, str] | None = None) -> Run:  # fmt: skip
     if side == "oasr":
         outdir = Path(tempfile.mkdtemp(dir=tmp))
         extra = ["--threads", str(args.threads)] if args.threads else []
-        wall, cpu, peak, _ = measure(oasr_cmd(files, outdir, extra + args.oasr_args))
+        wall, cpu, peak, _ = measure(oasr_cmd(files, outdir, extra + args.oasr_args), env=env)
         texts = [(outdir / f"{f.stem}.txt").read_text().strip() for f in files]
     else:
-        wall, cpu, peak, out = measure(fw_cmd(files, ckpt, args.threads))
+        wall, cpu, peak, out = measure(fw_cmd(files, ckpt, args.threads), env=env)
         texts = json.loads(out.strip().splitlines()[-1])
     return Run(side, wall, cpu, peak, texts)
 
@@ -262,6 +287,7 @@ def bench(args: argparse.Namespace) -> dict:
     results: list[InputResult] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        env = compiled_env(tmp)
         for name in args.inputs.split(","):
             files, refs, audio_s = input_set(name, tmp)
             res = InputResult(name, len(files), round(audio_s, 2), args.busy)
@@ -269,7 +295,7 @@ def bench(args: argparse.Namespace) -> dict:
             with Hog(args.busy):
                 for _ in range(args.repeats):
                     for side in sides:
-                        runs[side].append(run_side(side, files, ckpt, args, tmp))
+                        runs[side].append(run_side(side, files, ckpt, args, tmp, env))
             for side in sides:
                 res.runs[side] = [
                     {k: round(v, 3) for k, v in asdict(r).items() if k not in ("texts", "side")}

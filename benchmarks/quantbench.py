@@ -21,8 +21,10 @@ temperatures 0.2 ... 1.0 with one sample each (faster-whisper's default ``best_o
 2.4 / -1.0 / 0.6, conditioned on the previous text, timestamps on (first one <= 1 s), blank and
 non-speech tokens suppressed, no prompt, no VAD (``oasr --no-vad-gate``: OASR's default scan
 for speech-free inputs is work faster-whisper does not do; ``--oasr-vad-gate`` keeps it),
-English (both .en). Optionally the float sides too (``--float``) and the int8 side with float32 attention
-(``--fp32-attention``, what it was before bfloat16 attention). The report gives median wall
+English (both .en). Optionally the float sides too (``--float``), the int8 side with float32 attention
+(``--fp32-attention``, what it was before bfloat16 attention) and the int8 side with switches of
+``--before-env`` set. Both sides run with OASR's bytecode compiled beforehand
+(``cpubench.compiled_env``: what an installed wheel has; faster-whisper's is in site-packages). The report gives median wall
 seconds, CPU seconds of the process tree, peak RSS, corpus and per-file WER (Whisper's English
 normaliser) and the ratios OASR / faster-whisper.
 
@@ -102,7 +104,7 @@ def fw_worker(argv: list[str]) -> None:
 
 def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.asrbench import corpus_wer, english_normalizer
-    from benchmarks.cpubench import input_set, measure, oasr_cmd
+    from benchmarks.cpubench import compiled_env, input_set, measure, oasr_cmd
     from oasr.defaults import default_checkpoint
 
     ckpt = args.ckpt_dir or str(default_checkpoint())
@@ -112,26 +114,32 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
         "oasr_int8": ("oasr", ["--compute-type", "int8", *threads, *dec]),
         "faster_whisper_int8": ("fw", "int8"),
     }
+    side_env: dict[str, dict[str, str]] = {}
     if args.fp32_attention:  # the int8 side as before bfloat16 attention: a before / after pair
         sides["oasr_int8_fp32_attention"] = ("oasr", ["--compute-type", "int8", *threads, *dec])
+        side_env["oasr_int8_fp32_attention"] = {"OASR_INT8_BF16_ATTENTION": "0"}
+    if args.before_env:  # the int8 side with switches set (e.g. a new step turned off): before / after
+        sides["oasr_int8_before"] = ("oasr", ["--compute-type", "int8", *threads, *dec])
+        side_env["oasr_int8_before"] = dict(kv.split("=", 1) for kv in args.before_env)
     if args.float:
         sides["oasr_float32"] = ("oasr", [*threads, *dec])
         sides["faster_whisper_float32"] = ("fw", "float32")
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        base_env = compiled_env(tmp)  # OASR's bytecode compiled first, as installed (cpubench)
         files, refs, audio_s = english_set() if args.inputs == "english" else input_set(args.inputs, tmp)
         for _ in range(args.repeats):
             for name, (kind, extra) in sides.items():
                 if kind == "oasr":
                     out = Path(tempfile.mkdtemp(dir=tmp))
-                    env = {**os.environ, "OASR_INT8_BF16_ATTENTION": "0"} if "fp32_attention" in name else None
+                    env = {**base_env, **side_env.get(name, {})}
                     wall, cpu, peak, _ = measure(oasr_cmd(files, out, list(extra)), env=env)
                     texts = [(out / f"{f.stem}.txt").read_text().strip() for f in files]
                 else:
                     cmd = [sys.executable, "-m", "benchmarks.quantbench", "fw-worker", "--ckpt", ckpt,
                            "--threads", str(args.threads), "--compute-type", extra, *map(str, files)]  # fmt: skip
-                    wall, cpu, peak, stdout = measure(cmd)
+                    wall, cpu, peak, stdout = measure(cmd, env=base_env)
                     texts = json.loads(stdout.strip().splitlines()[-1])
                 runs[name].append({"wall_s": wall, "cpu_s": cpu, "peak_mb": peak, "texts": texts})
     table = {}
@@ -346,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                           "startup: one 2 s file (the fixed cost: imports, model load)")
     cpu.add_argument("--fp32-attention", action="store_true",
                      help="also the int8 side with OASR_INT8_BF16_ATTENTION=0 (before / after)")
+    cpu.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
+                     help="also the int8 side with this environment variable set (repeatable), "
+                          "e.g. OASR_QUANT_CACHE=0 OASR_INT8_PREPACK_THREAD=0: before / after")
     cpu.add_argument("--oasr-vad-gate", action="store_true",
                      help="OASR keeps its default VAD gate (faster-whisper has none)")
     dev = sub.add_parser("device", help="fp8/int8 vs fp16 vs transformers on a CUDA GPU")

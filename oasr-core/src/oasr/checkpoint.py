@@ -119,7 +119,7 @@ def load_model(config: EngineConfig) -> ASRModel:
         # online quantization (a quantized native checkpoint arrives quantized already)
         from oasr.quantization.apply import quantize_model
 
-        quantize_model(model, config.quantization)
+        quantize_model(model, config.quantization, source=path)  # path: the weights' disk cache key
     return model
 
 

@@ -25,6 +25,9 @@ GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -42,7 +45,7 @@ from oasr.quantization.numerics import (
     reference_linear,
 )
 
-__all__ = ["FORMATS", "QuantizedLinear"]
+__all__ = ["FORMATS", "QuantizedLinear", "prepack_in_background"]
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +117,35 @@ class QuantizedLinear(Op):
         """:meth:`from_linear` from a weight (N, K) and an optional bias (N,): also for a tied
         output projection, whose weight is an embedding table."""
         weight = weight.detach()
-        out_features, in_features = weight.shape
-        q = cls(in_features, out_features, method, bias is not None, smoothed=input_scale is not None,
-                device=weight.device, dtype=weight.dtype, act_terms=act_terms)  # fmt: skip
+        if method not in FORMATS:
+            raise ValueError(f"unknown quantization method {method!r}; known: {', '.join(FORMATS)}")
         w = weight.float()
+        s = None
         if input_scale is not None:
             s = input_scale.to(device=weight.device, dtype=torch.float32)
             w = w * s[None, :]
-            q.input_scale.copy_(s)
-        qw, scale = quantize_weight(w, q.fmt)
-        q.qweight.copy_(qw.view(q.qweight.dtype))
-        q.weight_scale.copy_(scale)
+        qw, scale = quantize_weight(w, FORMATS[method])
+        return cls.from_quantized(qw, scale, bias, method, dtype=weight.dtype, input_scale=s, act_terms=act_terms)
+
+    @classmethod
+    def from_quantized(cls, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                       method: str, *, dtype: torch.dtype, input_scale: torch.Tensor | None = None,
+                       act_terms: int = 1) -> QuantizedLinear:  # fmt: skip
+        """A layer from an already quantized weight (N, K) (int8, or e4m3 / its uint8 bytes for
+        fp8) and its per-channel scales (N,), as :func:`~oasr.quantization.numerics.quantize_weight`
+        returns them: what :meth:`from_weight` and the quantized-weight cache use. The weight and
+        scales are adopted, not copied; the bias (small) is copied."""
+        out_features, in_features = qweight.shape
+        q = cls(in_features, out_features, method, bias is not None, smoothed=input_scale is not None,
+                device="meta", dtype=dtype, act_terms=act_terms)  # fmt: skip
+        storage = torch.int8 if q.fmt == "int8" else torch.uint8
+        q.qweight = qweight.detach().view(storage)
+        q.weight_scale = weight_scale.detach().to(torch.float32).reshape(out_features)
+        if input_scale is not None:
+            q.input_scale = input_scale.detach().to(device=qweight.device, dtype=torch.float32)
         if bias is not None:
-            q.bias.data.copy_(bias.detach())
+            b = bias.detach().to(device=qweight.device, dtype=dtype, copy=True)
+            q.bias = nn.Parameter(b, requires_grad=False)
         return q
 
     # -- views ---------------------------------------------------------------------------------
@@ -225,13 +244,19 @@ class QuantizedLinear(Op):
         return y.to(x2.dtype)
 
     def _packed(self) -> Any:
-        """oneDNN's packed form of ``qweight`` (CPU), remade when ``qweight`` changes."""
+        """oneDNN's packed form of ``qweight`` (CPU), remade when ``qweight`` changes. A
+        :func:`prepack_in_background` thread may be making it: one lock per layer, so it is
+        packed once."""
         key = (self.qweight.device, self.qweight._version, self.qweight.data_ptr())
-        if self._onednn is None or self._onednn[0] != key:
-            packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
-            zero = torch.zeros(self.out_features, dtype=torch.long)
-            self._onednn = (key, packed, zero)
-        return self._onednn
+        got = self._onednn
+        if got is not None and got[0] == key:
+            return got
+        with _pack_lock(self):
+            if self._onednn is None or self._onednn[0] != key:
+                packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+                zero = torch.zeros(self.out_features, dtype=torch.long)
+                self._onednn = (key, packed, zero)
+            return self._onednn
 
     def _weight_kn(self) -> torch.Tensor:
         key = (self.qweight.device, self.qweight._version, self.qweight.data_ptr())
@@ -260,6 +285,48 @@ class QuantizedLinear(Op):
 
 #: whether oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise) works in this torch build
 _ONEDNN_INT8: list[bool] = []
+
+#: one lock per layer for its oneDNN packing (the forward pass and the background thread)
+_PACK_LOCKS: weakref.WeakKeyDictionary[QuantizedLinear, threading.Lock] = weakref.WeakKeyDictionary()
+_PACK_LOCKS_GUARD = threading.Lock()
+
+
+def _pack_lock(module: QuantizedLinear) -> threading.Lock:
+    with _PACK_LOCKS_GUARD:
+        lock = _PACK_LOCKS.get(module)
+        if lock is None:
+            lock = _PACK_LOCKS[module] = threading.Lock()
+        return lock
+
+
+def prepack_in_background(modules: Iterable[QuantizedLinear]) -> threading.Thread | None:
+    """Make oneDNN's packed weights of the CPU int8 layers among ``modules`` (in their order) on
+    a daemon thread, so that the first forward pass finds them made; None when there is none to
+    make or oneDNN's int8 linear is not used here. Packing is a single-threaded reorder (tiny.en:
+    about 0.25 s, half of it the 51 864-row tied output projection) that the first pass would
+    otherwise do inline while the other cores wait; torch releases the GIL inside it, so the
+    thread overlaps with what the process does next (engine start, audio decoding, features,
+    the first layers). The same packed weights either way: only when they are made differs."""
+    todo = [m for m in modules if isinstance(m, QuantizedLinear) and m.fmt == "int8"
+            and m.qweight.device.type == "cpu"]  # fmt: skip
+    if not todo:
+        return None
+
+    def run() -> None:
+        try:
+            if not _ONEDNN_INT8:
+                _ONEDNN_INT8.append(_onednn_int8_works())
+            if not _ONEDNN_INT8[0]:
+                return
+            for m in todo:
+                m._packed()
+        except Exception as exc:  # noqa: BLE001 - the forward pass packs (and reports) itself
+            log.info("background int8 weight packing stopped (%s: %s); layers pack on first use",
+                     type(exc).__name__, exc)  # fmt: skip
+
+    thread = threading.Thread(target=run, name="oasr-int8-prepack", daemon=True)
+    thread.start()
+    return thread
 
 
 def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor | None:

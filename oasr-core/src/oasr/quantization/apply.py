@@ -13,13 +13,21 @@ name: embedding module name}``, makes an int8 :class:`QuantizedLinear` of the em
 (no bias, one scale per vocabulary row, activations as two int8 terms per token: ``act_terms=2``)
 and sets it at the target name, which the family's forward uses when it is set. The embedding
 lookup stays float. Only for ``int8_w8a8`` on the CPU (:func:`tied_applies`).
+
+:func:`quantize_model` given the checkpoint it was loaded from (``source``) keeps the quantized
+weights in a disk cache (:mod:`oasr.quantization.cache`) and adopts them in a later process; on
+the CPU it has oneDNN's int8 weight packing done on a background thread
+(:func:`oasr.layers.quantized.prepack_in_background`; ``OASR_INT8_PREPACK_THREAD=0``: on first
+use, inline).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,11 +36,11 @@ from torch import nn
 from oasr.errors import UnsupportedOptionError
 from oasr.layers.attention import MultiHeadAttention
 from oasr.layers.basic import Linear
-from oasr.layers.quantized import FORMATS, QuantizedLinear
+from oasr.layers.quantized import FORMATS, QuantizedLinear, prepack_in_background
 from oasr.quantization import check_method
 
 __all__ = ["QuantizationReport", "attention_dtype_applies", "check_device", "keep_patterns", "networks", "quantizable_linears",
-           "quantize_model", "quantize_module", "tied_applies"]  # fmt: skip
+           "quantize_model", "quantize_module", "start_prepack", "tied_applies"]  # fmt: skip
 
 
 @dataclass
@@ -43,6 +51,10 @@ class QuantizationReport:
     method: str
     quantized: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
+    #: whether the quantized weights came from the disk cache (:mod:`oasr.quantization.cache`)
+    cached: bool = False
+    #: the thread packing the CPU int8 weights, while it runs (None: none was started)
+    prepack: threading.Thread | None = field(default=None, repr=False, compare=False)
 
 
 def networks(model: Any) -> dict[str, nn.Module]:
@@ -159,11 +171,14 @@ def quantize_module(
     input_scales: Mapping[str, torch.Tensor] | None = None,
     prefix: str = "",
     tied: bool | None = None,
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> QuantizationReport:
     """Replace, in place, every :class:`Linear` of ``net`` whose name matches none of ``keep``.
     ``input_scales``: SmoothQuant divisors (K,) by module name for the layers that carry one.
     ``tied``: whether to quantize the network's tied output projections (``quantization_tied``,
-    module docstring); None: where :func:`tied_applies`."""
+    module docstring); None: where :func:`tied_applies`. ``weights``: already quantized weights
+    and scales by full name (``prefix.name``; the disk cache's), adopted where their shape fits
+    a layer without a SmoothQuant divisor; the others are quantized."""
     canonical = check_method(method)
     assert canonical is not None and canonical in FORMATS
     device = _device(net)
@@ -177,7 +192,12 @@ def quantize_module(
             report.kept.append(full)
             continue
         scale = (input_scales or {}).get(name)
-        _set_module(net, name, QuantizedLinear.from_linear(module, canonical, scale))
+        ready = _ready(weights, full, module.weight) if scale is None else None
+        if ready is not None:
+            q = QuantizedLinear.from_quantized(*ready, module.bias, canonical, dtype=module.weight.dtype)
+        else:
+            q = QuantizedLinear.from_linear(module, canonical, scale)
+        _set_module(net, name, q)
         report.quantized.append(full)
     if tied is None:
         tied = tied_applies(canonical, device)
@@ -187,13 +207,47 @@ def quantize_module(
             report.kept.append(full)
             continue
         weight = net.get_submodule(source).weight
-        _set_module(net, name, QuantizedLinear.from_weight(weight, None, canonical, act_terms=2))
+        ready = _ready(weights, full, weight)
+        if ready is not None:
+            q = QuantizedLinear.from_quantized(*ready, None, canonical, dtype=weight.dtype, act_terms=2)
+        else:
+            q = QuantizedLinear.from_weight(weight, None, canonical, act_terms=2)
+        _set_module(net, name, q)
         report.quantized.append(full)
     if attention_dtype_applies(canonical, device):
         for module in net.modules():
             if isinstance(module, MultiHeadAttention):
                 module.attention_dtype = torch.bfloat16
     return report
+
+
+def _ready(weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None, name: str,
+           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """The cached (qweight, scale) of layer ``name`` when they fit its float ``weight``."""
+    got = (weights or {}).get(name)
+    if got is None or tuple(got[0].shape) != tuple(weight.shape) or tuple(got[1].shape) != (weight.shape[0],):
+        return None
+    return got[0].to(weight.device), got[1].to(weight.device)
+
+
+def _plan(model: Any, nets: Mapping[str, nn.Module], method: str, tied: bool | None) -> dict[str, Any]:
+    """What :func:`quantize_model` will quantize (the cache's key): networks' dtypes, keep lists,
+    whether tied projections are quantized, layer names and shapes."""
+    plan: dict[str, Any] = {"nets": {}, "layers": []}
+    for attr, net in nets.items():
+        keep = keep_patterns(model, net)
+        device = _device(net)
+        dtypes = sorted({str(t.dtype) for t in net.parameters()})
+        on = tied if tied is not None else tied_applies(method, device)
+        plan["nets"][attr] = {"dtypes": dtypes, "keep": list(keep), "tied": on}
+        pre = f"{attr}." if attr else ""
+        for name, module in net.named_modules():
+            if isinstance(module, Linear) and not _matches(name, keep):
+                plan["layers"].append([pre + name, list(module.weight.shape)])
+        for name, source in (getattr(net, "quantization_tied", None) or {}).items():
+            if on and not _matches(name, keep):
+                plan["layers"].append([pre + name, list(net.get_submodule(source).weight.shape)])
+    return plan
 
 
 def quantizable_linears(model: Any) -> dict[str, Linear]:
@@ -212,10 +266,17 @@ def quantize_model(
     method: str,
     input_scales: Mapping[str, torch.Tensor] | None = None,
     tied: bool | None = None,
+    source: str | Path | None = None,
+    prepack: bool = True,
 ) -> QuantizationReport:
     """Quantize every network of a loaded model in place (the family's keep list honoured);
     ``input_scales`` are keyed ``"<network attr>.<module name>"``; ``tied`` as
-    :func:`quantize_module`. The model's ``quantization`` attribute is set to the report."""
+    :func:`quantize_module`. The model's ``quantization`` attribute is set to the report.
+
+    ``source``: the checkpoint the model was loaded from; with it (and no ``input_scales``) the
+    quantized weights go through the disk cache (:mod:`oasr.quantization.cache`). ``prepack``:
+    start packing CPU int8 weights on a background thread (``report.prepack``) unless
+    ``OASR_INT8_PREPACK_THREAD=0``."""
     canonical = check_method(method)
     if canonical is None:
         raise UnsupportedOptionError(f"quantization {method!r}: name a method", param="quantization")
@@ -226,12 +287,14 @@ def quantize_model(
             param="quantization",
         )
     report = QuantizationReport(canonical)
+    entry, cached = _cache_lookup(model, nets, canonical, tied, source) if not input_scales else (None, None)
     for attr, net in nets.items():
         scales = None
         if input_scales:
             pre = f"{attr}." if attr else ""
             scales = {k[len(pre):]: v for k, v in input_scales.items() if k.startswith(pre)}
-        r = quantize_module(net, canonical, keep_patterns(model, net), scales, prefix=attr, tied=tied)
+        r = quantize_module(net, canonical, keep_patterns(model, net), scales, prefix=attr, tied=tied,
+                            weights=cached)  # fmt: skip
         report.quantized += r.quantized
         report.kept += r.kept
     if not report.quantized:
@@ -239,8 +302,51 @@ def quantize_model(
             f"{getattr(model, 'name', type(model).__name__)} has no linear layer to quantize",
             param="quantization",
         )
+    layers = {name: _module(nets, name) for name in report.quantized}
+    report.cached = cached is not None and set(cached) == set(layers)
+    if entry is not None and not report.cached:
+        from oasr.quantization import cache
+
+        cache.store(*entry, {n: (m.qweight, m.weight_scale) for n, m in layers.items()})
+    if prepack:
+        start_prepack(report, layers.values())
     try:
         model.quantization = report
     except AttributeError:  # a model with __slots__: the report is still returned
         pass
     return report
+
+
+#: switch for packing CPU int8 weights on a background thread (``OASR_INT8_PREPACK_THREAD=0``:
+#: on first use, inline)
+PREPACK_ENV = "OASR_INT8_PREPACK_THREAD"
+
+
+def start_prepack(report: QuantizationReport, layers: Iterable[nn.Module]) -> None:
+    """Start :func:`prepack_in_background` over ``layers`` (in order) unless switched off."""
+    from oasr.defaults import env_switch
+
+    if env_switch(PREPACK_ENV, True):
+        report.prepack = prepack_in_background(m for m in layers if isinstance(m, QuantizedLinear))
+
+
+def _module(nets: Mapping[str, nn.Module], name: str) -> nn.Module:
+    if "" in nets:
+        return nets[""].get_submodule(name)
+    attr, _, rest = name.partition(".")
+    return nets[attr].get_submodule(rest)
+
+
+def _cache_lookup(model: Any, nets: Mapping[str, nn.Module], method: str, tied: bool | None,
+                  source: str | Path | None) -> tuple[Any, Any]:  # fmt: skip
+    """((entry path, key) or None, cached weights or None) for :func:`quantize_model`."""
+    from oasr.quantization import cache
+
+    if source is None or not cache.enabled():
+        return None, None
+    try:
+        device = _device(next(iter(nets.values()))).type
+        entry = cache.entry_path(Path(source), method, device, _plan(model, nets, method, tied))
+    except OSError:  # the checkpoint's files cannot be listed: no cache
+        return None, None
+    return entry, cache.load(*entry)

@@ -79,7 +79,7 @@ def apply_saved(model: Any, path: Path, block: dict[str, Any], requested: str | 
     from safetensors.torch import load_file
 
     from oasr.quantization import check_method
-    from oasr.quantization.apply import networks, quantize_model
+    from oasr.quantization.apply import networks, quantize_model, start_prepack
 
     method = check_method(block.get("method"))
     if method is None:
@@ -100,7 +100,7 @@ def apply_saved(model: Any, path: Path, block: dict[str, Any], requested: str | 
     # quantized it, or on a device where it stays float, keeps it float
     tied = {f"{attr}.{name}" if attr else name for attr, net in networks(model).items()
             for name in (getattr(net, "quantization_tied", None) or {})}  # fmt: skip
-    report = quantize_model(model, method, input_scales=scales, tied=bool(tied & set(expected)))
+    report = quantize_model(model, method, input_scales=scales, tied=bool(tied & set(expected)), prepack=False)
     if sorted(report.quantized) != sorted(expected):
         extra = sorted(set(report.quantized) ^ set(expected))[:6]
         raise CheckpointError(
@@ -120,5 +120,6 @@ def apply_saved(model: Any, path: Path, block: dict[str, Any], requested: str | 
                     raise CheckpointError(f"{path}: {key} has shape {tuple(saved[key].shape)} "
                                           f"{saved[key].dtype}, the model wants {tuple(target.shape)} {target.dtype}")  # fmt: skip
                 target.copy_(saved[key])
+    start_prepack(report, (_module(nets, name) for name in expected))  # the saved weights, now in place
     report.settings = {k: v for k, v in block.items() if k not in ("layers", "kept")}  # type: ignore[attr-defined]
     return report

@@ -6,6 +6,8 @@
     python -m benchmarks.asrbench --json out.json
     python -m benchmarks.asrbench --backends oasr_engine,transformers_pipeline \
         --device cuda --ckpt-dir DIR                                      # GPU, vs the HF pipeline
+    python -m benchmarks.asrbench --backends oasr_engine,transformers_pipeline --device cuda \
+        --ckpt-dir DIR --copies 50 --decode-processes 8 --batch-size 128  # many files: 1000 inputs
     python -m benchmarks.asrbench --workload synthetic --profile smoke        # CPU, < 2 min
     python -m benchmarks.asrbench --workload synthetic --shape large-v3 --device cuda \
         --dtype float16 --batch-size 64 --requests 128 --tokens 100             # GPU
@@ -39,6 +41,14 @@ temperature 0, no VAD (OASR: ``vad_gate=False``), after one warm-up clip. Report
 seconds, RTFx (audio seconds per second), corpus WER (Whisper English normalisation) and each
 backend's time relative to OASR. ``--dtype`` (default: fp32 on CPU, fp16 on CUDA) and
 ``--batch-size`` (default 16) apply to every backend that has them.
+
+Many files: ``--copies N`` lists every clip N times (20 clips x 50 = 1000 inputs, 8777 s of
+audio); each input is read and decoded from its file again (nothing decoded is reused across
+copies, on either side). OASR decodes in ``--decode-processes`` worker processes and queues each
+input into its engine as it arrives; the pipeline gets ``--readers`` DataLoader worker
+processes decoding with the same loader (default: as many as ``--decode-processes`` when
+``--copies`` > 1, else none, the single-list run as before). WER is over all inputs;
+``copies_differing`` counts the clips whose copies did not all get the same text.
 """
 
 from __future__ import annotations
@@ -72,6 +82,10 @@ class Result:
     rtfx: float
     wer: float | None
     hypotheses: list[str]
+    #: files transcribed in the timed run (clips x copies)
+    inputs: int = 0
+    #: with --copies > 1: clips whose copies did not all get the same text
+    copies_differing: int | None = None
 
 
 def english_clips(profile: str) -> list[Clip]:
@@ -109,11 +123,25 @@ def _word_errors(ref: list[str], hyp: list[str]) -> int:
 
 def corpus_wer(refs: list[str], hyps: list[str]) -> float:
     """Corpus WER in %: all word errors over all reference words (what jiwer.wer gives for lists;
-    computed here so the GPU image needs no jiwer)."""
+    computed here so the GPU image needs no jiwer). Repeated (reference, hypothesis) pairs (the
+    many-files workload's copies) are scored once and counted as often as they occur."""
     norm, _ = english_normalizer()
-    pairs = [(norm(r).split(), norm(h).split()) for r, h in zip(refs, hyps, strict=True)]
-    pairs = [(r, h) for r, h in pairs if r]
-    return 100.0 * sum(_word_errors(r, h) for r, h in pairs) / sum(len(r) for r, _ in pairs)
+    counts: dict[tuple[str, str], int] = {}
+    for pair in zip(refs, hyps, strict=True):
+        counts[pair] = counts.get(pair, 0) + 1
+    errors = words = 0
+    for (ref, hyp), n in counts.items():
+        r, h = norm(ref).split(), norm(hyp).split()
+        if r:
+            errors += n * _word_errors(r, h)
+            words += n * len(r)
+    return 100.0 * errors / words
+
+
+def copies_differing(hyps: list[str], clips: int) -> int:
+    """Clips (of ``clips``, listed ``len(hyps) // clips`` times in a row) whose copies did not
+    all get the same text."""
+    return sum(len({hyps[k] for k in range(c, len(hyps), clips)}) > 1 for c in range(clips))
 
 
 def oasr_backend(ckpt: str, device: str, threads: int, dtype: str | None = None,
@@ -227,7 +255,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=None, help="synthetic: forced tokens per request")
     parser.add_argument("--decode-processes", type=int, default=0,
                         help="speech: oasr_engine decodes the files in this many worker processes "
-                             "(EngineConfig.decode_processes; the other backends decode one by one)")
+                             "(EngineConfig.decode_processes; the other backends decode one by one "
+                             "unless --readers)")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="speech: list every clip this many times (many files: 50 -> 1000 "
+                             "inputs), each decoded from its file again")
+    parser.add_argument("--readers", type=int, default=None,
+                        help="speech: transformers_pipeline decodes the files in this many "
+                             "DataLoader worker processes (default: --decode-processes when "
+                             "--copies > 1, else 0: one by one)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--encoder-lookahead", type=int, default=None,
                         help="synthetic: SchedulerConfig.encoder_lookahead (default: the engine's)")
@@ -275,12 +311,20 @@ def main(argv: list[str] | None = None) -> dict:
     from oasr.defaults import default_checkpoint
 
     ckpt = args.ckpt_dir or str(default_checkpoint())
+    if args.copies < 1:
+        parser.error("--copies must be >= 1")
     clips = english_clips(args.profile)
-    paths = [c.path for c in clips]
-    audio_s = sum(c.seconds for c in clips)
+    paths = [c.path for c in clips] * args.copies  # copy k of every clip, then copy k + 1
+    refs = [c.text for c in clips] * args.copies
+    audio_s = sum(c.seconds for c in clips) * args.copies
+    readers = args.readers if args.readers is not None else (args.decode_processes if args.copies > 1 else 0)
     results: list[Result] = []
     for name in args.backends.split(","):
-        extra = {"decode_processes": args.decode_processes} if name == "oasr_engine" else {}
+        extra: dict = {}
+        if name == "oasr_engine":
+            extra = {"decode_processes": args.decode_processes}
+        elif name == "transformers_pipeline":
+            extra = {"readers": readers}
         run = BACKENDS[name](ckpt, args.device, args.threads, dtype=args.dtype,
                              batch_size=args.batch_size, **extra)  # fmt: skip
         run(paths[:2])  # warm-up (two files: a decode pool starts here, not in the timed runs)
@@ -290,9 +334,14 @@ def main(argv: list[str] | None = None) -> dict:
             start = time.perf_counter()
             hyps = run(paths)
             best = min(best, time.perf_counter() - start)
-        results.append(Result(name, best, audio_s, audio_s / best, corpus_wer([c.text for c in clips], hyps), hyps))
+        differing = copies_differing(hyps, len(clips)) if args.copies > 1 else None
+        results.append(Result(name, best, audio_s, audio_s / best, corpus_wer(refs, hyps), hyps,
+                              len(paths), differing))  # fmt: skip
 
     base = results[0].wall_s
+    if args.copies > 1:
+        print(f"{len(paths)} inputs ({len(clips)} clips x {args.copies}), {audio_s:.0f} s of audio; "
+              f"oasr_engine decode processes {args.decode_processes}, pipeline readers {readers}")  # fmt: skip
     print(f"{'backend':22} {'wall s':>8} {'RTFx':>8} {'WER %':>7} {'time / ' + results[0].backend:>22}")
     for r in results:
         wer = f"{r.wer:7.2f}" if r.wer is not None else "      -"
@@ -305,9 +354,11 @@ def main(argv: list[str] | None = None) -> dict:
         "oasr_decode_processes": args.decode_processes,
         "threads": args.threads,
         "normalizer": english_normalizer()[1],
-        "clips": [str(p.name) for p in paths],
+        "clips": [str(p.name) for p in paths[: len(clips)]],
         "results": [asdict(r) for r in results],
     }
+    if args.copies > 1:
+        report.update(copies=args.copies, inputs=len(paths), pipeline_readers=readers)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

@@ -17,7 +17,14 @@ and converted in memory by :mod:`oasr_models_whisper.hf_export`, so both hold id
 
 Files are decoded by ``oasr.audio.load_audio`` (PyAV, the decoder OASR uses for files) inside the
 timed call, and the arrays go to the pipeline: its own file loading shells out to an ``ffmpeg``
-binary, which the GPU machine does not have.
+binary, which the GPU machine does not have. With ``readers=N`` (asrbench ``--readers``, the
+many-files workload) the files are decoded in ``N`` worker processes of a ``torch``
+``DataLoader`` (persistent, started at the warm-up like OASR's decode pool; ``forkserver`` on
+Linux, as OASR's; samples handed back as tensors through shared memory, the DataLoader's own
+path) and fed to the pipeline as they come, in order: the pipeline's own ``num_workers`` cannot
+do this (a chunking pipeline forces it to 1, and that one worker would run the whole
+pre-processing), so the readers stand beside it, the way OASR's decode pool stands beside its
+engine.
 """
 
 from __future__ import annotations
@@ -67,9 +74,62 @@ def build_pipeline(ckpt: str | Path, device: str = "cpu", dtype: str | None = No
     return pipe
 
 
+class FileSamples:
+    """A map-style dataset whose keys are file paths: ``dataset[path]`` is the file decoded by
+    ``oasr.audio.load_audio`` as a float32 tensor (a tensor so the DataLoader hands it back
+    through shared memory, not pickled through its result pipe)."""
+
+    def __init__(self, sample_rate: int = SAMPLE_RATE) -> None:
+        self.sample_rate = sample_rate
+
+    def __getitem__(self, path: str) -> Any:
+        import torch
+
+        from oasr.audio import load_audio
+
+        return torch.from_numpy(load_audio(path, self.sample_rate))
+
+
+class CurrentPaths:
+    """The DataLoader's sampler: the paths of the call in progress, in order (set per call, so
+    one persistent set of workers serves every call)."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def __iter__(self) -> Any:
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+def _as_is(sample: Any) -> Any:
+    return sample  # the DataLoader's collate_fn (batch_size=None): one tensor per file
+
+
+def file_readers(readers: int) -> tuple[Any, CurrentPaths]:
+    """A persistent ``DataLoader`` with ``readers`` worker processes decoding the paths put in
+    its sampler, and that sampler."""
+    import multiprocessing
+    import sys
+
+    from torch.utils.data import DataLoader
+
+    sampler = CurrentPaths()
+    method = "forkserver" if sys.platform.startswith("linux") else "spawn"
+    loader = DataLoader(FileSamples(), batch_size=None, sampler=sampler, num_workers=readers,
+                        collate_fn=_as_is, persistent_workers=True, prefetch_factor=4,
+                        multiprocessing_context=multiprocessing.get_context(method))  # fmt: skip
+    return loader, sampler
+
+
 def transformers_pipeline_backend(
-    ckpt: str, device: str, threads: int, dtype: str | None = None, batch_size: int | None = None
+    ckpt: str, device: str, threads: int, dtype: str | None = None, batch_size: int | None = None,
+    readers: int = 0,
 ) -> Callable[[list[Path]], list[str]]:
+    """``run(paths) -> texts``. ``readers`` > 0 decodes the files in that many DataLoader
+    worker processes (see the module docstring); 0 decodes them one by one in the caller."""
     from oasr.audio import load_audio
 
     pipe = build_pipeline(ckpt, device, dtype)
@@ -77,9 +137,14 @@ def transformers_pipeline_backend(
     generate_kwargs: dict[str, Any] = {"do_sample": False, "num_beams": 1}
     if pipe.multilingual:
         generate_kwargs.update(language="en", task="transcribe")
+    loader, sampler = file_readers(readers) if readers > 0 else (None, None)
 
     def run(paths: list[Path]) -> list[str]:
-        audios = [load_audio(p, SAMPLE_RATE) for p in paths]
+        if loader is None:
+            audios: Any = [load_audio(p, SAMPLE_RATE) for p in paths]
+        else:
+            sampler.paths = [str(p) for p in paths]  # type: ignore[union-attr]
+            audios = (samples.numpy() for samples in loader)  # decoded while the model runs
         outs = pipe(
             audios, batch_size=batch, chunk_length_s=CHUNK_LENGTH_S, ignore_warning=True,
             return_timestamps=False, generate_kwargs=generate_kwargs,

@@ -152,6 +152,10 @@ class Report:
     #: the server captures them all while it warms up) and replayed
     server_steps: dict[str, float] = field(default_factory=dict)
     dtype: str = "auto"
+    #: ``asyncio``: the server ran without uvloop and httptools (``--server-event-loop``)
+    server_event_loop: str = "auto"
+    #: ``--server-profile``: :func:`profile_summary` of the measured round
+    server_profile: dict[str, Any] = field(default_factory=dict)
     #: warnings and errors the server logged (its stderr; with ``--log-level info`` also its
     #: warm-up lines), the last 20
     server_warnings: list[str] = field(default_factory=list)
@@ -373,15 +377,21 @@ def tie_margin(logits: np.ndarray, pieces: list[str], blank: int, text: str,
 def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: int, uploads: int,
                  batch_wait_ms: float, log_level: str = "warning",
                  switch_interval_ms: float | None = None, dtype: str = "auto",
-                 log: Any = subprocess.PIPE) -> subprocess.Popen:  # fmt: skip
+                 event_loop: str = "auto", log: Any = subprocess.PIPE) -> subprocess.Popen:  # fmt: skip
     """``switch_interval_ms``: the server process's ``sys.setswitchinterval`` (an experiment:
     how long a thread waiting for the GIL, e.g. the event loop after a socket call, may wait
     while the stream loop thread runs Python; None: the server's own, 1 ms once its streaming
-    loop runs, ``oasr_server.stream_worker.SWITCH_INTERVAL_S``). ``log``: where the server's
-    stderr goes (a file: a pipe nobody reads would stall the server once it fills)."""
+    loop runs, ``oasr_server.stream_worker.SWITCH_INTERVAL_S``). ``event_loop``: ``asyncio``
+    hides uvloop and httptools from the server, so uvicorn runs the standard asyncio loop and
+    h11, as on a machine without them (the GPU machine: they are not among the wheels
+    ``scripts/fetch_gpu_wheels.sh`` carries); ``auto``: whatever uvicorn picks. ``log``: where
+    the server's stderr goes (a file: a pipe nobody reads would stall the server once it
+    fills)."""
     boot = "from oasr_server.cli import main; main()"
     if switch_interval_ms is not None:
         boot = f"import sys; sys.setswitchinterval({switch_interval_ms / 1000.0!r}); {boot}"
+    if event_loop == "asyncio":  # a None entry makes `import uvloop` raise ImportError
+        boot = f"import sys; sys.modules.update(uvloop=None, httptools=None); {boot}"
     cmd = [
         sys.executable, "-c", boot,
         "--ckpt-dir", ckpt, "--device", device, "--threads", str(threads),
@@ -392,6 +402,64 @@ def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: in
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("OASR_")}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def start_profiler(pid: int, path: Path, rate: int = 250) -> subprocess.Popen:
+    """py-spy sampling process ``pid`` (every thread, on-CPU samples only) into ``path`` in
+    its raw (collapsed stacks) format until :func:`stop_profiler`."""
+    import shutil
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        raise RuntimeError("--server-profile needs py-spy (pip install py-spy)")
+    cmd = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
+           "--threads", "--gil", "--nonblocking", "--output", str(path)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def stop_profiler(prof: subprocess.Popen) -> None:
+    prof.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    try:
+        prof.wait(60)
+    except subprocess.TimeoutExpired:
+        prof.kill()
+
+
+def profile_summary(path: Path, top: int = 25) -> dict[str, Any]:
+    """What a raw py-spy profile says: samples per thread, and for the event loop's thread
+    (``MainThread``: uvicorn's loop) the share of its samples in each function (self: the
+    function's own code, or the C code it called; inclusive: with what it called)."""
+    import re
+    from collections import Counter
+
+    threads: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    loop_total = 0
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        name = frames[0].split(": ", 1)[-1]
+        threads[name] += n
+        if name != "MainThread":
+            continue
+        loop_total += n
+        own[frames[-1]] += n
+        for f in set(frames[1:]):
+            incl[f] += n
+
+    def shares(c: Counter[str]) -> dict[str, float]:
+        return {k: round(100.0 * v / max(1, loop_total), 1) for k, v in c.most_common(top)}
+
+    return {"samples_by_thread": dict(threads.most_common()),
+            "event_loop_self_pct": shares(own), "event_loop_inclusive_pct": shares(incl)}  # fmt: skip
 
 
 def _raise_open_files(need: int) -> None:
@@ -700,7 +768,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         clients: int = 1, threads: int = 2, batch_wait_ms: float = 0.0, warmup_rounds: int = 0,
         p99_target_ms: float = 150.0, log_level: str = "warning",
         switch_interval_ms: float | None = None, dtype: str = "auto",
-        tie_tolerance: float | None = None) -> Report:  # fmt: skip
+        tie_tolerance: float | None = None, event_loop: str = "auto",
+        server_profile: Path | None = None) -> Report:  # fmt: skip
     from benchmarks.serverbench import free_port
 
     _raise_open_files(2 * streams + 256)  # the server and the clients inherit it
@@ -732,8 +801,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         proc = start_server(ckpt, device=device, threads=threads, port=port, streams=streams,
                             uploads=uploads, batch_wait_ms=batch_wait_ms, log_level=log_level,
                             switch_interval_ms=switch_interval_ms, dtype=dtype,
-                            log=log_file)  # fmt: skip
-        group = None
+                            event_loop=event_loop, log=log_file)  # fmt: skip
+        group = prof = None
         try:
             try:
                 wait_ready(base, proc, timeout=180.0)
@@ -751,6 +820,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 pool.shutdown(wait=True)
                 _progress(t_start, "warm-up round done")
             before = read_metrics(base)
+            if server_profile is not None:  # the measured round only
+                prof = start_profiler(proc.pid, server_profile)
             answers, pool = uploads_in_threads(base, blobs, 1.0)
             # the main thread runs uvicorn's event loop (every socket, every event)
             t, cpu0, loop0 = (
@@ -760,6 +831,9 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
             )
             records, failed = group.round(timeout)
             _progress(t_start, "measured round done")
+            if prof is not None:
+                stop_profiler(prof)
+                prof = None
             pool.shutdown(wait=True)
             wall, cpu1, loop1 = (
                 time.monotonic() - t,
@@ -774,6 +848,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 print(f"  server log: {line}", flush=True)
             raise
         finally:
+            if prof is not None:
+                stop_profiler(prof)
             if group is not None:
                 group.close()
             proc.terminate()
@@ -904,7 +980,8 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         server_cpu_per_append_us=round(cpu / appends * 1e6, 1) if cpu is not None and appends else None,
         server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0,
                       **graphs},
-        dtype=dtype, server_warnings=server_warnings,
+        dtype=dtype, server_warnings=server_warnings, server_event_loop=event_loop,
+        server_profile=profile_summary(server_profile) if server_profile is not None else {},
         leftover=leftover, mismatches=mismatches,
     )  # fmt: skip
 
@@ -941,6 +1018,10 @@ def print_report(r: Report) -> None:
         f"(+ {r.uploads_tied} tied); "
         f"held (checks pass, p99 <= {r.p99_target_ms:g} ms): {'yes' if r.held else 'NO'}"
     )
+    if r.server_profile:
+        print(f"  profile samples by thread: {r.server_profile['samples_by_thread']}")
+        print("  event loop (MainThread) self %: " + ", ".join(
+            f"{k} {v}" for k, v in list(r.server_profile["event_loop_self_pct"].items())[:12]))  # fmt: skip
     for w in r.server_warnings:
         print(f"  server log: {w}")
     for m in r.mismatches[:20]:
@@ -1025,6 +1106,20 @@ def main(argv: list[str] | None = None) -> dict:
         "within this fraction of the CTC logits' spread (default: 5e-3 float32, 3e-2 float16, "
         "5e-2 bfloat16; 0: exact equality only)",
     )
+    p.add_argument(
+        "--server-event-loop",
+        choices=["auto", "asyncio"],
+        default="auto",
+        help="asyncio: the server runs without uvloop and httptools (as where they are not "
+        "installed, e.g. the GPU machine); auto: what uvicorn picks",
+    )
+    p.add_argument(
+        "--server-profile",
+        type=Path,
+        default=None,
+        help="py-spy the server during the measured round into this file (raw collapsed "
+        "stacks; summarised in the report)",
+    )
     p.add_argument("--log-level", default="warning", help="the server's --log-level")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -1045,7 +1140,8 @@ def main(argv: list[str] | None = None) -> dict:
         warmup_rounds=args.warmup_rounds if args.warmup_rounds is not None else (1 if cuda else 0),
         p99_target_ms=args.p99_target_ms, log_level=args.log_level,
         switch_interval_ms=args.server_switch_interval_ms, dtype=args.dtype,
-        tie_tolerance=args.tie_tolerance,
+        tie_tolerance=args.tie_tolerance, event_loop=args.server_event_loop,
+        server_profile=args.server_profile,
     )  # fmt: skip
     print_report(report)
     out = asdict(report)

@@ -53,6 +53,7 @@ log = logging.getLogger("oasr_server.streams")
 #: unless something else changed it)
 SWITCH_INTERVAL_S = 0.001
 _PYTHON_SWITCH_INTERVAL_S = 0.005
+_PCM16_SCALE = 1.0 / 32768.0
 
 
 @dataclass(eq=False)
@@ -96,6 +97,32 @@ def _deliver_all(delivered: list[tuple[EngineStream, StreamOutput]]) -> None:
             stream._deliver(out)
         except Exception:  # noqa: BLE001 - one stream's callback must not starve the others
             log.exception("delivering a streaming output failed")
+
+
+def _scale_pcm16_feeds(commands: list[tuple[Any, ...]]) -> None:
+    """Loop thread: the int16 pcm of the ``feed`` commands as float32 (``decode_raw_pcm``'s
+    values: scaling by 2**-15 is exact), every such feed of one wake-up in one numpy call. One
+    call, not one per feed: numpy lets go of the GIL for more than 500 elements, and each time
+    this thread would wait for the event loop's switch interval to get it back."""
+    import numpy as np
+
+    pcm = [
+        i
+        for i, c in enumerate(commands)
+        if c[0] == "feed" and c[2] is not None and getattr(c[2], "dtype", None) is not None
+        and c[2].dtype.kind == "i"
+    ]
+    if not pcm:
+        return
+    scaled = np.multiply(
+        np.concatenate([commands[i][2] for i in pcm]), _PCM16_SCALE, dtype=np.float32
+    )
+    at = 0
+    for i in pcm:
+        kind, stream, audio, is_last = commands[i]
+        n = len(audio)
+        commands[i] = (kind, stream, scaled[at : at + n], is_last)
+        at += n
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -159,7 +186,8 @@ class StreamingEngineLoop:
         return stream
 
     def feed(self, stream: EngineStream, audio: Any, is_last: bool = False) -> None:
-        """Append model-rate float32 samples (``audio`` may be None with ``is_last``)."""
+        """Append model-rate samples: float32, or int16 pcm (scaled by 2**-15 in the loop
+        thread, off the event loop); ``audio`` may be None with ``is_last``."""
         self._post(stream, ("feed", stream, audio, is_last))
 
     def abort(self, stream: EngineStream) -> None:
@@ -210,6 +238,7 @@ class StreamingEngineLoop:
                 commands = list(self._commands)
                 self._commands.clear()
                 stopping = self._stopping
+            _scale_pcm16_feeds(commands)
             for command in commands:
                 try:
                     self._apply(*command)

@@ -37,8 +37,11 @@ last delta is sent and the final transcript is what counts.
 Heavy work never runs on the event loop: decoding, resampling and VAD run in a thread
 (``state.run_vad``), the model in the engine worker or the streaming engine loop. The one
 exception is tiny: an append of at most ``INLINE_APPEND_S`` of raw PCM at the model's rate with
-server VAD off is decoded (scaled to float32) in place, which costs less than the thread hop. Calls into one
-``TurnStream`` must be sequential (each transport drives it from one task).
+server VAD off is taken in place, which costs less than the thread hop; mono pcm16 is not even
+converted there: its samples stay int16 in the buffer (a view of the received bytes) and are
+scaled to float32 where they are read (:meth:`TurnStream._slice`; the streaming engine loop's
+thread for the audio it feeds). Calls into one ``TurnStream`` must be sequential (each
+transport drives it from one task).
 """
 
 from __future__ import annotations
@@ -145,14 +148,22 @@ def _tokens(text: str) -> list[str]:
     return re.findall(r"\s*\S+", text)
 
 
+def pcm16_as_float(x: np.ndarray) -> np.ndarray:
+    """int16 pcm samples as float32 in [-1, 1) (``decode_raw_pcm``'s values: scaling by 2**-15
+    is exact); float32 samples unchanged."""
+    if x.dtype.kind != "i":
+        return x
+    return np.multiply(x, _PCM16_SCALE, dtype=np.float32)
+
+
 def _pcm16_to_float(data: bytes, n: int) -> np.ndarray:
     """The first ``n`` mono pcm16 samples of ``data`` as float32 in [-1, 1): the values of
     ``decode_raw_pcm`` (scaling by 2**-15 is exact), in pieces of at most ``_GIL_KEPT``
-    samples. The usual realtime append (the model's rate, mono pcm16) is converted on the event
-    loop, and numpy lets go of the GIL for a loop over more than 500 elements: the stream loop
-    thread, busy in Python, then holds it for up to the switch interval (5 ms) before the event
-    loop gets it back, once per such call (measured here: 0.4-1 ms per call with a busy
-    thread, 3 us without the release)."""
+    samples. Used where such audio is decoded in a thread (server VAD on; without VAD the
+    samples stay int16, :meth:`TurnStream.append_now`): numpy lets go of the GIL for a loop over
+    more than 500 elements, and a thread that let go waits for the other threads' switch
+    interval to get it back, once per such call (measured here: 0.4-1 ms per call beside a
+    busy thread, 3 us without the release)."""
     src = np.frombuffer(data, "<i2", n)
     out = np.empty(n, np.float32)
     for k in range(0, n, _GIL_KEPT):
@@ -226,6 +237,10 @@ class TurnStream:
         )  # type: ignore[arg-type]
         self._raw_format = raw
         self._resampler = Resampler(fmt.sample_rate, self.rate)
+        #: appends are mono pcm16 at the model's rate: buffered as int16 (``append_now``)
+        self._pcm16_direct = (
+            raw.encoding == "pcm_s16le" and raw.channels == 1 and fmt.sample_rate == self.rate
+        )
         self._leftover = b""
         self.fmt = fmt
 
@@ -276,10 +291,11 @@ class TurnStream:
     # -- buffer ------------------------------------------------------------------------------
     def _slice(self, start: int, end: int, view: bool = False) -> np.ndarray:
         """A copy of the buffered audio ``[start, end)`` (absolute samples, clipped to the
-        buffer). Walks back from the newest chunk, so recent audio is cheap however long the
-        buffer is (a streaming recogniser takes every new chunk of a long turn). ``view``: a
-        view when one buffered chunk holds it all (for a reader that copies it anyway;
-        buffered chunks are never written to)."""
+        buffer) as float32. Walks back from the newest chunk, so recent audio is cheap however
+        long the buffer is (a streaming recogniser takes every new chunk of a long turn).
+        ``view``: a view when one buffered chunk holds it all (for a reader that copies it
+        anyway; buffered chunks are never written to), then int16 pcm where the chunk came as
+        pcm16 at the model's rate (:meth:`append_now`): scale it with :func:`pcm16_as_float`."""
         start = max(start, self.buf_start)
         end = min(end, self.received)
         parts: list[np.ndarray] = []
@@ -294,9 +310,11 @@ class TurnStream:
         if not parts:
             return np.zeros(0, np.float32)
         if view and len(parts) == 1:
-            return parts[0]
+            return parts[0]  # int16 when it came as pcm16 (the reader scales it)
         parts.reverse()
-        return np.concatenate(parts)
+        if len(parts) == 1 or all(p.dtype == parts[0].dtype for p in parts):
+            return pcm16_as_float(np.concatenate(parts))  # (one part: still a copy)
+        return np.concatenate([pcm16_as_float(p) for p in parts])
 
     def _drop_before(self, pos: int) -> None:
         """Forget the audio before ``pos``: whole chunks go, only a chunk cut in two is copied
@@ -394,13 +412,23 @@ class TurnStream:
             self._resampler.src_rate != self._resampler.dst_rate
         ):
             return False
+        if self._pcm16_direct:
+            # mono pcm16 at the model's rate: its samples are buffered as they came (a view of
+            # ``data``, no conversion on the event loop: numpy's scaling of an append was the
+            # largest piece of the event loop's own work per append); whoever reads them scales
+            if self._leftover:
+                data = self._leftover + data
+            n = len(data) // 2
+            self._leftover = data[2 * n :]
+            self._take(np.frombuffer(data, "<i2", n), [])
+            return True
         y, events = self._ingest(data)
         self._take(y, events)
         return True
 
     def _take(self, y: np.ndarray, events: list[Any]) -> None:
         if len(y):
-            self._chunks.append(y.astype(np.float32, copy=False))
+            self._chunks.append(y if y.dtype.kind == "i" else y.astype(np.float32, copy=False))
             self.received += len(y)
             self._audio_seconds.inc(len(y) / self.rate)
         for ev in events:

@@ -219,16 +219,19 @@ class RelPosAttention(nn.Module):
         return x.view(b, t, self.heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, pe: torch.Tensor, mask: torch.Tensor | None,
-                k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                kv: KeyValueStore | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` (B, T, D); ``pe`` (2S-1, D) for S = cached + T keys; ``mask`` (B, 1, T, S) bool
-        (True: attend) or None; caches (B, H, C, dk). Returns the output and the keys / values
+        (True: attend) or None; caches (B, H, C, dk), or ``kv``: a store that keeps the new
+        keys / values and gives back all S of them. Returns the output and the keys / values
         of all S frames."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
-        if k_cache is not None:
+        if kv is not None:
+            k, v = kv(k, v)
+        elif k_cache is not None:
             k = torch.cat([k_cache, k], dim=2)
             v = torch.cat([v_cache, v], dim=2)
         s = k.shape[2]
@@ -344,14 +347,25 @@ class FeedForward(nn.Module):
         return self.linear2(self.act(self.linear1(x)))
 
 
+class KeyValueStore:
+    """Where a streaming layer's attention history lives outside the batch (a cache pool):
+    called with a chunk's keys and values (B, H, T, dk) it stores them and returns the keys
+    and values of the whole window, cache and chunk, (B, H, C + T, dk), oldest first."""
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
 @dataclass
 class LayerCache:
     """One layer's streaming state for a batch: keys / values (B, H, C, dk) and the causal
-    convolution's last frames (B, D, k-1)."""
+    convolution's last frames (B, D, k-1); or, with ``kv``, keys / values kept by that store
+    (``k`` and ``v`` then unused)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     conv: torch.Tensor
+    kv: KeyValueStore | None = None
 
 
 class FastConformerLayer(nn.Module):
@@ -377,7 +391,7 @@ class FastConformerLayer(nn.Module):
             x = x + self.self_attn.forward_local(h, valid, *local)
         else:
             a, k, v = self.self_attn(h, pe, mask, None if cache is None else cache.k,
-                                     None if cache is None else cache.v)
+                                     None if cache is None else cache.v, None if cache is None else cache.kv)
             x = x + a
         c, conv_in = self.conv(self.norm_conv(x), valid, None if cache is None else cache.conv)
         x = x + c
@@ -456,7 +470,8 @@ class FastConformerEncoder(nn.Module):
                        ) -> tuple[torch.Tensor, list[LayerCache]]:
         """The Conformer layers over one chunk of subsampled frames ``x`` (B, T, D) of streams
         whose key / value caches are right-aligned to a common length C (``key_valid`` (B, C + T)
-        marks real keys: each stream's own cache and the chunk's valid frames, ``valid`` (B, T)).
+        marks real keys: each stream's own cache and the chunk's valid frames, ``valid`` (B, T);
+        the caches are in ``caches`` or behind their :class:`KeyValueStore`).
         The chunk starts at a multiple of the chunk size ``right + 1`` in every stream, so one
         chunked-limited mask serves them all. Returns the output and each layer's keys / values
         over all C + T frames and causal-convolution input (the caller trims them)."""
@@ -464,8 +479,8 @@ class FastConformerEncoder(nn.Module):
         if self.input_scale != 1.0:  # (a pass over the frames saved when it is 1)
             x = x * self.input_scale
         b, t, _ = x.shape
-        cached = caches[0].k.shape[2]
-        s = cached + t
+        s = key_valid.shape[1]
+        cached = s - t
         pe = rel_pe(s - 1, -(s - 1), c.hidden_size, x.device, x.dtype)
         chunk = right + 1
         left = c.att_context[0]

@@ -51,7 +51,7 @@ from oasr.errors import InvalidRequestError, UnsupportedOptionError
 from oasr.model import StreamingUpdate
 from oasr.options import ResolvedOptions
 from oasr.stream_cache import BATCH_BUCKETS, GraphSteps, StreamCachePool, StreamContext, bucket
-from oasr_models_nemo.nn import LayerCache
+from oasr_models_nemo.nn import KeyValueStore, LayerCache
 from oasr_models_nemo.tokenizer import WORD_BOUNDARY
 
 if TYPE_CHECKING:
@@ -76,11 +76,16 @@ class NemotronStreamState:
     subsampling: int
     #: the stream's slot in the model's cache pool (None once finished)
     cache: StreamContext | None = None
-    #: pre-emphasised samples, left-padded by ``n_fft // 2`` zeros (the centred first frame),
-    #: from the sample of mel frame ``buffer_frame``'s window start on
-    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    #: ``buf[:fill]`` then the ``pending`` arrays: raw samples, left-padded by ``n_fft // 2``
+    #: zeros (the centred first frame), from the sample before mel frame ``buffer_frame``'s
+    #: window start on (pre-emphasis, on the device, needs each window's previous sample; the
+    #: stream's first sample has a zero before it). A step copies a chunk's samples once, from
+    #: the arrays handed over into the step's row, and keeps in ``buf`` (trimmed in place, no
+    #: allocation per step) only what the next chunks need
+    buf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    fill: int = 0
+    pending: list[np.ndarray] = field(default_factory=list)
     buffer_frame: int = 0
-    prev: np.float32 | None = None  # the last raw sample (pre-emphasis)
     samples_received: int = 0
     frames_consumed: int = 0  # mel frames handed to chunks
     chunks: int = 0  # chunks cut so far
@@ -95,6 +100,11 @@ class NemotronStreamState:
     text_body: str = ""  # ``text`` before its final strip
     text_clean: bool = True  # ``raw_text`` ends on a whole UTF-8 character
     hyp: Hypothesis = field(default_factory=lambda: Hypothesis(tokens=[]))
+
+    @property
+    def audio(self) -> np.ndarray:
+        """The buffered samples (a copy)."""
+        return np.concatenate([self.buf[: self.fill], *self.pending])
 
     @property
     def first(self) -> bool:
@@ -143,6 +153,15 @@ class NemotronStreamRuntime:
         self.left = c.att_context[0] if c.att_context[0] >= 0 else model.stream_max_history
         attn = enc.layers[0].self_attn
         n_layers = len(enc.layers)
+        #: frames of attention history a slot holds: a ring of the last ``left`` frames and the
+        #: largest chunk (the chunk's keys are written in place of the oldest; a step reads the
+        #: window by index, in order: no concatenation, no copy back)
+        known = [r for r in (*c.lookaheads, c.att_context[1]) if r >= 0]
+        self.max_chunk = max(known, default=0) + 1
+        if not c.lookaheads:  # any lookahead may come: chunks up to the history's length
+            self.max_chunk = max(self.max_chunk, self.left)
+        self.ring = self.left + self.max_chunk
+        self.heads, self.head_dim, self.n_layers = attn.heads, attn.head_dim, n_layers
         self.kpad = c.conv_kernel_size - 1
         self.n_strided = sub.num_strided
         # per strided layer: its input's channels and (padded) frequency bins
@@ -153,8 +172,8 @@ class NemotronStreamRuntime:
             slots[f"sub{s}"] = ((channels, sub.kernel - sub.stride, padded), dt)
             freq = (padded - sub.kernel) // sub.stride + 1
             channels = c.subsampling_channels
-        slots["k"] = ((n_layers, attn.heads, self.left, attn.head_dim), dt)
-        slots["v"] = ((n_layers, attn.heads, self.left, attn.head_dim), dt)
+        slots["k"] = ((n_layers, self.ring, attn.heads, attn.head_dim), dt)
+        slots["v"] = ((n_layers, self.ring, attn.heads, attn.head_dim), dt)
         slots["conv"] = ((n_layers, c.hidden_size, self.kpad), dt)
         # the prediction network after its start symbol (blank), as NeMo starts: every new
         # greedy stream's decoder state
@@ -190,24 +209,34 @@ class NemotronStreamRuntime:
         fe = self.model.mel
         return (self.chunk_mel_frames(lookahead) - 1) * fe.hop_length + fe.n_fft
 
+    def row_samples(self, lookahead: int) -> int:
+        """Raw samples of a step's row: the chunk's and the one before it (pre-emphasis)."""
+        return self.chunk_samples(lookahead) + 1
+
     @property
     def n_ints(self) -> int:
-        # slot, cached frames, valid encoder frames, mel lo, mel hi, then per strided layer the
-        # first and the end of its valid output frames
-        return 5 + 2 * self.n_strided
+        # slot, cached frames, valid encoder frames, mel lo, mel hi, per strided layer the first
+        # and the end of its valid output frames, the ring position of the chunk's first frame,
+        # then the end of the row's real samples
+        return 7 + 2 * self.n_strided
 
     # -- the device half of a step (captured as a CUDA graph on CUDA) ---------------------------
     def compute(self, audio: torch.Tensor, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``audio`` (rows, samples) float32: each row's chunk of pre-emphasised samples;
-        ``ints`` (rows, :attr:`n_ints`). Log-mel, subsampling, Conformer layers with the pool's
-        caches (read and written back by slot), projection into the joint. Returns the encoder
-        output (rows, T, D) and its projection (rows, T, D_joint)."""
+        """``audio`` (rows, 1 + samples) float32: each row's chunk of raw samples after the
+        sample before it; ``ints`` (rows, :attr:`n_ints`). Pre-emphasis (as offline: ``y[t] =
+        x[t] - p x[t-1]``; samples from the row's end column on are zero), log-mel,
+        subsampling, Conformer layers with the pool's caches (read and written back by slot),
+        projection into the joint. Returns the encoder output (rows, T, D) and its projection
+        (rows, T, D_joint)."""
         model = self.model
         net, fe = model.net, model.mel
         enc = net.encoder
         pool = self.pool.slot_tensors
         n = self.n_strided
-        frames = audio.unfold(-1, fe.n_fft, fe.hop_length)  # (rows, CF, n_fft)
+        y = audio[:, 1:] if fe.preemph is None else audio[:, 1:] - fe.preemph * audio[:, :-1]
+        at = torch.arange(y.shape[1], device=audio.device)
+        y = y.masked_fill(at[None, :] >= ints[:, -1:], 0.0)
+        frames = y.unfold(-1, fe.n_fft, fe.hop_length)  # (rows, CF, n_fft)
         cf = frames.shape[1]
         right = cf // model.config.subsampling_factor - 1
         t_out = right + 1
@@ -224,15 +253,24 @@ class NemotronStreamRuntime:
         left = self.left
         position = torch.arange(left + t_out, device=audio.device)
         key_valid = (position[None, :] >= left - cached[:, None]) & (position[None, :] < left + valid[:, None])
-        keys, values = pool["k"].index_select(0, slots), pool["v"].index_select(0, slots)
+        # the keys / values of a slot's layer i: rows (slot * layers + i) * ring + frame % ring
+        # of the pool seen as (rows, heads, head_dim); the chunk is written at its frames, the
+        # window (``left`` frames before it and the chunk) read in order
+        ring, layers = self.ring, len(enc.layers)
+        first = ints[:, 5 + 2 * n]  # the chunk's first frame, modulo the ring
+        base = slots * (layers * ring)
+        write = base[:, None] + (first[:, None] + torch.arange(t_out, device=audio.device)) % ring
+        read = base[:, None] + (first[:, None] + position[None, :] - left) % ring
+        kflat = pool["k"].view(-1, self.heads, self.head_dim)
+        vflat = pool["v"].view(-1, self.heads, self.head_dim)
         convs = pool["conv"].index_select(0, slots)
-        caches = [LayerCache(keys[:, i], values[:, i], convs[:, i]) for i in range(len(enc.layers))]
+        caches = [LayerCache(None, None, convs[:, i],
+                             _RingWindow(kflat, vflat, (write + i * ring).flatten(), (read + i * ring).flatten()))
+                  for i in range(layers)]  # fmt: skip
         out, new = enc.forward_stream(x, key_valid[:, left:], key_valid, caches, right)
-        # the window slides by the chunk (only a stream's last chunk has fewer valid frames,
-        # and its caches are not read again)
+        # the convolutions' inputs slide by the chunk (only a stream's last chunk has fewer
+        # valid frames, and its caches are not read again)
         for i, lc in enumerate(new):
-            pool["k"][:, i].index_copy_(0, slots, lc.k[:, :, t_out:])
-            pool["v"][:, i].index_copy_(0, slots, lc.v[:, :, t_out:])
             pool["conv"][:, i].index_copy_(0, slots, lc.conv[:, :, t_out:])
         return out, net.encoder_projector(out)
 
@@ -240,7 +278,7 @@ class NemotronStreamRuntime:
         """Inputs of a captured step's shapes that touch only the scratch slot 0."""
         rows, lookahead = key
         dev = self.model.device
-        audio = torch.zeros(rows, self.chunk_samples(lookahead), device=dev)
+        audio = torch.zeros(rows, self.row_samples(lookahead), device=dev)
         return audio, torch.zeros(rows, self.n_ints, dtype=torch.long, device=dev)
 
     def capture(self, max_batch: int, lookahead: int, streams: int | None = None,
@@ -334,38 +372,49 @@ class NemotronStreamRuntime:
         b = len(states)
         graphs = self.graphs
         rows = bucket(b, BATCH_BUCKETS) if graphs is not None else b
-        samples = self.chunk_samples(lookahead)
+        samples = self.row_samples(lookahead)
         audio = self._host_audio(rows, samples)
-        # per row: slot, cached frames, then the chunk's first / end mel frame and per strided
+        # per row: slot, cached frames, then the chunk's first / end mel frame, per strided
         # layer the first / end valid output frame (a first chunk is left-padded; a last one
-        # ends where the utterance does)
-        first = np.fromiter((p[2] == 0 for p in plans), bool, b)
-        nf = np.fromiter((p[1] for p in plans), np.int64, b)
-        lo = np.where(first, self.first_pad, 0)
-        starts = np.where(first[:, None], np.asarray(self.first_junk, np.int64)[None, :], 0)
+        # ends where the utterance does) and the end of its real samples
+        ints = np.zeros((rows, self.n_ints), np.int64)
+        ends = ints[:, -1]
+        ring_pos = ints[:, 5 + 2 * n]
+        ring = self.ring
         limits = np.full((b, n), _UNLIMITED, np.int64)
+        first_pad = self.first_pad * hop
+        firsts = []
         for i, (st, (f0, count, index, last)) in enumerate(zip(states, plans, strict=True)):
             a0 = (f0 - st.buffer_frame) * hop
-            seg = st.audio[a0: a0 + (count - 1) * hop + n_fft] if count else st.audio[:0]
-            pad = int(lo[i]) * hop
-            if pad or seg.size < samples:  # the rest of the row is zero
-                audio[i].fill(0.0)
-            audio[i, pad: pad + seg.size] = seg
+            row = audio[i]
+            if index == 0:
+                firsts.append(i)
+                pad = first_pad
+                row[:pad] = 0.0
+            else:
+                pad = 0
+            size = _copy_span(st, a0, a0 + 1 + (count - 1) * hop + n_fft, row[pad:]) if count else 0
+            if pad + size < samples:  # the rest of the row is zero
+                row[pad + size:] = 0.0
+            ends[i] = pad + max(0, size - 1)
+            ring_pos[i] = index * t_out % ring
             if last and st.mel_frames:
                 total = _offline_lengths(model, st.mel_frames)
                 done = _layer_frames(model, lookahead, index)  # the chunks before this one
                 limits[i] = [max(0, total[s] - done[s]) for s in range(n)]
             elif last:  # no audio: nothing to say (as offline)
                 limits[i] = 0
-        ints = np.zeros((rows, self.n_ints), np.int64)
         ints[:b, 0] = self.pool.slot_ids([st.cache for st in states])
         ints[:b, 1] = np.fromiter((st.cached for st in states), np.int64, b)
         valid = np.minimum(limits[:, -1], t_out)
         ints[:b, 2] = valid
-        ints[:b, 3] = lo
-        ints[:b, 4] = lo + nf
-        ints[:b, 5: 5 + n] = starts
-        ints[:b, 5 + n: 5 + 2 * n] = starts + limits
+        ints[:b, 4] = np.fromiter((p[1] for p in plans), np.int64, b)
+        ints[:b, 5 + n: 5 + 2 * n] = limits
+        if firsts:
+            ints[firsts, 3] = self.first_pad
+            ints[firsts, 4] += self.first_pad
+            ints[firsts, 5: 5 + n] = self.first_junk
+            ints[firsts, 5 + n: 5 + 2 * n] += np.asarray(self.first_junk, np.int64)
         prof = model.stream_profile
         dev = model.device
         self.pool.reserve([st.cache for st in states], [0] * b)  # applies pending releases
@@ -448,6 +497,24 @@ class NemotronStreamRuntime:
             pool["dec_out"].index_copy_(0, real, search.decoder_out[: len(idx)].to(pool["dec_out"].dtype))
 
 
+class _RingWindow(KeyValueStore):
+    """One layer's keys / values of a step's streams in the pool's rings (see ``compute``):
+    the chunk's go to rows ``write`` (B * T,), the window is read from rows ``read`` (B * S,)."""
+
+    def __init__(self, kflat: torch.Tensor, vflat: torch.Tensor, write: torch.Tensor, read: torch.Tensor) -> None:
+        self.kflat, self.vflat, self.write, self.read = kflat, vflat, write, read
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, t, d = k.shape
+        # (B, H, T, dk) views of (B, T, H, dk) projections: rows of H x dk as they are
+        self.kflat.index_copy_(0, self.write, k.transpose(1, 2).reshape(b * t, h, d))
+        self.vflat.index_copy_(0, self.write, v.transpose(1, 2).reshape(b * t, h, d))
+        s = self.read.numel() // b
+        keys = self.kflat.index_select(0, self.read).view(b, s, h, d).transpose(1, 2)
+        values = self.vflat.index_select(0, self.read).view(b, s, h, d).transpose(1, 2)
+        return keys, values
+
+
 def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamState:
     c = model.config
     r = options.lookahead if options.lookahead >= 0 else c.att_context[1]
@@ -465,8 +532,12 @@ def new_stream(model: NemotronASR, options: ResolvedOptions) -> NemotronStreamSt
     st = NemotronStreamState(
         options=options, lookahead=r, search=search, hop=fe.hop_length, n_fft=fe.n_fft,
         window_extra=max(0, fe.n_fft - fe.n_fft // 2 - fe.hop_length),
-        subsampling=c.subsampling_factor, audio=np.zeros(fe.n_fft // 2, np.float32))
+        subsampling=c.subsampling_factor, buf=np.zeros(fe.n_fft // 2 + 1, np.float32),
+        fill=fe.n_fft // 2 + 1)
     rt = model.stream_runtime
+    if r + 1 > rt.max_chunk:
+        raise InvalidRequestError(f"lookahead {r} is more than this model's streams take ({rt.max_chunk - 1})",
+                                  param="lookahead")
     st.cache = rt.pool.open(owner=st)
     tensors = rt.pool.slot_tensors
     for name, value in rt.initial.items():  # open() zeroed the slot
@@ -496,23 +567,52 @@ def _layer_frames(model: NemotronASR, lookahead: int, chunks: int) -> list[int]:
     return out
 
 
-def _accept(st: NemotronStreamState, a: np.ndarray, preemph: float | None) -> None:
-    """Append raw samples to the stream's pre-emphasised buffer (as NeMo's preprocessor:
-    ``y[t] = x[t] - p x[t-1]``, the stream's first sample as is)."""
-    old = st.audio.size
-    buf = np.empty(old + a.size, np.float32)
-    buf[:old] = st.audio
-    y = buf[old:]
-    if preemph is not None:
-        p = np.float32(preemph)
-        y[0] = a[0] if st.prev is None else a[0] - p * st.prev
-        np.multiply(a[:-1], p, out=y[1:])
-        np.subtract(a[1:], y[1:], out=y[1:])
-    else:
-        y[:] = a
-    st.prev = a[-1]
-    st.audio = buf
+def _accept(st: NemotronStreamState, a: np.ndarray) -> None:
+    """Append raw samples to the stream (pre-emphasis happens on the device, per row of a step:
+    :meth:`NemotronStreamRuntime.compute`): held by reference until the step's end
+    (:func:`_settle`)."""
+    st.pending.append(a)
     st.samples_received += a.size
+
+
+def _copy_span(st: NemotronStreamState, start: int, stop: int, out: np.ndarray) -> int:
+    """Copy the stream's samples ``start:stop`` (of ``buf[:fill]`` then ``pending``; fewer where
+    they end) to the start of ``out``; returns how many."""
+    n = 0
+    fill = st.fill
+    if start < fill:
+        piece = st.buf[start: min(stop, fill)]
+        n = piece.size
+        out[:n] = piece
+    base = fill
+    for a in st.pending:
+        if base >= stop:
+            break
+        end = base + a.size
+        if end > start:
+            piece = a[max(0, start - base): stop - base]
+            out[n: n + piece.size] = piece
+            n += piece.size
+        base = end
+    return n
+
+
+def _settle(st: NemotronStreamState, drop: int) -> None:
+    """Forget the stream's first ``drop`` samples and move the pending ones into ``buf``."""
+    fill = st.fill
+    total = fill + sum(a.size for a in st.pending)
+    keep = total - drop
+    if keep > st.buf.size:  # grow (amortised: at least double)
+        buf = np.empty(max(keep, 2 * st.buf.size), np.float32)
+        if drop < fill:
+            buf[: fill - drop] = st.buf[drop: fill]
+        st.buf = buf
+    elif drop and drop < fill:
+        st.buf[: fill - drop] = st.buf[drop: fill]
+    if st.pending:
+        _copy_span(st, max(drop, fill), total, st.buf[max(0, fill - drop):])
+        st.pending = []
+    st.fill = keep
 
 
 def _plan(st: NemotronStreamState, last: bool) -> list[tuple[int, int, int, bool]]:
@@ -543,7 +643,6 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
     prof = model.stream_profile
     if prof is not None:
         prof.start()
-    preemph = model.mel.preemph
     plans = []
     for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
         if st.finished:
@@ -553,7 +652,7 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
             ok = isinstance(chunk, np.ndarray) and chunk.dtype == np.float32 and chunk.ndim == 1
             a = chunk if ok else as_mono_waveform(chunk, f"chunk #{k}")
             if a.size:
-                _accept(st, a, preemph)
+                _accept(st, a)
         plans.append(_plan(st, bool(last)))
     if prof is not None:
         prof.lap("features")
@@ -573,10 +672,9 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
         if last:
             updates.append(_finish(model, st))
             continue
-        drop = st.frames_consumed - st.buffer_frame
-        if drop:  # the samples before the next chunk's first window
-            st.audio = st.audio[drop * hop:]
-            st.buffer_frame = st.frames_consumed
+        # without the samples before the next chunk's first window
+        _settle(st, (st.frames_consumed - st.buffer_frame) * hop)
+        st.buffer_frame = st.frames_consumed
         best = _best(st)
         if st.search is not None:  # a beam's best may change anywhere
             st.text = model.tokenizer.decode(best.tokens)
@@ -632,5 +730,6 @@ def _finish(model: NemotronASR, st: NemotronStreamState) -> StreamingUpdate:
     tr = model.transcript(_best(st), duration, st.emitted, st.options)
     st.text = tr.text
     release(model, st)
-    st.audio = st.audio[:0]
+    st.fill = 0
+    st.pending = []
     return StreamingUpdate(text=tr.text, is_final=True, transcript=tr)

@@ -170,20 +170,27 @@ class Subsampling(nn.Module):
         h = x.unsqueeze(1)
         new_caches = []
         s = 0
+        lo, hi = self.pad[:2]
         for layer in self.layers:
-            if isinstance(layer, Conv2dLayer):
-                if layer.stride > 1:
-                    h = F.pad(h, self.pad[:2] + (0, 0))  # frequency only
-                    new_caches.append(h[:, :, h.shape[2] - keep:])
-                    h = torch.cat([caches[s], h], dim=2)
-                    limit, start = limits[s], starts[s]
-                    s += 1
-                h = layer(h)
-                t = torch.arange(h.shape[2], device=h.device)
-                keep_t = (t[None, :] < limit[:, None]) & (t[None, :] >= start[:, None])
-                h = h * keep_t.to(h.dtype)[:, None, :, None]
-            else:
-                h = layer(h)
+            if not isinstance(layer, Conv2dLayer):  # a ReLU, in place (a convolution's output)
+                h = torch.relu_(h)
+                continue
+            if layer.stride > 1:
+                # the cache's frames, then the chunk's padded on the frequency axis: one buffer
+                b, ch, t, f = h.shape
+                joined = h.new_empty(b, ch, keep + t, lo + f + hi)
+                joined[:, :, :keep] = caches[s]
+                joined[:, :, keep:, lo: lo + f] = h
+                joined[:, :, keep:, :lo] = 0.0
+                joined[:, :, keep:, lo + f:] = 0.0
+                new_caches.append(joined[:, :, joined.shape[2] - keep:])
+                h = joined
+                limit, start = limits[s], starts[s]
+                s += 1
+            h = layer(h)
+            t = torch.arange(h.shape[2], device=h.device)
+            keep_t = (t[None, :] < limit[:, None]) & (t[None, :] >= start[:, None])
+            h.mul_(keep_t.to(h.dtype)[:, None, :, None])
         b, ch, t, f = h.shape
         return self.linear(h.transpose(1, 2).reshape(b, t, ch * f)), new_caches
 

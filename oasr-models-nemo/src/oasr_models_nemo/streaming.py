@@ -8,18 +8,22 @@ from one chunk to the next lives in the pool, one slot per stream, gathered by i
 and written back by index (no per-stream copies):
 
 * per strided subsampling layer its last ``k - s`` input frames (``sub0``, ``sub1``, ..);
-* per Conformer layer the keys and values of the last ``left`` frames (``k``, ``v``: a window of
-  ``left`` frames, right-aligned; the frames a young stream does not have yet are masked) and the
-  causal depthwise convolution's last ``k - 1`` inputs (``conv``);
+* per Conformer layer the keys and values of the last ``left + max_chunk`` frames (``k``, ``v``:
+  a ring, frame ``f`` at ``f % ring``): a step writes its chunk's keys and values over the oldest
+  and reads the window, the ``left`` frames before the chunk and the chunk, by index and in
+  order (one gather per layer, no concatenation, nothing copied back; the frames a young stream
+  does not have yet are zeros, masked); and the causal depthwise convolution's last ``k - 1``
+  inputs (``conv``);
 * greedy transducer streams: the prediction network's state and output (``dec_h``, ``dec_c``,
   ``dec_out``), so the chunk's greedy search is one batched core search
   (:meth:`~oasr.decoders.transducer.TransducerGreedySearch.resume`) for all streams; on CUDA the
   search's device loop (the label-looping loop the offline path uses, its steps replayed as a
   CUDA graph). Beam streams keep their own incremental search.
 
-On the host a stream keeps only its pre-emphasised audio from the next chunk's first frame on and
-a few counters. One step builds, for every ready stream, the audio of its chunk (one array, one
-host-to-device copy), and one call computes the log-mel of every row, the subsampling, the
+On the host a stream keeps only its raw audio from the sample before the next chunk's first
+window on and a few counters (what a step hands over is held by reference and copied once, into
+the step's row). One step builds, for every ready stream, the audio of its chunk (one array, one
+host-to-device copy), and one call computes the pre-emphasis and log-mel of every row, the
 Conformer layers and the projection into the joint: a fixed sequence of kernels for a given
 (batch, lookahead), captured as a CUDA graph per batch-size bucket on CUDA (padded rows read and
 write the pool's scratch slot 0) and run eagerly elsewhere (and on CUDA with

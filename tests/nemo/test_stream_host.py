@@ -1,0 +1,62 @@
+"""The host side of a Nemotron stream's audio (``oasr_models_nemo.streaming``): what a step hands
+over is held by reference (``_accept``), copied once into the step's row (``_copy_span``) and
+only the rest kept (``_settle``); against the plain concatenation of everything received."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oasr_models_nemo.streaming import NemotronStreamState, _accept, _copy_span, _settle
+
+
+def test_spans_and_settling_equal_the_concatenated_audio() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        st = NemotronStreamState(options=None, lookahead=2, search=None, hop=160, n_fft=512,
+                                 window_extra=96, subsampling=8, buf=np.zeros(257, np.float32), fill=257)
+        ref = np.zeros(257, np.float32)  # everything kept so far, as one array
+        received = 0
+        for _ in range(int(rng.integers(1, 6))):
+            for _ in range(int(rng.integers(0, 4))):  # pieces of one step, some empty
+                a = rng.standard_normal(int(rng.choice([0, 1, 7, 160, 1500]))).astype(np.float32)
+                _accept(st, a)
+                ref = np.concatenate([ref, a])
+                received += a.size
+            assert st.samples_received == received
+            assert np.array_equal(st.audio, ref)
+            for _ in range(3):  # any span, also past the end (fewer samples)
+                start = int(rng.integers(0, ref.size + 5))
+                stop = start + int(rng.integers(0, ref.size + 5))
+                out = np.full(stop - start + 3, np.nan, np.float32)
+                n = _copy_span(st, start, stop, out)
+                assert n == max(0, min(stop, ref.size) - start)
+                assert np.array_equal(out[:n], ref[start: start + n]) and np.isnan(out[n:]).all()
+            drop = int(rng.integers(0, ref.size + 1))
+            _settle(st, drop)
+            ref = ref[drop:]
+            assert not st.pending and st.fill == ref.size and np.array_equal(st.buf[: st.fill], ref)
+
+
+def test_any_lookahead_fits_the_ring_when_none_is_declared(hf_checkpoints, waves) -> None:
+    """A model that names no trained lookaheads streams with any lookahead up to its left
+    context (the ring holds the history and a chunk of up to that many frames): its frames wrap
+    around the ring many times and the result equals offline decoding; more is refused."""
+    import dataclasses
+
+    import pytest
+
+    from oasr.errors import InvalidRequestError
+    from oasr.types import DecodingOptions
+    from oasr_models_nemo.model import NemoASR
+
+    model = NemoASR.from_hf(hf_checkpoints["nemotron"].path)
+    model.config = dataclasses.replace(model.config, lookaheads=())
+    left = model.config.att_context[0]
+    assert model.stream_runtime.ring == 2 * left
+    opts = DecodingOptions(model_options={"lookahead": left - 1})
+    st = model.new_stream(opts)
+    wave = waves[0]
+    ups = model.stream_step([st], [wave], [True])  # all at once: several chunks in one step
+    assert ups[0].text and ups[0].text == model.transcribe([wave], opts)[0].text
+    with pytest.raises(InvalidRequestError, match="lookahead"):
+        model.new_stream(DecodingOptions(model_options={"lookahead": left}))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -136,6 +137,8 @@ class Request:
     #: executors whose family can tell (the autoregressive executor's ``StreamsPartials``
     #: drivers); the final transcript still comes through the future
     on_partial: Callable[[str], None] | None = None
+    #: the length bucket admission orders by (set by the scheduler on submission)
+    bucket: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -147,7 +150,9 @@ class Executor(Protocol):
 
     def try_admit(self, request: Request) -> bool:
         """Take ``request`` if it fits now (slot and memory); False leaves it waiting. May raise a
-        typed error for a request that can never run (it then fails alone)."""
+        typed error for a request that can never run (it then fails alone). An executor whose
+        refusal holds for every request this step may say so with an attribute
+        ``refuses_all = True``: the scheduler then asks no other waiting request that step."""
         ...
 
     def step(self) -> list[tuple[Request, Transcript | BaseException]]:
@@ -222,6 +227,10 @@ class BatchExecutor:
 
         return self.model.transcribe([r.audio for r in batch], batch[0].options,
                                      progress if watchers else None)  # fmt: skip
+
+
+_by_seq = operator.attrgetter("seq")
+_by_bucket = operator.attrgetter("bucket", "seq")
 
 
 def _settle(future: Future, error: BaseException) -> None:
@@ -303,6 +312,7 @@ class Scheduler:
             for k, audio in enumerate(audios):
                 rid = (rids[k] if rids is not None else None) or f"r{next(self._ids)}"
                 req = Request(rid, audio, options, next(self._seq), self.step_count)
+                req.bucket = self._bucket(req)
                 if on_progress is not None:
                     req.on_progress = functools.partial(on_progress, k)
                 if on_partial is not None:
@@ -371,16 +381,17 @@ class Scheduler:
         return int(r.num_samples / (self.config.bucket_seconds * self.sample_rate))
 
     def _admit(self) -> None:
+        capacity = self.executor.max_requests if self._holds_extra else self.config.max_batch_size
         with self._lock:
+            if not self._waiting or len(self._running) >= capacity:
+                return  # nothing can be admitted: no need to order the queue (1000s long)
             waiting = list(self._waiting)
         now = self.step_count
         bound = self.config.max_wait_steps
-        starved = sorted((r for r in waiting if now - r.arrival_step >= bound), key=lambda r: r.seq)
-        fresh = sorted((r for r in waiting if now - r.arrival_step < bound),
-                       key=lambda r: (self._bucket(r), r.seq))  # fmt: skip
+        starved = sorted((r for r in waiting if now - r.arrival_step >= bound), key=_by_seq)
+        fresh = sorted((r for r in waiting if now - r.arrival_step < bound), key=_by_bucket)
         admitted: list[Request] = []
         failed: list[tuple[Request, BaseException]] = []
-        capacity = self.executor.max_requests if self._holds_extra else self.config.max_batch_size
         for r in (*starved, *fresh):
             if len(self._running) + len(admitted) >= capacity:
                 break
@@ -394,16 +405,16 @@ class Scheduler:
                 admitted.append(r)
             elif starving:
                 break  # hold the room for the oldest starved request: nothing younger goes first
+            elif getattr(self.executor, "refuses_all", False):
+                break  # the executor refuses any request this step (no room, or a group held)
         with self._lock:
+            if admitted or failed:  # one pass over the queue, not a search per request
+                gone = {id(r) for r in admitted} | {id(r) for r, _ in failed}
+                self._waiting = [r for r in self._waiting if id(r) not in gone]
             for r in admitted:
-                if r in self._waiting:
-                    self._waiting.remove(r)
                 r.admitted_step = now
                 self._running[r.rid] = r
                 self.stats["max_wait_steps_seen"] = max(self.stats["max_wait_steps_seen"], now - r.arrival_step)
-            for r, _ in failed:
-                if r in self._waiting:
-                    self._waiting.remove(r)
             self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
         for r, exc in failed:
             self._finish(r, exc)

@@ -368,6 +368,9 @@ class AutoregressiveExecutor:
         #: the step at which the group rule first held a request back (None: it holds nothing)
         self._held_since: int | None = None
         self._holding = False
+        #: the last try_admit refused for a reason that holds for every request (read by the
+        #: scheduler, which then stops its admission round)
+        self.refuses_all = False
         self.cache = PagedKVCache(sm.num_layers, int(num_blocks), self.block_size, sm.num_kv_heads,
                                   sm.head_dim, device=self.device, dtype=self.dtype,
                                   zero_on_allocate=self.device.type == "cpu",
@@ -422,6 +425,8 @@ class AutoregressiveExecutor:
 
     def try_admit(self, request: Request) -> bool:
         free = self.max_requests - self.num_running
+        # a refusal below holds for any request this step: the scheduler asks no other
+        self.refuses_all = True
         if free <= 0:
             return False
         if self.rows and not self._group_open and free < self.min_admit_group:
@@ -433,6 +438,7 @@ class AutoregressiveExecutor:
                 self._held_since = self.stats["steps"]
             if self.stats["steps"] - self._held_since < GROUP_WAIT_STEPS:
                 return False
+        self.refuses_all = False
         continuous = self.driver.accept(request)  # typed errors fail this request alone
         self._group_open = True  # the rest of this admission round joins the group
         self._held_since = None

@@ -131,6 +131,11 @@ class Report:
     #: streams whose final differs and whose reference changes when the in-process engine runs
     #: them alone (a model that depends on its batch mates, not a server fault)
     finals_engine_batch_variant: int = 0
+    #: the deltas whose chunk was sent while the uploads were in flight (from their send to the
+    #: last answer), their p99 latency, and the others' p99: do the uploads hold up the streams?
+    partials_during_uploads: int = 0
+    partial_latency_p99_during_uploads_ms: float = 0.0
+    partial_latency_p99_outside_uploads_ms: float = 0.0
     #: streams whose final differs from the reference's only at near-tied frames: the model's
     #: CTC logits (the streams stepped again in-process) reach the server's final when each frame
     #: may take any token within ``tie_tolerance`` x the logits' spread of its best one. Counted
@@ -729,11 +734,13 @@ def uploads_in_threads(base: str, blobs: list[bytes], delay: float) -> tuple[lis
     return answers, pool
 
 
-def check_stream(ref: StreamRef, rec: dict, tied: bool = False) -> tuple[list[float], list[str]]:
+def check_stream(ref: StreamRef, rec: dict, tied: bool = False,
+                 sent_at: list[float] | None = None) -> tuple[list[float], list[str]]:  # fmt: skip
     """Partial latencies of one stream's deltas and what did not match its reference. ``tied``:
     the stream's final differs from the reference's only at near-tied frames (``tie_margin``):
     not a problem, and its deltas need only be prefixes of its own final (after the tied frame
-    they are no reference partial)."""
+    they are no reference partial). ``sent_at``: gets, for each latency, when its chunk was
+    sent."""
     problems: list[str] = []
     i = rec["i"]
     if rec["errors"]:
@@ -759,6 +766,8 @@ def check_stream(ref: StreamRef, rec: dict, tied: bool = False) -> tuple[list[fl
         chunk = ref.partials[j][0]
         if chunk < len(rec["sent"]):
             lat.append(at - rec["sent"][chunk])
+            if sent_at is not None:
+                sent_at.append(rec["sent"][chunk])
     return lat, problems
 
 
@@ -822,6 +831,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
             before = read_metrics(base)
             if server_profile is not None:  # the measured round only
                 prof = start_profiler(proc.pid, server_profile)
+            uploads_at = time.monotonic() + 1.0
             answers, pool = uploads_in_threads(base, blobs, 1.0)
             # the main thread runs uvicorn's event loop (every socket, every event)
             t, cpu0, loop0 = (
@@ -897,9 +907,10 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         return tie_tolerance > 0 and m is not None and m <= tie_tolerance
 
     tied = {i for i, m in margins.items() if within(m)}
+    sent_at: list[float] = []
     for rec in records:
         i = rec["i"]
-        lat, problems = check_stream(refs[i], rec, tied=i in tied)
+        lat, problems = check_stream(refs[i], rec, tied=i in tied, sent_at=sent_at)
         partial_lat += lat
         mismatches += problems
         if i in alone:
@@ -956,6 +967,10 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
     if not partial_lat:
         mismatches.append("no delta event could be timed (the model's text never grew)")
     up_lat = [s for *_, s in answers]
+    # the deltas whose chunk was sent while the uploads were in flight, and the others
+    busy = (uploads_at, uploads_at + max(up_lat, default=0.0))
+    during = [x for x, t in zip(partial_lat, sent_at, strict=True) if busy[0] <= t <= busy[1]]
+    outside = [x for x, t in zip(partial_lat, sent_at, strict=True) if not busy[0] <= t <= busy[1]]
     appends = sum(len(rec["sent"]) for rec in records)
     cpu = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)
     return Report(
@@ -968,6 +983,9 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         send_lag_p99_ms=_pct(lags, 99) * ms, send_lag_max_ms=max(lags, default=0.0) * ms,
         upload_latency_p50_s=_pct(up_lat, 50), upload_latency_max_s=max(up_lat, default=0.0),
         partials_measured=len(partial_lat), finals_equal=finals_equal, uploads_equal=uploads_equal,
+        partials_during_uploads=len(during),
+        partial_latency_p99_during_uploads_ms=_pct(during, 99) * ms,
+        partial_latency_p99_outside_uploads_ms=_pct(outside, 99) * ms,
         p99_target_ms=p99_target_ms, held=not mismatches and p99 <= p99_target_ms,
         finals_engine_batch_variant=engine_variant, finals_tied=len(tied),
         uploads_tied=sum(map(within, up_margins.values())), tie_tolerance=tie_tolerance,
@@ -996,6 +1014,11 @@ def print_report(r: Report) -> None:
         f"  partial latency ms  p50 {r.partial_latency_p50_ms:7.1f}  p90 {r.partial_latency_p90_ms:7.1f}  "
         f"p99 {r.partial_latency_p99_ms:7.1f}  max {r.partial_latency_max_ms:7.1f}  "
         f"({r.partials_measured} deltas)"
+    )
+    print(
+        f"  partial p99 ms while uploads ran {r.partial_latency_p99_during_uploads_ms:7.1f} "
+        f"({r.partials_during_uploads} deltas), at other times "
+        f"{r.partial_latency_p99_outside_uploads_ms:7.1f}"
     )
     print(
         f"  final latency ms    p50 {r.final_latency_p50_ms:7.1f}  p99 {r.final_latency_p99_ms:7.1f}  "

@@ -128,3 +128,55 @@ def test_int16_buffer_slices_are_float32(with_float_chunk: bool) -> None:
     st._drop_before(1650)
     assert np.array_equal(st._slice(0, 4000), expected[1650:])
 
+
+
+def test_websocket_protocol_pauses_reading_only_when_messages_queue_up() -> None:
+    """oasr-server's uvicorn WebSocket protocol: a received message no longer pauses the socket
+    (uvicorn's own pauses at each one, two epoll_ctl calls per message on an asyncio loop); it
+    pauses once ``ws_max_queue`` messages wait and resumes when the application took them all."""
+    import asyncio
+
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from oasr_server.realtime import websocket_protocol
+
+    cls = websocket_protocol()
+    assert cls != "auto"
+
+    class Transport:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def pause_reading(self) -> None:
+            self.calls.append("pause")
+
+        def resume_reading(self) -> None:
+            self.calls.append("resume")
+
+    async def app(scope: object, receive: object, send: object) -> None:  # never called
+        raise AssertionError
+
+    async def scenario() -> None:
+        config = Config(app, ws=cls, ws_max_queue=3)
+        config.load()
+        proto = cls(config, ServerState(), {}, _loop=asyncio.get_running_loop())
+        proto.transport = transport = Transport()
+
+        def message(text: str) -> None:
+            proto.handle_text(type("Frame", (), {"data": text.encode(), "fin": True})())
+
+        message("a")
+        assert (await proto.receive())["text"] == "a"
+        message("b")
+        message("c")
+        assert transport.calls == []  # uvicorn's own: pause, resume, pause
+        message("d")
+        assert transport.calls == ["pause"] and proto.read_paused
+        message("e")  # what the last socket read still held
+        assert transport.calls == ["pause"]
+        got = [(await proto.receive())["text"] for _ in range(4)]
+        assert got == ["b", "c", "d", "e"] and transport.calls == ["pause", "resume"]
+        assert not proto.read_paused
+
+    asyncio.run(scenario())

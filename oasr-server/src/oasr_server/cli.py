@@ -321,6 +321,7 @@ def serve_command(
     from oasr.types import EngineConfig
     from oasr_server.app import create_app
     from oasr_server.config import ServerConfig
+    from oasr_server.realtime import websocket_protocol
 
     host, port = parse_bind(http_bind)
     if service_mode not in ("offline", "streaming"):
@@ -413,6 +414,7 @@ def serve_command(
             log_level=log_level.lower(),
             lifespan="on",
             timeout_graceful_shutdown=max(5, int(request_timeout)),
+            ws=websocket_protocol(),  # pauses reading a socket only when messages queue up
         )
     )
     _run_until_stopped(server)

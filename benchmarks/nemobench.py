@@ -420,6 +420,8 @@ def offline(args, kind: str, shape: dict) -> dict:
 def _stream_run(model, n: int, args, r: int, chunk: int, profile_cls) -> dict:
     """N streams fed one chunk per tick (all ready at once), one ``engine.step()`` per tick:
     the step that serves them all, timed from the chunks' arrival to its updates."""
+    import gc
+
     import torch
 
     from oasr.engine import ASREngine
@@ -438,6 +440,17 @@ def _stream_run(model, n: int, args, r: int, chunk: int, profile_cls) -> dict:
     lat, finals = [], {}
     step_profile = None
     ticks = int(args.stream_seconds * SR) // chunk
+    # Python's full (generation 2) garbage collections during the timed steps: one can stall a
+    # step for 100+ ms with a large heap (reported, so that a p99 outlier can be told apart)
+    collections, started = [], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.append(time.perf_counter() - started[0])
     for k in range(ticks):
         for rid, w in zip(rids, waves, strict=True):
             engine.feed_chunk(rid, w[k * chunk:(k + 1) * chunk], is_last=k == ticks - 1)
@@ -452,11 +465,18 @@ def _stream_run(model, n: int, args, r: int, chunk: int, profile_cls) -> dict:
                 if o.is_final:
                     finals[o.request_id] = o.text
             continue
+        seen = len(collections)
+        gc.callbacks.append(on_gc)
         t0 = time.perf_counter()
-        outs = engine.step()
-        _sync(args.device)
+        try:
+            outs = engine.step()
+            _sync(args.device)
+        finally:
+            gc.callbacks.remove(on_gc)
         if k >= 2:  # warm-up steps excluded
             lat.append(time.perf_counter() - t0)
+        else:
+            del collections[seen:]
         for o in outs:
             if o.is_final:
                 finals[o.request_id] = o.text
@@ -477,12 +497,15 @@ def _stream_run(model, n: int, args, r: int, chunk: int, profile_cls) -> dict:
     out = {"streams": n, "steps": len(lat), "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
            "p99_ms": round(p99, 2), "max_ms": round(float(lat_ms.max()), 2),
            "real_time": bool(p99 <= args.p99_target_ms), "finished": len(finals),
+           "step_ms": [round(x, 1) for x in lat_ms.tolist()],
+           "gc_full_collections": {"count": len(collections), "ms": round(1e3 * sum(collections), 1)},
            "text_equal_offline": round(float(np.mean(same)), 3) if same else None,
            **({"step_profile": step_profile} if step_profile is not None else {}),
            "graph_captures_during_run": (graphs.stats["captures"] - captures0) if graphs is not None else 0,
            "pool": {k: v for k, v in occupancy.items() if k.startswith("pool_")}}  # fmt: skip
     if profile is not None:
         out["phases_ms_per_step"] = profile["ms_per_step"]
+        out["phases_us_per_stream"] = profile["us_per_row"]
     return out
 
 
@@ -522,6 +545,12 @@ def streaming(args, shape: dict) -> dict:
     rt = model.stream_runtime
     graph_steps = rt.graphs
     most = args.max_streams if args.find_max else max(args.streams)
+    if args.gc_freeze:
+        import gc
+
+        gc.collect()
+        gc.freeze()
+    out["gc_freeze"] = args.gc_freeze
     capture_s = 0.0
 
     def measure(n: int, mode: str) -> dict:
@@ -618,6 +647,10 @@ def main(argv: list[str] | None = None) -> None:
                         "(not timed; top operators in the JSON)")
     p.add_argument("--cudnn-attention", action="store_true",
                    help="offline: also time OASR with cuDNN's attention kernel tried first")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="streaming: gc.collect() and gc.freeze() once the model is loaded (what a "
+                        "server may do after start-up: full collections then skip the start-up "
+                        "heap); each run reports the full collections during its timed steps")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     import torch

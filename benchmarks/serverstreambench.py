@@ -157,7 +157,8 @@ class Report:
     #: the server captures them all while it warms up) and replayed
     server_steps: dict[str, float] = field(default_factory=dict)
     dtype: str = "auto"
-    #: ``asyncio``: the server ran without uvloop and httptools (``--server-event-loop``)
+    #: the server's event loop: ``uvloop`` (installed, uvicorn's pick) or ``asyncio`` (not
+    #: installed, or hidden by ``--server-event-loop asyncio``)
     server_event_loop: str = "auto"
     #: ``--server-profile``: :func:`profile_summary` of the measured round
     server_profile: dict[str, Any] = field(default_factory=dict)
@@ -998,17 +999,27 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         server_cpu_per_append_us=round(cpu / appends * 1e6, 1) if cpu is not None and appends else None,
         server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0,
                       **graphs},
-        dtype=dtype, server_warnings=server_warnings, server_event_loop=event_loop,
+        dtype=dtype, server_warnings=server_warnings, server_event_loop=_loop_used(event_loop),
         server_profile=profile_summary(server_profile) if server_profile is not None else {},
         leftover=leftover, mismatches=mismatches,
     )  # fmt: skip
+
+
+def _loop_used(event_loop: str) -> str:
+    """The event loop uvicorn runs in the server (same interpreter as this process)."""
+    import importlib.util
+
+    if event_loop != "auto":
+        return event_loop
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def print_report(r: Report) -> None:
     print(
         f"oasr-server --service-mode streaming: {r.streams} realtime streams x {r.seconds:g} s "
         f"(client chunks {r.chunk_ms:.0f} ms, model chunk {r.model_chunk_ms:.0f} ms) + {r.uploads} "
-        f"uploads, {r.device}, batch wait {r.batch_wait_ms:g} ms, {r.clients} client processes"
+        f"uploads, {r.device}, batch wait {r.batch_wait_ms:g} ms, {r.clients} client processes, "
+        f"server event loop {r.server_event_loop}"
     )
     print(
         f"  partial latency ms  p50 {r.partial_latency_p50_ms:7.1f}  p90 {r.partial_latency_p90_ms:7.1f}  "

@@ -74,8 +74,9 @@ def test_plain_append_is_what_the_json_path_reads() -> None:
 
 def test_pcm16_scaling_is_decode_raw_pcm() -> None:
     """Every int16 value scales to decode_raw_pcm's float32, in the stream's slices and in the
-    streaming engine loop's batched conversion of a wake-up's feeds."""
-    from oasr_server.stream_worker import _scale_pcm16_feeds
+    streaming engine loop's batched conversion of a wake-up's feeds, which merges each stream's
+    successive feeds (up to its last, or another command of it) in order."""
+    from oasr_server.stream_worker import _merge_feeds
     from oasr_server.streaming import pcm16_as_float
 
     every = np.arange(-32768, 32768, dtype="<i2")
@@ -85,21 +86,29 @@ def test_pcm16_scaling_is_decode_raw_pcm() -> None:
     floats = np.linspace(-1, 1, 7, dtype=np.float32)
     assert pcm16_as_float(floats) is floats
 
-    s1, s2 = object(), object()
+    s1, s2, s3 = object(), object(), object()
     commands = [
         ("open", s1, None),
         ("feed", s1, every[:1000], False),
         ("feed", s2, floats, False),
+        ("feed", s1, every[1000:1500], False),
+        ("feed", s3, [0.5, 0.25], False),  # not an ndarray: goes as it came
         ("feed", s1, None, True),
-        ("feed", s2, every[1000:], True),
-        ("abort", s1),
+        ("feed", s1, every[1500:1600], False),  # after its last: not merged (the engine refuses)
+        ("feed", s2, every[2000:3000], False),
+        ("abort", s2),
+        ("feed", s2, every[3000:], True),
     ]
-    _scale_pcm16_feeds(commands)
-    assert commands[0] == ("open", s1, None) and commands[5] == ("abort", s1)
-    assert commands[1][:2] == ("feed", s1) and commands[1][3] is False
-    assert np.array_equal(commands[1][2], expected[:1000]) and commands[1][2].dtype == np.float32
-    assert commands[2][2] is floats and commands[3] == ("feed", s1, None, True)
-    assert np.array_equal(commands[4][2], expected[1000:]) and commands[4][3] is True
+    out = _merge_feeds(commands)
+    kinds = [(c[0], c[1], c[3] if c[0] == "feed" else None) for c in out]
+    assert kinds == [("open", s1, None), ("feed", s1, True), ("feed", s2, False), ("feed", s3, False),
+                     ("feed", s1, False), ("abort", s2, None), ("feed", s2, True)]  # fmt: skip
+    assert np.array_equal(out[1][2], expected[:1500]) and out[1][2].dtype == np.float32
+    assert np.array_equal(out[2][2], np.concatenate([floats, expected[2000:3000]]))
+    assert out[3] is commands[4]
+    assert np.array_equal(out[4][2], expected[1500:1600])
+    assert np.array_equal(out[6][2], expected[3000:])
+    assert _merge_feeds([("feed", s1, None, True)]) == [("feed", s1, None, True)]
 
 
 @pytest.mark.parametrize("with_float_chunk", [False, True])

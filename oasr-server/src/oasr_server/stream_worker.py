@@ -99,30 +99,50 @@ def _deliver_all(delivered: list[tuple[EngineStream, StreamOutput]]) -> None:
             log.exception("delivering a streaming output failed")
 
 
-def _scale_pcm16_feeds(commands: list[tuple[Any, ...]]) -> None:
-    """Loop thread: the int16 pcm of the ``feed`` commands as float32 (``decode_raw_pcm``'s
-    values: scaling by 2**-15 is exact), every such feed of one wake-up in one numpy call. One
-    call, not one per feed: numpy lets go of the GIL for more than 500 elements, and each time
-    this thread would wait for the event loop's switch interval to get it back."""
+def _merge_feeds(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Loop thread: one wake-up's commands with each stream's successive ``feed``s (up to its
+    last, and up to any other command of that stream) merged into one feed at the place of the
+    first, their int16 pcm scaled to float32 (``decode_raw_pcm``'s values: scaling by 2**-15 is
+    exact). The engine gets the same audio in fewer ``feed_chunk`` calls (each costs this
+    thread the GIL for tens of us; when the steps fall behind, a stream's appends pile up
+    between wake-ups); all the int16 of a wake-up is scaled in one numpy call (numpy lets go of
+    the GIL above 500 elements, and getting it back waits for the event loop)."""
     import numpy as np
 
-    pcm = [
-        i
-        for i, c in enumerate(commands)
-        if c[0] == "feed" and c[2] is not None and getattr(c[2], "dtype", None) is not None
-        and c[2].dtype.kind == "i"
-    ]
-    if not pcm:
-        return
-    scaled = np.multiply(
-        np.concatenate([commands[i][2] for i in pcm]), _PCM16_SCALE, dtype=np.float32
-    )
-    at = 0
-    for i in pcm:
-        kind, stream, audio, is_last = commands[i]
-        n = len(audio)
-        commands[i] = (kind, stream, scaled[at : at + n], is_last)
-        at += n
+    out: list[Any] = []
+    runs: dict[EngineStream, list[Any]] = {}  # a stream's open run: ["feed", stream, parts, last]
+    for command in commands:
+        stream = command[1]
+        audio = command[2] if command[0] == "feed" else None
+        if command[0] != "feed" or not (audio is None or isinstance(audio, np.ndarray)):
+            runs.pop(stream, None)  # (a feed of another type of array goes as it came)
+            out.append(command)
+            continue
+        run = runs.get(stream)
+        if run is None:
+            run = runs[stream] = ["feed", stream, [], False]
+            out.append(run)
+        if audio is not None and len(audio):
+            run[2].append(audio)
+        if command[3]:  # its last: nothing may be merged after it
+            run[3] = True
+            del runs[stream]
+    pcm = [a for c in out if isinstance(c, list) for a in c[2] if a.dtype.kind == "i"]
+    scaled: dict[int, Any] = {}
+    if pcm:
+        flat = np.multiply(np.concatenate(pcm), _PCM16_SCALE, dtype=np.float32)
+        at = 0
+        for a in pcm:
+            scaled[id(a)] = flat[at : at + len(a)]
+            at += len(a)
+    result: list[tuple[Any, ...]] = []
+    for c in out:
+        if isinstance(c, list):
+            parts = [scaled.get(id(a), a) for a in c[2]]
+            audio = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+            c = ("feed", c[1], audio, c[3])
+        result.append(c)
+    return result
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -238,7 +258,7 @@ class StreamingEngineLoop:
                 commands = list(self._commands)
                 self._commands.clear()
                 stopping = self._stopping
-            _scale_pcm16_feeds(commands)
+            commands = _merge_feeds(commands)
             for command in commands:
                 try:
                     self._apply(*command)

@@ -194,6 +194,8 @@ class TurnStream:
         self.route = route or api
         self.rate = engine.sample_rate
         self._audio_seconds = state.metrics.audio_seconds.labels(self.route)
+        #: ``max_buffer`` (the server's settings do not change while it runs; read per append)
+        self._max_len = self.max_buffer
         self.emit = emit
         self.options = options
         interval = (
@@ -406,7 +408,7 @@ class TurnStream:
             return True
         fmt = self._raw_format
         incoming = len(data) // max(1, fmt.bytes_per_frame) * self.rate / fmt.sample_rate
-        if incoming > self.max_buffer:  # refused whole, before any decoding
+        if incoming > self._max_len:  # refused whole, before any decoding
             raise self._too_long("this append holds")
         if self._endpointer is not None or incoming > self.rate * INLINE_APPEND_S or (
             self._resampler.src_rate != self._resampler.dst_rate
@@ -433,7 +435,7 @@ class TurnStream:
             self._audio_seconds.inc(len(y) / self.rate)
         for ev in events:
             self._on_vad(ev)
-        max_len = self.max_buffer
+        max_len = self._max_len
         item = self.item
         if self.vad is not None and item is None:
             # keep what a turn starting in the next chunk may need as prefix padding

@@ -60,3 +60,47 @@ def test_any_lookahead_fits_the_ring_when_none_is_declared(hf_checkpoints, waves
     assert ups[0].text and ups[0].text == model.transcribe([wave], opts)[0].text
     with pytest.raises(InvalidRequestError, match="lookahead"):
         model.new_stream(DecodingOptions(model_options={"lookahead": left}))
+
+
+def test_the_collector_is_paused_during_a_step_and_restored(hf_checkpoints, waves) -> None:
+    """The cyclic garbage collector is off while a step runs (its transient per-stream objects
+    die by reference counting first) and as it was afterwards: on again, or left off when the
+    caller had it off; also when the step raises."""
+    import gc
+
+    import pytest
+
+    from oasr.errors import InvalidRequestError
+    from oasr.types import DecodingOptions
+    from oasr_models_nemo.model import NemoASR
+
+    seen: list[bool] = []
+
+    class Probe:  # a StepProfile's interface, recording the collector's state at each lap
+        steps = rows = calls = 0
+
+        def start(self) -> None:
+            seen.append(gc.isenabled())
+
+        def lap(self, phase: str) -> None:
+            seen.append(gc.isenabled())
+
+    model = NemoASR.from_hf(hf_checkpoints["nemotron"].path)
+    model.stream_profile = Probe()
+    st = model.new_stream(DecodingOptions())
+    assert gc.isenabled()
+    model.stream_step([st], [waves[1][:8000]], [False])
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        model.stream_step([st], [waves[1][8000:]], [True])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(InvalidRequestError, match="finished"):
+        model.stream_step([st], [waves[1][:100]], [False])
+    assert gc.isenabled()
+    model.stream_runtime.defer_gc = False
+    seen.clear()
+    model.stream_step([model.new_stream(DecodingOptions())], [waves[1][:8000]], [True])
+    assert all(seen)

@@ -40,6 +40,7 @@ as offline, so a stream's result equals offline decoding, whatever streams share
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -142,6 +143,15 @@ class NemotronStreamState:
 class NemotronStreamRuntime:
     """A model's streaming machinery: the cache pool of all its streams, the step function and
     its CUDA graphs. Created with the model's first stream (``NemotronASR.stream_runtime``)."""
+
+    #: Python's cyclic garbage collector paused for the length of a step (when it was on; on
+    #: again at the step's end). A step of N streams makes and drops tens of container objects
+    #: per stream (hypotheses, lists); collections in its middle promote the live ones to older
+    #: generations, and every so often that sets off a full collection of the whole heap (100+
+    #: ms with torch loaded: a p99 outlier). Paused, they are freed by reference counting
+    #: before the collector runs (CPU, 256 streams x 10 steps: 43 young and 4 middle
+    #: collections -> 1 young). Nothing leaks: cyclic garbage waits for the next collection.
+    defer_gc = True
 
     def __init__(self, model: NemotronASR) -> None:
         c = model.config
@@ -442,9 +452,10 @@ class NemotronStreamRuntime:
             self._search(states, out, proj, valid, rows, ints_t[:, 0])
         if prof is not None:
             prof.lap("search")
-        for i, st in enumerate(states):
-            st.emitted += int(valid[i])
-            st.cached = min(st.cached + t_out, self.left)
+        left = self.left
+        for st, v in zip(states, valid.tolist(), strict=True):
+            st.emitted += v
+            st.cached = min(st.cached + t_out, left)
         if prof is not None:
             prof.lap("scatter")
 
@@ -485,7 +496,8 @@ class NemotronStreamRuntime:
             # chunk added (not a copy of the whole hypothesis in and out per step)
             hyps = [Hypothesis(tokens=[])] * width
             frames = [st.emitted for st in group] + [0] * (width - len(idx))
-            lens = [int(valid[i]) for i in idx] + [0] * (width - len(idx))
+            counts = valid.tolist()
+            lens = [counts[i] for i in idx] + [0] * (width - len(idx))
             search = self._greedy_search(hyps, frames, state, pool["dec_out"].index_select(0, slots), max_symbols)
             search.step(proj[:width] if whole else proj[torch.as_tensor(idx, device=dev)], lens)
             for st, new in zip(group, search.results(), strict=False):
@@ -644,6 +656,18 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
     if not (len(states) == len(chunks) == len(is_last)):
         raise InvalidRequestError("states, chunks and is_last must have the same length")
     rt = model.stream_runtime
+    paused = rt.defer_gc and gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _stream_step(model, rt, states, chunks, is_last)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _stream_step(model: NemotronASR, rt: NemotronStreamRuntime, states: Sequence[NemotronStreamState],
+                 chunks: Sequence[np.ndarray | None], is_last: Sequence[bool]) -> list[StreamingUpdate]:
     prof = model.stream_profile
     if prof is not None:
         prof.start()

@@ -104,3 +104,39 @@ def test_the_collector_is_paused_during_a_step_and_restored(hf_checkpoints, wave
     seen.clear()
     model.stream_step([model.new_stream(DecodingOptions())], [waves[1][:8000]], [True])
     assert all(seen)
+
+
+def test_a_failed_step_changes_no_stream_and_keeps_no_reference(hf_checkpoints, waves, monkeypatch) -> None:
+    """A step with a finished stream (or a bad chunk) in its batch fails before any stream
+    changes; audio a step was handed before it failed later (here: the encoder raising) is
+    copied into the stream's buffer, so the caller may reuse its array."""
+    import numpy as np
+    import pytest
+
+    from oasr.errors import InvalidRequestError
+    from oasr.types import DecodingOptions
+    from oasr_models_nemo.model import NemoASR
+
+    model = NemoASR.from_hf(hf_checkpoints["nemotron"].path)
+    done = model.new_stream(DecodingOptions())
+    model.stream_step([done], [waves[2][:100]], [True])
+    st = model.new_stream(DecodingOptions())
+    wave = waves[1]
+    with pytest.raises(InvalidRequestError, match="finished"):
+        model.stream_step([st, done], [wave[:9000], None], [False, False])
+    with pytest.raises(Exception):  # noqa: B017, PT011 - as_mono_waveform's error for a 3-D chunk
+        model.stream_step([st, model.new_stream(DecodingOptions())], [wave[:9000], np.zeros((2, 2, 2))],
+                          [False, False])
+    assert st.samples_received == 0 and not st.pending and st.chunks == 0
+    rt = model.stream_runtime
+
+    def broken(*args):  # noqa: ANN002, ANN202
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(rt, "compute", broken)
+    mine = wave[:9000].copy()
+    with pytest.raises(RuntimeError, match="device lost"):
+        model.stream_step([st], [mine], [False])
+    assert not st.pending and np.array_equal(st.audio[-9000:], wave[:9000])
+    mine[:] = 0.0  # the caller reuses its buffer: the stream's copy stays
+    assert np.array_equal(st.audio[-9000:], wave[:9000])

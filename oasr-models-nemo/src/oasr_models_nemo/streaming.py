@@ -661,6 +661,12 @@ def stream_step(model: NemotronASR, states: Sequence[NemotronStreamState],
         gc.disable()
     try:
         return _stream_step(model, rt, states, chunks, is_last)
+    except BaseException:
+        # what the failed step was handed is copied now (the caller's arrays are its own again)
+        for st in states:
+            if st.pending:
+                _settle(st, 0)
+        raise
     finally:
         if paused:
             gc.enable()
@@ -671,16 +677,21 @@ def _stream_step(model: NemotronASR, rt: NemotronStreamRuntime, states: Sequence
     prof = model.stream_profile
     if prof is not None:
         prof.start()
-    plans = []
-    for k, (st, chunk, last) in enumerate(zip(states, chunks, is_last, strict=True)):
+    # every stream and chunk checked before any stream changes (a bad one fails the step alone)
+    audio = []
+    for k, (st, chunk) in enumerate(zip(states, chunks, strict=True)):
         if st.finished:
             raise InvalidRequestError("this stream already finished; start a new one")
         if chunk is not None and len(chunk):
             # the engine hands over checked float32 mono arrays: no second check
             ok = isinstance(chunk, np.ndarray) and chunk.dtype == np.float32 and chunk.ndim == 1
-            a = chunk if ok else as_mono_waveform(chunk, f"chunk #{k}")
-            if a.size:
-                _accept(st, a)
+            audio.append(chunk if ok else as_mono_waveform(chunk, f"chunk #{k}"))
+        else:
+            audio.append(None)
+    plans = []
+    for st, a, last in zip(states, audio, is_last, strict=True):
+        if a is not None and a.size:
+            _accept(st, a)
         plans.append(_plan(st, bool(last)))
     if prof is not None:
         prof.lap("features")

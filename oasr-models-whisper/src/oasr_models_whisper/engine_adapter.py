@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from oasr.scheduler import Request, SchedulerConfig
     from oasr_models_whisper.model import WhisperASR
 
-__all__ = ["WhisperDriver", "WhisperStepModel", "make_executor"]
+__all__ = ["WhisperDriver", "WhisperStepModel", "batched_whole_log_mels", "make_executor"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,23 @@ def make_executor(model: Any, config: SchedulerConfig) -> AutoregressiveExecutor
     graphs = config.cuda_graphs is not False and model.network.device.type == "cuda" and encoder_graphs_enabled()
     step = WhisperStepModel(model.network, encoder_graphs=graphs)
     return AutoregressiveExecutor(model, step, WhisperDriver(model), config)
+
+
+def batched_whole_log_mels(waves: list[torch.Tensor], n_mels: int, device: torch.device) -> list[torch.Tensor]:
+    """:func:`whole_log_mel` of each of ``waves`` (each at most ``LONG_AUDIO_SAMPLES``) from one
+    batched STFT on ``device``: the waves are zero-padded to the longest, and each log-mel is cut
+    to its own frames. The values are those of one recording at a time: a frame sees the same
+    samples (the padding continues the 30 s of silence every recording gets), the extra frames
+    of a shorter recording are silence, whose log-mel (-10 before normalisation) never raises
+    its peak, and the peak is taken per recording."""
+    n = max(w.shape[0] for w in waves)
+    host = torch.empty((len(waves), n), dtype=torch.float32, pin_memory=device.type == "cuda")
+    for row, w in zip(host, waves, strict=True):
+        row[: w.shape[0]].copy_(w)
+        row[w.shape[0] :].zero_()
+    mels = log_mel_spectrogram(host.to(device, non_blocking=True), n_mels, padding=N_SAMPLES)
+    # whole_log_mel gives (samples + N_SAMPLES) // HOP_LENGTH frames (the last STFT frame dropped)
+    return [mel[:, : (w.shape[0] + N_SAMPLES) // HOP_LENGTH] for mel, w in zip(mels, waves, strict=True)]
 
 
 # --------------------------------------------------------------------------- the network
@@ -360,24 +377,30 @@ class WhisperDriver:
 
     def _ensure_mels(self, states: list[_Request]) -> None:
         """The whole-recording log-mel of every request that has none yet, on the network's
-        device. On CUDA, equal-length recordings share one batched STFT: per request it is a
-        dozen small kernels and two host copies, a millisecond of admission time in which the
-        GPU waits (64 ms per batch of 64). On the CPU one at a time, exactly the per-batch
-        path's computation."""
-        todo: dict[int, list[_Request]] = {}
+        device. On CUDA, recordings in the same 30-second length bucket share one batched STFT
+        (:func:`batched_whole_log_mels`): per request it is a dozen small kernels and two host
+        copies, a millisecond of admission time in which the GPU waits (64 ms per batch of 64),
+        and inputs queued as they are decoded rarely share a length. On the CPU one at a time,
+        exactly the per-batch path's computation."""
+        cuda = self.device.type == "cuda"
+        todo: dict[tuple[bool, int], list[_Request]] = {}
         for st in states:
             if st.job.mel is None:
-                todo.setdefault(st.job.wave.shape[0], []).append(st)
-        for n, group in todo.items():
-            if self.device.type == "cuda" and len(group) > 1 and n <= LONG_AUDIO_SAMPLES:
-                waves = torch.stack([st.job.wave for st in group]).pin_memory()
-                mels = log_mel_spectrogram(waves.to(self.device, non_blocking=True), self.dims.n_mels,
-                                           padding=N_SAMPLES)  # fmt: skip
-                for st, mel in zip(group, mels, strict=True):
-                    st.job.mel = mel
-            else:
-                for st in group:
-                    st.job.mel = whole_log_mel(st.job.wave.to(self.device), self.dims.n_mels)
+                n = st.job.wave.shape[0]
+                key = (True, (n - 1) // N_SAMPLES) if cuda and n <= LONG_AUDIO_SAMPLES else (False, n)
+                todo.setdefault(key, []).append(st)
+        for (shared, _), group in todo.items():
+            if shared and len(group) > 1:
+                try:
+                    mels = batched_whole_log_mels([st.job.wave for st in group], self.dims.n_mels, self.device)
+                except Exception:  # noqa: BLE001 - e.g. out of memory: one at a time below
+                    log.warning("batched log-mel failed; computing it per request", exc_info=True)
+                else:
+                    for st, mel in zip(group, mels, strict=True):
+                        st.job.mel = mel
+                    continue
+            for st in group:
+                st.job.mel = whole_log_mel(st.job.wave.to(self.device), self.dims.n_mels)
 
     def encoded(self, windows: list[Window], features: torch.Tensor, ex: AutoregressiveExecutor) -> None:
         detect = [k for k, w in enumerate(windows) if w.info.detect]

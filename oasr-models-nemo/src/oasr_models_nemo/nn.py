@@ -481,7 +481,8 @@ class FastConformerEncoder(nn.Module):
         the caches are in ``caches`` or behind their :class:`KeyValueStore`).
         The chunk starts at a multiple of the chunk size ``right + 1`` in every stream, so one
         chunked-limited mask serves them all. Returns the output and each layer's keys / values
-        over all C + T frames and causal-convolution input (the caller trims them)."""
+        over all C + T frames (None where a store keeps them) and causal-convolution input (the
+        caller trims them)."""
         c = self.config
         if self.input_scale != 1.0:  # (a pass over the frames saved when it is 1)
             x = x * self.input_scale
@@ -498,6 +499,8 @@ class FastConformerEncoder(nn.Module):
         out = []
         for layer, cache in zip(self.layers, caches, strict=True):
             x, k, v, conv_in = layer(x, pe, mask, valid, cache=cache)
+            if cache.kv is not None:  # the store has them: the window is not kept past its layer
+                k = v = None
             out.append(LayerCache(k, v, conv_in))
         return x, out
 

@@ -20,8 +20,9 @@ N streams fed one chunk of audio per tick through a streaming ``ASREngine`` (all
 p50 / p99 latency of the step that serves them all, for each N of ``--streams``; real time when
 p99 <= ``--p99-target-ms`` (100). ``--find-max`` doubles N from the first count until p99 is over
 the target, then bisects twice (``max_streams_held``). Each run also reports the final texts of
-its first ``--check-streams`` streams against offline decoding, the cache pool's gauges and, where
-core has ``StepProfile``, the host time per step phase. On CUDA the chunk step runs as CUDA
+its first ``--check-streams`` streams against offline decoding, the cache pool's gauges, every
+timed step's latency, Python's full garbage collections during the timed steps and, where core
+has ``StepProfile``, the host time per step phase (per step and per stream). On CUDA the chunk step runs as CUDA
 graphs (the model's default), captured for every batch bucket up to N before N is measured;
 ``--no-stream-graphs`` (or ``OASR_NEMO_STREAM_GRAPHS=0``) times the eager step, ``--compare-eager``
 both (an H200, Parakeet-0.6B size, fp16, 560 ms chunks: graphs held 384 streams at p99 <= 100 ms,

@@ -615,7 +615,16 @@ def _copy_span(st: NemotronStreamState, start: int, stop: int, out: np.ndarray) 
 
 def _settle(st: NemotronStreamState, drop: int) -> None:
     """Forget the stream's first ``drop`` samples and move the pending ones into ``buf``."""
-    fill = st.fill
+    fill, pending = st.fill, st.pending
+    if len(pending) == 1 and drop >= fill:  # the usual step: the rest of what it was handed
+        tail = pending[0][drop - fill:]
+        keep = tail.size
+        if keep > st.buf.size:
+            st.buf = np.empty(max(keep, 2 * st.buf.size), np.float32)
+        st.buf[:keep] = tail
+        st.fill = keep
+        pending.clear()
+        return
     total = fill + sum(a.size for a in st.pending)
     keep = total - drop
     if keep > st.buf.size:  # grow (amortised: at least double)
@@ -625,9 +634,9 @@ def _settle(st: NemotronStreamState, drop: int) -> None:
         st.buf = buf
     elif drop and drop < fill:
         st.buf[: fill - drop] = st.buf[drop: fill]
-    if st.pending:
+    if pending:
         _copy_span(st, max(drop, fill), total, st.buf[max(0, fill - drop):])
-        st.pending = []
+        pending.clear()
     st.fill = keep
 
 

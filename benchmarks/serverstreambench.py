@@ -683,12 +683,15 @@ class Clients:
             )
         return message[1]
 
-    def round(self, timeout: float) -> tuple[list[dict], list[str]]:
-        """Connect every session, start them all at once, return every stream's record."""
+    def round(self, timeout: float, on_go: Any = None) -> tuple[list[dict], list[str]]:
+        """Connect every session, start them all at once, return every stream's record.
+        ``on_go(t0)``: called once every session is open, with the instant they all start."""
         for conn in self.conns:
             conn.send(("connect",))
         failed = [f for conn in self.conns for f in self._expect(conn, "connected", 300)]
         t0 = time.monotonic() + 0.5
+        if on_go is not None:
+            on_go(t0)
         for conn in self.conns:
             conn.send(("go", t0))
         results = [r for conn in self.conns for r in self._expect(conn, "results", timeout)]
@@ -824,28 +827,34 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
             group = Clients(clients, port, streams, seconds, sr, chunk, model_chunk_s)
             _progress(t_start, f"{clients} client processes prepared")
             timeout = 60 + 2 * seconds
+            up: dict[str, Any] = {}
+
+            def start_uploads(t0: float) -> None:
+                # one second after the streams start (not after the connects began: opening
+                # hundreds of sessions takes longer than that, and the uploads were over then)
+                up["at"] = t0 + 1.0
+                up["answers"], up["pool"] = uploads_in_threads(base, blobs, up["at"] - time.monotonic())
+
             for _ in range(warmup_rounds):
-                answers, pool = uploads_in_threads(base, blobs, 1.0)
-                group.round(timeout)
-                pool.shutdown(wait=True)
+                group.round(timeout, on_go=start_uploads)
+                up.pop("pool").shutdown(wait=True)
                 _progress(t_start, "warm-up round done")
             before = read_metrics(base)
             if server_profile is not None:  # the measured round only
                 prof = start_profiler(proc.pid, server_profile)
-            uploads_at = time.monotonic() + 1.0
-            answers, pool = uploads_in_threads(base, blobs, 1.0)
             # the main thread runs uvicorn's event loop (every socket, every event)
             t, cpu0, loop0 = (
                 time.monotonic(),
                 cpu_seconds(proc.pid),
                 cpu_seconds(proc.pid, proc.pid),
             )
-            records, failed = group.round(timeout)
+            records, failed = group.round(timeout, on_go=start_uploads)
             _progress(t_start, "measured round done")
             if prof is not None:
                 stop_profiler(prof)
                 prof = None
-            pool.shutdown(wait=True)
+            up.pop("pool").shutdown(wait=True)
+            answers, uploads_at = up["answers"], up["at"]
             wall, cpu1, loop1 = (
                 time.monotonic() - t,
                 cpu_seconds(proc.pid),

@@ -160,6 +160,9 @@ class Report:
     #: the server's event loop: ``uvloop`` (installed, uvicorn's pick) or ``asyncio`` (not
     #: installed, or hidden by ``--server-event-loop asyncio``)
     server_event_loop: str = "auto"
+    #: the server's full garbage collections during the measured round, each one's length (ms):
+    #: the whole process stops for them (a p99 outlier told apart)
+    server_full_gc_ms: list[float] = field(default_factory=list)
     #: ``--server-profile``: :func:`profile_summary` of the measured round
     server_profile: dict[str, Any] = field(default_factory=dict)
     #: warnings and errors the server logged (its stderr; with ``--log-level info`` also its
@@ -380,6 +383,36 @@ def tie_margin(logits: np.ndarray, pieces: list[str], blank: int, text: str,
 
 
 # -- the server ------------------------------------------------------------------------------------
+#: run first in the server process: each full garbage collection (generation 2) is written to its
+#: stderr with its end (``time.monotonic()``) and length, for :func:`full_collections`
+_GC_WATCH = (
+    "import gc, sys, time\n"
+    "def _bench_gc(phase, info, _t=[0.0]):\n"
+    "    if phase == 'start':\n"
+    "        _t[0] = time.perf_counter()\n"
+    "    elif info['generation'] == 2:\n"
+    "        ms = 1000.0 * (time.perf_counter() - _t[0])\n"
+    "        sys.stderr.write(f'serverstreambench-gc {time.monotonic():.4f} {ms:.2f}\\n')\n"
+    "gc.callbacks.append(_bench_gc)\n"
+)
+GC_MARK = "serverstreambench-gc "
+
+
+def full_collections(log: Path, start: float, end: float) -> list[float]:
+    """The lengths (ms) of the server's full garbage collections that ended in [start, end]."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        if line.startswith(GC_MARK):
+            at, ms = (float(x) for x in line[len(GC_MARK) :].split()[:2])
+            if start <= at <= end:
+                out.append(round(ms, 2))
+    return out
+
+
 def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: int, uploads: int,
                  batch_wait_ms: float, log_level: str = "warning",
                  switch_interval_ms: float | None = None, dtype: str = "auto",
@@ -393,11 +426,11 @@ def start_server(ckpt: str, *, device: str, threads: int, port: int, streams: in
     ``scripts/fetch_gpu_wheels.sh`` carries); ``auto``: whatever uvicorn picks. ``log``: where
     the server's stderr goes (a file: a pipe nobody reads would stall the server once it
     fills)."""
-    boot = "from oasr_server.cli import main; main()"
+    boot = _GC_WATCH + "from oasr_server.cli import main; main()"
     if switch_interval_ms is not None:
-        boot = f"import sys; sys.setswitchinterval({switch_interval_ms / 1000.0!r}); {boot}"
+        boot = f"import sys; sys.setswitchinterval({switch_interval_ms / 1000.0!r})\n{boot}"
     if event_loop == "asyncio":  # a None entry makes `import uvloop` raise ImportError
-        boot = f"import sys; sys.modules.update(uvloop=None, httptools=None); {boot}"
+        boot = f"import sys; sys.modules.update(uvloop=None, httptools=None)\n{boot}"
     cmd = [
         sys.executable, "-c", boot,
         "--ckpt-dir", ckpt, "--device", device, "--threads", str(threads),
@@ -848,7 +881,9 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 cpu_seconds(proc.pid),
                 cpu_seconds(proc.pid, proc.pid),
             )
+            round_start = time.monotonic()
             records, failed = group.round(timeout, on_go=start_uploads)
+            round_end = time.monotonic()
             _progress(t_start, "measured round done")
             if prof is not None:
                 stop_profiler(prof)
@@ -879,6 +914,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
                 proc.kill()
             log_file.close()
         server_warnings = _warnings(server_log)
+        gcs = full_collections(server_log, round_start, round_end)
         # a final that differs: does the in-process engine itself change it with the batch?
         differing = [
             r["i"] for r in records if r["final"] is not None and r["final"] != refs[r["i"]].final
@@ -1009,6 +1045,7 @@ def run(*, ckpt_dir: str | None = None, shape: str = "small", device: str = "cpu
         server_steps={"batches": batches, "mean_batch": round(rows / batches, 2) if batches else 0.0,
                       **graphs},
         dtype=dtype, server_warnings=server_warnings, server_event_loop=_loop_used(event_loop),
+        server_full_gc_ms=gcs,
         server_profile=profile_summary(server_profile) if server_profile is not None else {},
         leftover=leftover, mismatches=mismatches,
     )  # fmt: skip
@@ -1053,7 +1090,9 @@ def print_report(r: Report) -> None:
     )
     print(
         f"  server process CPU {r.server_cpu_s} s (event loop {r.server_loop_cpu_s} s) in {r.wall_s} s "
-        f"({r.server_cpu_per_append_us} us per append event, model host work included)"
+        f"({r.server_cpu_per_append_us} us per append event, model host work included); "
+        f"{len(r.server_full_gc_ms)} full garbage collections "
+        f"(max {max(r.server_full_gc_ms, default=0):g} ms)"
     )
     print(
         f"  finals equal to the engine's {r.finals_equal}/{r.streams} (+ {r.finals_tied} differing only at "

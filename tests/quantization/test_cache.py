@@ -6,6 +6,7 @@ weights made on the thread are the ones the forward pass would make."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,3 +124,22 @@ def test_background_packing_matches_inline(ckpt, monkeypatch):
     mel, tokens = torch.randn(1, 80, 3000), torch.randint(0, 96, (1, 6))
     with torch.no_grad():
         assert torch.equal(whisper_logits(model.network, mel, tokens), whisper_logits(inline.network, mel, tokens))
+
+
+def test_exit_while_packing_is_clean(tmp_path):
+    """A process that quantizes and exits at once (the packing thread still running) exits with
+    0: the thread stops after its layer at exit instead of being torn down inside oneDNN."""
+    here = Path(__file__).parent
+    code = (
+        f"import sys; sys.path.insert(0, {str(here)!r})\n"
+        "from types import SimpleNamespace\n"
+        "from qhelpers import whisper_net\n"
+        "from oasr.quantization.apply import quantize_model\n"
+        "r = quantize_model(SimpleNamespace(name='t', network=whisper_net(seed=1, vocab=4096)), 'int8_w8a8')\n"
+        "print('started', r.prepack is not None)\n"
+    )
+    env = {**os.environ, cache.DIR_ENV: str(tmp_path)}
+    env.pop(PREPACK_ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "terminate called" not in out.stderr

@@ -24,6 +24,7 @@ GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import weakref
@@ -319,14 +320,36 @@ def prepack_in_background(modules: Iterable[QuantizedLinear]) -> threading.Threa
             if not _ONEDNN_INT8[0]:
                 return
             for m in todo:
+                if _PREPACK_STOP.is_set():
+                    return
                 m._packed()
         except Exception as exc:  # noqa: BLE001 - the forward pass packs (and reports) itself
             log.info("background int8 weight packing stopped (%s: %s); layers pack on first use",
                      type(exc).__name__, exc)  # fmt: skip
 
-    thread = threading.Thread(target=run, name="oasr-int8-prepack", daemon=True)
+    with _PACK_LOCKS_GUARD:
+        if not _PREPACK_ATEXIT:
+            _PREPACK_ATEXIT.append(atexit.register(_stop_prepacking))
+        _PREPACK_THREADS[:] = [t for t in _PREPACK_THREADS if t.is_alive()]
+        thread = threading.Thread(target=run, name="oasr-int8-prepack", daemon=True)
+        _PREPACK_THREADS.append(thread)
     thread.start()
     return thread
+
+
+#: set at interpreter exit: packing threads stop after their current layer
+_PREPACK_STOP = threading.Event()
+_PREPACK_THREADS: list[threading.Thread] = []
+_PREPACK_ATEXIT: list[Any] = []
+
+
+def _stop_prepacking() -> None:
+    """At exit, before the interpreter finalizes: stop the packing threads and wait for the
+    layer each is packing. A daemon thread still inside oneDNN when the process's C++ static
+    objects are destroyed aborts the process ("terminate called without an active exception")."""
+    _PREPACK_STOP.set()
+    for thread in list(_PREPACK_THREADS):
+        thread.join()
 
 
 def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor | None:

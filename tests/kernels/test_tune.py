@@ -182,3 +182,18 @@ def test_builtin_entries_fill_in_for_the_file(fresh, monkeypatch) -> None:
     assert tune.tuned_params("toy_op", "k2", "cuda:0", {}) == {"threads": 96}
     monkeypatch.setenv("OASR_AUTOTUNE", "0")
     assert tune.tuned_params("toy_op", "k2", "cuda:0", {"threads": 1}) == {"threads": 1}
+
+
+def test_python_dash_m_runs_the_imported_module(monkeypatch) -> None:
+    """``python -m oasr.tune`` must tune through the imported ``oasr.tune``, whose registry the
+    kernel providers fill, not through the ``__main__`` copy of the module (whose registry stays
+    empty: on the H200 it reported no entries)."""
+    import runpy
+
+    import oasr.tune
+
+    calls = []
+    monkeypatch.setattr(oasr.tune, "main", lambda argv=None: calls.append(argv) or 0)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("oasr.tune", run_name="__main__")
+    assert exit_info.value.code == 0 and calls == [None]

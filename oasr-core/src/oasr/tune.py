@@ -361,4 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # run the imported ``oasr.tune``, not this ``__main__`` copy of it: kernel providers register
+    # their tunables with ``oasr.tune``, so this copy's registry stays empty (on the H200, ``python
+    # -m oasr.tune`` reported no entries and ``--ops add_norm`` "no tunable kernel")
+    from oasr.tune import main as _main
+
+    raise SystemExit(_main())

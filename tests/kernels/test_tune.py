@@ -184,6 +184,7 @@ def test_builtin_entries_fill_in_for_the_file(fresh, monkeypatch) -> None:
     assert tune.tuned_params("toy_op", "k2", "cuda:0", {"threads": 1}) == {"threads": 1}
 
 
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy on an imported module
 def test_python_dash_m_runs_the_imported_module(monkeypatch) -> None:
     """``python -m oasr.tune`` must tune through the imported ``oasr.tune``, whose registry the
     kernel providers fill, not through the ``__main__`` copy of the module (whose registry stays

@@ -341,9 +341,12 @@ class ConformerConvModule(nn.Module):
         """``x`` (B, T, C); ``valid`` (B, T) bool, False frames are zeroed before and after;
         ``cache`` (B, C, lorder) for causal streaming; ``lengths`` (B,) valid frames per row (for
         the returned cache). Returns ((B, T, C), new cache or None)."""
-        x = x.transpose(1, 2)  # (B, C, T)
         if valid is not None:
-            x = x.masked_fill(~valid[:, None, :], 0.0)
+            # masked while still (B, T, C): the (B, C, T) view below then keeps that memory, which
+            # the CUDA pointwise convolution reads as one GEMM (Conv1d); masking the view made a
+            # contiguous (B, C, T) copy and sent it to cuDNN's slower kernels instead
+            x = x.masked_fill(~valid[:, :, None], 0.0)
+        x = x.transpose(1, 2)  # (B, C, T)
         new_cache = None
         if self.lorder > 0:
             if cache is None or cache.shape[2] == 0:
@@ -360,10 +363,10 @@ class ConformerConvModule(nn.Module):
             x = self.norm(x.transpose(1, 2)).transpose(1, 2)
         else:
             x = self.norm(x)
-        x = self.pointwise_conv2(self.act(x))
+        x = self.pointwise_conv2(self.act(x)).transpose(1, 2)  # (B, T, C)
         if valid is not None:
-            x = x.masked_fill(~valid[:, None, :], 0.0)
-        return x.transpose(1, 2), new_cache
+            x = x.masked_fill(~valid[:, :, None], 0.0)
+        return x, new_cache
 
 
 _SUBSAMPLING = {

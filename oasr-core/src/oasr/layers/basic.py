@@ -133,7 +133,7 @@ class Conv1d(Op):
             # modules hold theirs): one GEMM with the bias fused, over the frames as they lie.
             # cuDNN would convert the layout and add the bias in passes of its own (H200, one
             # WeNet convolution module at 64 x 30 s fp16: 0.36 vs 0.62 ms at d=256, 0.53 vs
-            # 1.48 ms at d=512, scripts/gpu_pending/conformer_layouts.py). The result keeps the
+            # 1.48 ms at d=512, benchmarks/conformer_layouts.py). The result keeps the
             # (B, T, C) memory.
             return F.linear(x.transpose(1, 2), self.weight[:, :, 0], self.bias).transpose(1, 2)
         return F.conv1d(x, self.weight, self.bias, stride=self.stride, padding=self.padding)

@@ -73,6 +73,7 @@ fi
 if [ "$WHAT" = pending ]; then
     export PYTHONPATH="$HERE_PATH" OUT
     for f in scripts/gpu_pending/*.sh; do
+        [ -e "$f" ] || { echo "no pending checks (scripts/gpu_pending/ is empty)"; break; }
         name=$(basename "$f" .sh)
         case " ${PENDING:-$name} " in *" $name "*) ;; *) continue ;; esac
         mkdir -p "$OUT/$name"

@@ -408,8 +408,6 @@ def websocket_protocol() -> Any:
     return QueuedWebSocketsProtocol
 
 
-
-
 def _header(ws: WebSocket, name: str) -> str | None:
     return ws.headers.get(name)
 
@@ -732,11 +730,15 @@ class RealtimeSession:
                 self.send_error(exc, event_id)
 
     # -- client events -----------------------------------------------------------------------
+    async def _append(self, data: bytes, event_id: str | None) -> None:
+        """An append's decoded audio: taken in place when it can be, else queued in order."""
+        if data and not self._append_now(data, event_id):
+            await self.work.put(("append", data, event_id))
+
     async def _dispatch(self, text: str) -> None:
         data = _plain_append(text)
         if data is not None:  # the usual append, as the JSON path below would take it
-            if data and not self._append_now(data, None):
-                await self.work.put(("append", data, None))
+            await self._append(data, None)
             return
         try:
             event = jsonsafe.loads(text)
@@ -773,8 +775,7 @@ class RealtimeSession:
                     raise RealtimeError(
                         "Invalid 'audio': not valid base64.", code="invalid_value", param="audio"
                     ) from None
-                if data and not self._append_now(data, event_id):
-                    await self.work.put(("append", data, event_id))
+                await self._append(data, event_id)
             elif kind == "input_audio_buffer.commit":
                 await self.work.put(("commit", None, event_id))
             elif kind == "input_audio_buffer.clear":

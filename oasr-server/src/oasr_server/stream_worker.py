@@ -53,7 +53,6 @@ log = logging.getLogger("oasr_server.streams")
 #: unless something else changed it)
 SWITCH_INTERVAL_S = 0.001
 _PYTHON_SWITCH_INTERVAL_S = 0.005
-_PCM16_SCALE = 1.0 / 32768.0
 
 
 @dataclass(eq=False)
@@ -109,6 +108,8 @@ def _merge_feeds(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     the GIL above 500 elements, and getting it back waits for the event loop)."""
     import numpy as np
 
+    from oasr_server.streaming import pcm16_as_float
+
     out: list[Any] = []
     runs: dict[EngineStream, list[Any]] = {}  # a stream's open run: ["feed", stream, parts, last]
     for command in commands:
@@ -130,7 +131,7 @@ def _merge_feeds(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     pcm = [a for c in out if isinstance(c, list) for a in c[2] if a.dtype.kind == "i"]
     scaled: dict[int, Any] = {}
     if pcm:
-        flat = np.multiply(np.concatenate(pcm), _PCM16_SCALE, dtype=np.float32)
+        flat = pcm16_as_float(np.concatenate(pcm))
         at = 0
         for a in pcm:
             scaled[id(a)] = flat[at : at + len(a)]

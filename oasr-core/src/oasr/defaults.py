@@ -160,3 +160,10 @@ def env_switch(name: str, default: bool) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     return default
+
+
+def user_cache_dir(*parts: str) -> Path:
+    """OASR's folder ``parts`` in the user's cache: ``$XDG_CACHE_HOME/oasr/...`` (``~/.cache``
+    when unset). Kernel tuning and quantized weights keep their files there."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base, "oasr", *parts)

@@ -123,8 +123,9 @@ def cache_path(name: str, arch: str) -> Path:
     override = os.environ.get("OASR_AUTOTUNE_CACHE")
     if override:
         return Path(override).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "oasr" / "autotune" / f"{_slug(name)}-{arch}.json"
+    from oasr.defaults import user_cache_dir
+
+    return user_cache_dir("autotune") / f"{_slug(name)}-{arch}.json"
 
 
 def _read(path: Path, name: str, arch: str) -> dict[str, dict[str, Params]]:

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from oasr.defaults import user_cache_dir
+
 __all__ = ["CACHE_ENV", "DIR_ENV", "cache_dir", "enabled", "entry_path", "load", "store"]
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,7 @@ def cache_dir() -> Path:
     override = os.environ.get(DIR_ENV)
     if override:
         return Path(override).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "oasr" / "quantized"
+    return user_cache_dir("quantized")
 
 
 def _files(source: Path) -> list[list[Any]]:

@@ -74,7 +74,9 @@ class ConformerLayer(nn.Module):
             r = x
             if pre:
                 x = self.norm_ff_macaron(x)
-            x = r + self.ff_scale * self.feed_forward_macaron(x)
+            # alpha: the half step's scale in the add's own pass (r + 0.5 * y, the same values:
+            # halving is exact), not a multiply pass of its own
+            x = torch.add(r, self.feed_forward_macaron(x), alpha=self.ff_scale)
             if not pre:
                 x = self.norm_ff_macaron(x)
         r = x
@@ -96,7 +98,7 @@ class ConformerLayer(nn.Module):
         r = x
         if pre:
             x = self.norm_ff(x)
-        x = r + self.ff_scale * self.feed_forward(x)
+        x = torch.add(r, self.feed_forward(x), alpha=self.ff_scale)
         if not pre:
             x = self.norm_ff(x)
         if self.conv_module is not None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oasr.layers._dispatch import call_op, declare_op
+from oasr.layers._dispatch import call_op, declare_op, get_override
 from oasr.layers.attention import attention, position_bias
 from oasr.layers.basic import Conv1d, LayerNorm, Linear, Op
 from oasr.layers.fused import glu_depthwise_conv1d
@@ -304,6 +304,11 @@ class ConformerConvModule(nn.Module):
     ``causal=True``: left context of K - 1 frames (``lorder``), zeros at the start of a stream or
     the ``cache`` of the previous chunk."""
 
+    #: device types where an eval-mode BatchNorm is folded into the depthwise convolution (the
+    #: GPU, where the norm was a pass over the frames of its own). The CPU keeps the reference's
+    #: float32 rounding, which the golden tests compare against WeNet's.
+    fold_batch_norm_on: ClassVar[frozenset[str]] = frozenset({"cuda"})
+
     def __init__(self, channels: int, kernel_size: int = 15, *, causal: bool = False,
                  norm: str = "batch_norm", act: str = "swish", bias: bool = True,
                  norm_eps: float = 1e-5, inner_factor: int = 2, device=None, dtype=None) -> None:
@@ -344,8 +349,9 @@ class ConformerConvModule(nn.Module):
         if valid is not None:
             # masked while still (B, T, C): the (B, C, T) view below then keeps that memory, which
             # the CUDA pointwise convolution reads as one GEMM (Conv1d); masking the view made a
-            # contiguous (B, C, T) copy and sent it to cuDNN's slower kernels instead
-            x = x.masked_fill(~valid[:, :, None], 0.0)
+            # contiguous (B, C, T) copy and sent it to cuDNN's slower kernels instead. One pass
+            # (masked_fill is a copy and a fill).
+            x = torch.where(valid[:, :, None], x, 0.0)
         x = x.transpose(1, 2)  # (B, C, T)
         new_cache = None
         if self.lorder > 0:
@@ -357,16 +363,51 @@ class ConformerConvModule(nn.Module):
             else:
                 idx = lengths.to(x.device)[:, None] + torch.arange(self.lorder, device=x.device)[None, :]
                 new_cache = torch.gather(x, 2, idx[:, None, :].expand(-1, x.shape[1], -1))
+        folded = self._folded_depthwise(x.device.type)
         # GLU then the depthwise convolution: one op (one kernel with oasr-kernels on CUDA)
-        x = glu_depthwise_conv1d(self.pointwise_conv1(x), self.depthwise_conv)
-        if self.use_layer_norm:
-            x = self.norm(x.transpose(1, 2)).transpose(1, 2)
-        else:
-            x = self.norm(x)
+        x = glu_depthwise_conv1d(self.pointwise_conv1(x), self.depthwise_conv if folded is None else folded)
+        if folded is None:
+            if self.use_layer_norm:
+                x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+            else:
+                x = self.norm(x)
         x = self.pointwise_conv2(self.act(x)).transpose(1, 2)  # (B, T, C)
         if valid is not None:
-            x = x.masked_fill(~valid[:, :, None], 0.0)
+            x = x.masked_fill_(~valid[:, :, None], 0.0)  # in place: the output is ours
         return x, new_cache
+
+    def _folded_depthwise(self, device_type: str) -> DepthwiseConv1d | None:
+        """In eval mode with BatchNorm: the depthwise convolution with the norm folded into its
+        weight and bias (``w * s``, ``(b - mean) * s + beta``, ``s = gamma / sqrt(var + eps)``),
+        the same function with one pass over the frames fewer. Built in float64 (float32 off the
+        CPU) once and kept until a parameter changes (load, ``.to()``, in-place edits). None in
+        training, with LayerNorm, on devices outside :attr:`fold_batch_norm_on`, or where a
+        ``batch_norm`` override should see the call."""
+        conv, bn = self.depthwise_conv, self.norm
+        if (self.training or device_type not in self.fold_batch_norm_on
+                or type(bn) is not BatchNorm1d or type(conv) is not DepthwiseConv1d
+                or get_override(BatchNorm1d.op_name, device_type) is not None):  # fmt: skip
+            return None
+        sources = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+        stamp = tuple(None if t is None else t._version for t in sources) + (bn.eps,)
+        cached = self.__dict__.get("_folded_cache")
+        if (cached is not None and cached[2] == stamp
+                and all(a is b for a, b in zip(cached[0], sources, strict=True))):  # fmt: skip
+            return cached[1]
+        wide = torch.float64 if conv.weight.device.type == "cpu" else torch.float32
+        with torch.no_grad():
+            scale = bn.weight.to(wide) * torch.rsqrt(bn.running_var.to(wide) + bn.eps)
+            mean = bn.running_mean.to(wide)
+            bias = -mean if conv.bias is None else conv.bias.to(wide) - mean
+            folded = DepthwiseConv1d(conv.channels, conv.kernel_size, conv.padding, device="meta")
+            dtype = conv.weight.dtype
+            weight = (conv.weight.to(wide) * scale[:, None, None]).to(dtype)
+            folded.weight = nn.Parameter(weight, requires_grad=False)
+            bias = (bias * scale + bn.bias.to(wide)).to(dtype)
+            folded.bias = nn.Parameter(bias, requires_grad=False)
+        # a plain attribute (a tuple), not a submodule: no state-dict entries, not moved by .to()
+        self._folded_cache = (sources, folded, stamp)
+        return folded
 
 
 _SUBSAMPLING = {
@@ -410,8 +451,63 @@ class Conv2dSubsampling(nn.Module):
         return max(0, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self._frames_last_ok(x):
+            return self.forward_frames_last(x)
         x = x.unsqueeze(1)  # (B, 1, T, F)
         for conv in self.conv:
             x = torch.relu_(conv(x))  # in place: the convolution's output is ours
         b, c, t, f = x.shape
         return self.out(x.transpose(1, 2).reshape(b, t, c * f))
+
+    def _frames_last_ok(self, x: torch.Tensor) -> bool:
+        k = self.layers[0][0]
+        return (x.dim() == 3 and x.shape[1] >= k and x.shape[2] >= k
+                and all(type(c) is Conv2d for c in self.conv)
+                and get_override(Conv2d.op_name, x.device.type) is None)  # fmt: skip
+
+    def forward_frames_last(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with the activations kept (B, T, F, C), channels innermost (what CUDA
+        takes; any device computes the same function). The first convolution has one input
+        channel: it is a GEMM of the (B, T', F', k*k) input windows with the (C, k*k) kernels,
+        bias and ReLU in its epilogue, so its large output is written once (cuDNN converted it
+        between layouts and added the bias and the ReLU in passes of their own). The later ones
+        are cuDNN convolutions of that memory as a channels-last image, with no layout
+        conversion; the last one's bias is added while its output is laid out (B, T, C, F) for
+        the projection."""
+        first = self.conv[0]
+        k, s, c = first.kernel_size, first.stride, first.out_channels
+        # (B, T', F', k, k) windows: [b, t, f, i, j] = x[b, s t + i, s f + j]
+        win = x.unfold(1, k, s).unfold(2, k, s)
+        taps = k * k
+        width = -(-taps // 8) * 8  # zeros to whole 16-byte rows (the tensor-core GEMMs)
+        cols = x.new_zeros(*win.shape[:3], width)
+        cols[..., :taps].unflatten(-1, (k, k)).copy_(win)
+        w = x.new_zeros(c, width)
+        w[:, :taps] = first.weight.reshape(c, taps)
+        rows = cols.view(-1, width)
+        if first.bias is None:
+            h = torch.relu_(rows @ w.t())
+        else:
+            # bias and ReLU in the GEMM's epilogue (cuBLASLt on CUDA): its output written once
+            h = torch._addmm_activation(first.bias, rows, w.t())
+        h = h.view(*win.shape[:3], c)  # (B, T', F', C)
+        for i, conv in enumerate(self.conv[1:], 2):
+            weight = conv.weight.contiguous(memory_format=torch.channels_last)
+            # (B, C, T, F) view of the frames-last memory: a channels-last image
+            h = F.conv2d(h.permute(0, 3, 1, 2), weight, None, stride=conv.stride)
+            h = h.permute(0, 2, 3, 1)
+            if i < len(self.conv):
+                h = torch.relu_(h if conv.bias is None else h.add_(conv.bias))
+        b, t, f, c = h.shape
+        bias = self.conv[-1].bias if len(self.conv) > 1 else None  # still to add
+        grad = torch.is_grad_enabled() and (h.requires_grad or getattr(bias, "requires_grad", False))
+        if len(self.conv) == 1:
+            out = h.transpose(2, 3).contiguous()
+        elif bias is None:
+            out = torch.relu_(h.transpose(2, 3).contiguous())
+        elif grad:  # out= takes no autograd
+            out = torch.relu(h.transpose(2, 3) + bias[:, None]).contiguous()
+        else:
+            out = torch.empty(b, t, c, f, dtype=h.dtype, device=h.device)
+            torch.relu_(torch.add(h.transpose(2, 3), bias[:, None], out=out))
+        return self.out(out.view(b, t, c * f))

@@ -1,0 +1,75 @@
+"""The WeNet Conformer's CUDA fast paths (issue #23) beside the paths they replace, at WeNet's
+shapes (64 x 30 s, fp16): the Conv2d x4 subsampling frames-last (first convolution as a GEMM,
+the second channels-last, ``Conv2dSubsampling.forward_frames_last``) against NCHW cuDNN, and the
+convolution module with its eval-mode BatchNorm folded into the depthwise convolution against
+the norm as its own pass. Prints one JSON object (ms, best of 10, and the largest difference).
+
+    python -m benchmarks.subsampling_bench
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from oasr.layers.conformer import ConformerConvModule, Conv2dSubsampling
+
+
+def timeit(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = 1e9
+    for _ in range(reps):
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        best = min(best, s.elapsed_time(e))
+    return round(best, 3)
+
+
+def nchw(sub: Conv2dSubsampling, x: torch.Tensor) -> torch.Tensor:
+    """What ``Conv2dSubsampling.forward`` ran on CUDA before the frames-last path."""
+    h = x.unsqueeze(1)
+    for conv in sub.conv:
+        h = torch.relu_(conv(h))
+    b, c, t, f = h.shape
+    return sub.out(h.transpose(1, 2).reshape(b, t, c * f))
+
+
+def measure(d: int, dev: str = "cuda", dt: torch.dtype = torch.float16) -> dict:
+    torch.manual_seed(0)
+    res = {}
+    sub = Conv2dSubsampling(80, d, 4).to(dev, dt).eval()
+    feats = torch.randn(64, 3000, 80, device=dev, dtype=dt)
+    res[f"subsampling_d{d}_nchw_ms"] = timeit(lambda: nchw(sub, feats))
+    res[f"subsampling_d{d}_frames_last_ms"] = timeit(lambda: sub.forward_frames_last(feats))
+    diff = (nchw(sub, feats).float() - sub.forward_frames_last(feats).float()).abs().max()
+    res[f"subsampling_d{d}_maxdiff"] = float(diff)
+    m = ConformerConvModule(d, 15).to(dev, dt).eval()
+    with torch.no_grad():
+        m.norm.running_var.uniform_(0.5, 2.0)
+        m.norm.running_mean.normal_()
+    x = torch.randn(64, 749, d, device=dev, dtype=dt)
+    valid = torch.ones(64, 749, dtype=torch.bool, device=dev)
+    folded = timeit(lambda: m(x, valid))
+    ref = m(x, valid)[0]
+    m.train()  # BatchNorm1d keeps its running statistics; training only turns the fold off
+    res[f"conv_module_d{d}_bn_ms"] = timeit(lambda: m(x, valid))
+    res[f"conv_module_d{d}_bn_folded_ms"] = folded
+    res[f"conv_module_d{d}_maxdiff"] = float((m(x, valid)[0].float() - ref.float()).abs().max())
+    return res
+
+
+def main() -> None:
+    torch.set_grad_enabled(False)
+    res = {"device": torch.cuda.get_device_name()}
+    for d in (256, 512):
+        res.update(measure(d))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

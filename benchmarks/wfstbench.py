@@ -148,9 +148,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if x.is_cuda:
             torch.cuda.synchronize()
 
-    def timed(fused: bool, threads: int | None = None) -> tuple[list[float], Any]:
+    def timed(fused: bool, threads: int | None = None, variant: str | None = None) -> tuple[list[float], Any]:  # fmt: skip
         if threads is not None:
             os.environ["OASR_WFST_FUSED_THREADS"] = str(threads)
+        if variant is not None:
+            os.environ["OASR_WFST_FUSED_VARIANT"] = variant
         try:
             dec.decode(x[: min(2, args.batch)], fused=fused)  # warm-up (and the kernel's JIT)
             sync()
@@ -163,6 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if threads is not None:
                 os.environ.pop("OASR_WFST_FUSED_THREADS", None)
+            if variant is not None:
+                os.environ.pop("OASR_WFST_FUSED_VARIANT", None)
         return runs, out
 
     variants: dict[str, Any] = {}
@@ -176,6 +180,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 variants[f"fused_{threads}_threads"] = timed(True, threads)
             except Exception as exc:  # noqa: BLE001 - reported
                 variants[f"fused_{threads}_threads_error"] = repr(exc)
+        for variant in args.fused_variants:  # the other kernel variants (fused.VARIANTS)
+            try:
+                variants[f"fused_{variant}"] = timed(True, variant=variant)
+            except Exception as exc:  # noqa: BLE001 - reported
+                variants[f"fused_{variant}_error"] = repr(exc)
     if not args.no_tensor:
         variants["tensor"] = timed(False)
     main_key = "fused" if "fused" in variants else "tensor"
@@ -257,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fused-threads", type=lambda v: [int(t) for t in v.split(",") if t], default=[],
                    help="with --fused: also time the kernel at these threads per block (e.g. 512,1024)")
+    p.add_argument("--fused-variants", type=lambda v: [t for t in v.split(",") if t], default=[],
+                   help="with --fused: also time these kernel variants (token, arc), each as fused_<variant>")
     p.add_argument("--fused", action="store_true",
                    help="also time the fused CUDA kernel (not yet run on a GPU: run under timeout)")
     p.add_argument("--no-tensor", action="store_true", help="skip the tensor search")

@@ -1,6 +1,7 @@
-"""The fused CUDA kernel (``oasr_decoders_wfst.fused``) on numba's CUDA simulator: the same
-one-best (words, word frames, cost, final) as the tensor search: beam only, max-active binding,
-min-active binding.
+"""The fused CUDA kernel (``oasr_decoders_wfst.fused``), both variants (a thread per token, a
+thread per arc), on numba's CUDA simulator: the same one-best (words, word frames, cost, final)
+as the tensor search: beam only, max-active binding, min-active binding; the arc variant also
+with too small a candidate buffer (its emitting candidates recomputed) and odd block sizes.
 Runs in a subprocess: the simulator must be chosen before numba.cuda is imported."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ SCRIPT = textwrap.dedent('''
     from test_wfst_decoder import TOY_ARPA, TOY_LEXICON, _inputs
     from oasr_decoders_wfst.build import build_tlg, read_arpa
     from oasr_decoders_wfst.decoder import WfstDecoder, WfstSearchOptions
-    from oasr_decoders_wfst.fused import decode_fused
+    from oasr_decoders_wfst.fused import decode_fused, fused_decode
 
     g = build_tlg(TOY_LEXICON, read_arpa(TOY_ARPA.splitlines()))
     for seed, opts in ((1, WfstSearchOptions(beam=16.0)),
@@ -33,11 +34,22 @@ SCRIPT = textwrap.dedent('''
         lp, lengths = _inputs(g, 2, 18, seed=seed, peaky=True)
         dec = WfstDecoder(g, "cpu", opts)
         ref = dec.decode(lp, lengths, fused=False)
-        got = decode_fused(dec, lp, lengths, threads=4)
-        for a, b in zip(got, ref, strict=True):
-            assert (a.word_ids, a.word_frames, a.reached_final) == (b.word_ids, b.word_frames, b.reached_final), (a, b)
-            assert a.cost == b.cost, (a.cost, b.cost)
-            assert a.word_ids
+        for variant, threads in (("token", 4), ("arc", 5)):
+            got = decode_fused(dec, lp, lengths, threads=threads, variant=variant)
+            for a, b in zip(got, ref, strict=True):
+                assert (a.word_ids, a.word_frames, a.reached_final) == (b.word_ids, b.word_frames, b.reached_final), (variant, a, b)
+                assert a.cost == b.cost, (variant, a.cost, b.cost)
+                assert a.word_ids
+        if seed != 2:  # frames here have up to 118 (seed 1) / 29 (seed 3) emitting candidates
+            (prev, word, _), best, cost, _, overflowed = fused_decode(
+                dec, lp, lengths, threads=3, variant="arc", candidate_capacity=24)
+            assert not overflowed.any()
+            for b, h in enumerate(ref):
+                chain, r = [], int(best[b])
+                while r >= 0:
+                    chain.append(int(word[b, r]))
+                    r = int(prev[b, r])
+                assert (chain[::-1], float(cost[b])) == (h.word_ids, h.cost), (chain, h)
     print("fused == tensor")
 ''')
 

@@ -1,5 +1,5 @@
 """The WFST decoder on CUDA, the tensor search and (unless ``OASR_WFST_FUSED=0``) the fused
-kernel: the same one-best (words, word frames, cost) as on the CPU and as kaldi-decoder's
+kernel, each of its variants: the same one-best (words, word frames, cost) as on the CPU and as kaldi-decoder's
 FasterDecoder, batched and streaming. Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from oasr_decoders_wfst.build import build_tlg, read_arpa
 from oasr_decoders_wfst.decoder import WfstDecoder, WfstSearchOptions
+from oasr_decoders_wfst.fused import VARIANTS, decode_fused
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_wfst_decoder import TOY_ARPA, TOY_LEXICON, _inputs  # noqa: E402
@@ -67,6 +68,8 @@ def test_toy_graph_cuda_equals_cpu_and_kaldi(opts):
     _kaldi_check(graph, lp, lengths, opts, tensor)
     if FUSED:
         _same(dec.decode(lp.cuda(), lengths, fused=True), cpu)
+        for variant in VARIANTS:
+            _same(decode_fused(dec, lp.cuda(), lengths, variant=variant), cpu)
 
 
 def test_realistic_graph_cuda_batch_and_streaming():
@@ -84,6 +87,8 @@ def test_realistic_graph_cuda_batch_and_streaming():
     _same(offline, WfstDecoder(graph, "cpu", opts).decode(lp, lengths))
     if FUSED:
         _same(dec.decode(lp.cuda(), lengths, fused=True), offline)
+        for variant in VARIANTS:
+            _same(decode_fused(dec, lp.cuda(), lengths, variant=variant), offline)
     state = dec.init_state(8)
     done = np.zeros(8, dtype=int)
     rng = np.random.default_rng(1)

@@ -351,3 +351,359 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
 
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The "arc" variant: a thread per emitting arc instead of a thread per token. On the 5000-word
+# graph a frame has ~190 tokens and ~1500 emitting arcs, but almost every frame has a token with
+# ~37 (the state after a word, CTC's blank / next-phone fan-out): a thread per token walks those
+# serially in each of the three emitting passes while the others wait at the barrier. Here the
+# arcs of the tokens under the cutoff are numbered by a block prefix sum over per-token arc
+# counts, and each thread takes every nth arc (its token found by binary search over the token
+# starts); the first pass stores each candidate (cost, destination, arc, token) so the other two
+# read it back instead of walking the graph again. Same search, same results.
+
+#: token arc starts live in shared memory up to this many tokens (else in global scratch)
+SHARED_TOKENS = 4096
+
+
+@cuda.jit(device=True)
+def owner_of(aoff, n, j):
+    """The token whose arc range holds arc number j: the last i < n with aoff[i] <= j."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if aoff[mid] <= j:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@cuda.jit(device=True)
+def arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t):
+    """(token, arc, new cost) of emitting candidate number j, summed in Kaldi's order."""
+    o = owner_of(aoff, n, j)
+    s = tok_state[b, cur, o]
+    a = e_off[s] + (j - aoff[o])
+    nc = (tok_cost[b, cur, o] + e_w[a]) + float64(-lp[b, t, e_tok[a]])
+    return o, a, nc
+
+
+@cuda.jit
+def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start,
+               lp, lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec,
+               best, slot, claim, frontier, cand_src, cand_arc, cand_cost, cand_rec, rec_prev,
+               rec_word, rec_frame, out_rec, out_cost, out_final, status, out_nrec, tok_aoff):  # fmt: skip
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    S = final.shape[0]
+    cap = tok_state.shape[2]
+    ccap = cand_src.shape[1]
+    rcap = rec_prev.shape[1]
+    base = b * S
+    # shared scalars as in ``kernel``, plus ints [11 count < beam cutoff, 12 count <= it] and
+    # floats [7 the best cost of the tokens the last frame left]
+    si = cuda.shared.array(16, dtype=int32)
+    sf = cuda.shared.array(8, dtype=float64)
+    scan = cuda.shared.array((2, 1024), dtype=int32)
+    aoff_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
+    if tid == 0:
+        tok_state[b, 0, 0] = start
+        tok_cost[b, 0, 0] = 0.0
+        tok_rec[b, 0, 0] = -1
+        si[0] = 1
+        si[3] = 0
+        si[9] = 0
+        si[10] = 0
+        best[base + start] = 0.0
+        slot[base + start] = 0
+    cuda.syncthreads()
+    cur = 0
+    n_frames = lens[b]
+    for t in range(-1, n_frames):
+        nb = cur if t < 0 else 1 - cur
+        if t >= 0:
+            n = si[0]
+            aoff = aoff_shared if n <= SHARED_TOKENS else tok_aoff[b]
+            best_cost = sf[7]  # from the last frame's clean-up pass
+            beam_cut = best_cost + beam
+            cutoff = beam_cut
+            adaptive = float64(beam)
+            # ---- each thread: a contiguous run of tokens; their counts under / at the beam
+            # cutoff (GetCutoff) and their emitting arc counts (under it), in one pass
+            per = (n + nth - 1) // nth
+            lo_i = tid * per
+            hi_i = min(n, lo_i + per)
+            active = (n + per - 1) // per  # threads that own tokens
+            m_lt = 0
+            m_le = 0
+            tot = 0
+            for i in range(lo_i, hi_i):
+                c = tok_cost[b, cur, i]
+                k = 0
+                if c < beam_cut:
+                    m_lt += 1
+                    s = tok_state[b, cur, i]
+                    k = int32(e_off[s + 1] - e_off[s])
+                if c <= beam_cut:
+                    m_le += 1
+                aoff[i] = k
+                tot += k
+            if not (max_active == INT32_MAX and min_active == 0):
+                if m_lt:
+                    cuda.atomic.add(si, 11, m_lt)
+                if m_le:
+                    cuda.atomic.add(si, 12, m_le)
+                cuda.syncthreads()
+                n_lt = si[11]
+                n_le = si[12]
+                cuda.syncthreads()
+                if n > max_active and n_lt > max_active:
+                    kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
+                    cutoff = kval
+                    adaptive = float64(float32(kval - best_cost + beam_delta))
+                elif min_active > 0 and n_le <= min_active:
+                    kval = inf
+                    if n > min_active:
+                        kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
+                    cutoff = kval
+                    adaptive = float64(float32(kval - best_cost + beam_delta))
+                if cutoff != beam_cut:  # the k-th cost decided: count the arcs again
+                    tot = 0
+                    for i in range(lo_i, hi_i):
+                        k = 0
+                        if tok_cost[b, cur, i] < cutoff:
+                            s = tok_state[b, cur, i]
+                            k = int32(e_off[s + 1] - e_off[s])
+                        aoff[i] = k
+                        tot += k
+            # ---- block prefix sum of the per-thread arc counts (Hillis-Steele, shared memory)
+            scan[0, tid] = tot
+            cuda.syncthreads()
+            src = 0
+            step = 1
+            while step < active:
+                v = scan[src, tid]
+                if tid >= step:
+                    v += scan[src, tid - step]
+                scan[1 - src, tid] = v
+                src = 1 - src
+                step *= 2
+                cuda.syncthreads()
+            total = scan[src, active - 1]
+            run = scan[src, tid] - tot
+            for i in range(lo_i, hi_i):  # each token's first arc number
+                k = aoff[i]
+                aoff[i] = run
+                run += k
+            cuda.syncthreads()
+            # ---- emitting arcs: best new cost; each candidate stored for the next two passes
+            mine = inf
+            for j in range(tid, total, nth):
+                o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
+                if j < ccap:
+                    cand_src[b, j] = o
+                    cand_arc[b, j] = a
+                    cand_cost[b, j] = nc
+                    cand_rec[b, j] = e_next[a]
+                mine = min(mine, nc)
+            if mine < inf:
+                cuda.atomic.min(sf, 1, mine)
+            if tid == 0:
+                si[1] = 0
+            cuda.syncthreads()
+            next_cutoff = sf[1] + adaptive
+            for j in range(tid, total, nth):
+                if j < ccap:
+                    nc = cand_cost[b, j]
+                    d = cand_rec[b, j]
+                else:
+                    o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
+                    d = e_next[a]
+                if nc < next_cutoff:
+                    cuda.atomic.min(best, base + d, nc)
+            cuda.syncthreads()
+            for j in range(tid, total, nth):
+                o = 0
+                a = 0
+                if j < ccap:
+                    nc = cand_cost[b, j]
+                    d = cand_rec[b, j]
+                else:
+                    o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
+                    d = e_next[a]
+                # the table was lowered by atomics: read it with one (no stale L1 line)
+                if nc < next_cutoff and nc == cuda.atomic.min(best, base + d, inf):
+                    if cuda.atomic.cas(slot, base + d, -1, -2) == -1:
+                        if j < ccap:
+                            o = cand_src[b, j]
+                            a = cand_arc[b, j]
+                        jj = cuda.atomic.add(si, 1, 1)
+                        if jj < cap:
+                            r = tok_rec[b, cur, o]
+                            if e_olab[a] != 0:
+                                q = cuda.atomic.add(si, 3, 1)
+                                if q < rcap:
+                                    rec_prev[b, q] = r
+                                    rec_word[b, q] = e_olab[a]
+                                    rec_frame[b, q] = t
+                                else:
+                                    si[9] = 1
+                                r = q
+                            tok_state[b, nb, jj] = d
+                            tok_cost[b, nb, jj] = nc
+                            tok_rec[b, nb, jj] = r
+                            slot[base + d] = jj
+                        else:
+                            si[9] = 1
+            cuda.syncthreads()
+            if tid == 0:
+                if si[1] > cap:
+                    si[1] = cap
+                sf[2] = next_cutoff
+            n_tok_slot = 1
+        else:
+            n_tok_slot = 0
+            if tid == 0:
+                sf[2] = inf
+        # ---- epsilon closure over buffer nb (its count in si[n_tok_slot]); the first round's
+        # frontier is every token at or under the cutoff, read in place (no frontier list)
+        if tid == 0:
+            si[4] = si[n_tok_slot]
+            si[2] = 0
+            si[5] = 0
+            si[10] += 1
+        cuda.syncthreads()
+        ccut = sf[2]
+        frame = t if t >= 0 else 0
+        fb = 0
+        rounds = 0
+        while si[4] > 0:
+            rounds += 1
+            if rounds > 10000:  # an epsilon cycle that keeps improving: give the row up
+                if tid == 0:
+                    si[9] = 1
+                break
+            nf = si[4]
+            rid = si[10]
+            for fi in range(tid, nf, nth):
+                if rounds == 1:
+                    i = fi
+                    if tok_cost[b, nb, i] > ccut:
+                        continue
+                else:
+                    i = frontier[b, fb, fi]
+                c = tok_cost[b, nb, i]
+                s = tok_state[b, nb, i]
+                for a in range(p_off[s], p_off[s + 1]):
+                    nc = c + p_w[a]
+                    d = p_next[a]
+                    if nc <= ccut and nc < best[base + d]:
+                        cuda.atomic.min(best, base + d, nc)
+                        k = cuda.atomic.add(si, 2, 1)
+                        if k < ccap:
+                            cand_src[b, k] = i
+                            cand_arc[b, k] = a
+                            cand_cost[b, k] = nc
+                            cand_rec[b, k] = tok_rec[b, nb, i]
+                        else:
+                            si[9] = 1
+            cuda.syncthreads()
+            ncand = min(si[2], ccap)
+            for k in range(tid, ncand, nth):
+                a = cand_arc[b, k]
+                d = p_next[a]
+                nc = cand_cost[b, k]
+                if nc == cuda.atomic.min(best, base + d, inf) and cuda.atomic.max(claim, base + d, rid) < rid:
+                    r = cand_rec[b, k]
+                    if p_olab[a] != 0:
+                        q = cuda.atomic.add(si, 3, 1)
+                        if q < rcap:
+                            rec_prev[b, q] = r
+                            rec_word[b, q] = p_olab[a]
+                            rec_frame[b, q] = frame
+                        else:
+                            si[9] = 1
+                        r = q
+                    j = slot[base + d]
+                    if j < 0:
+                        j = cuda.atomic.add(si, n_tok_slot, 1)
+                        if j >= cap:
+                            si[9] = 1
+                            continue
+                        tok_state[b, nb, j] = d
+                        slot[base + d] = j
+                    tok_cost[b, nb, j] = nc
+                    tok_rec[b, nb, j] = r
+                    f = cuda.atomic.add(si, 5, 1)
+                    frontier[b, 1 - fb, f] = j
+            cuda.syncthreads()
+            if tid == 0:
+                if si[n_tok_slot] > cap:
+                    si[n_tok_slot] = cap
+                si[4] = si[5]
+                si[2] = 0
+                si[5] = 0
+                si[10] += 1
+            fb = 1 - fb
+            cuda.syncthreads()
+        # ---- the new set becomes current; clean its table entries; its best cost (the next
+        # frame's GetCutoff starts from it)
+        if tid == 0:
+            if n_tok_slot == 1:
+                si[0] = si[1]
+            sf[1] = inf
+            sf[7] = inf
+            si[11] = 0
+            si[12] = 0
+        cuda.syncthreads()
+        mine = inf
+        for i in range(tid, si[0], nth):
+            s = tok_state[b, nb, i]
+            mine = min(mine, tok_cost[b, nb, i])
+            best[base + s] = inf
+            slot[base + s] = -1
+        if mine < inf:
+            cuda.atomic.min(sf, 7, mine)
+        cur = nb
+        cuda.syncthreads()
+        if si[9] != 0 or si[0] == 0:
+            break
+    # ---- best path
+    n = si[0]
+    if tid == 0:
+        sf[0] = inf
+        si[6] = INT32_MAX
+        si[7] = 0
+    cuda.syncthreads()
+    for i in range(tid, n, nth):
+        if final[tok_state[b, cur, i]] != inf:
+            si[7] = 1
+    cuda.syncthreads()
+    use_final = si[7] != 0
+    for i in range(tid, n, nth):
+        c = tok_cost[b, cur, i]
+        if use_final:
+            c = c + final[tok_state[b, cur, i]]
+        cuda.atomic.min(sf, 0, c)
+    cuda.syncthreads()
+    for i in range(tid, n, nth):
+        c = tok_cost[b, cur, i]
+        if use_final:
+            c = c + final[tok_state[b, cur, i]]
+        if c == sf[0]:
+            cuda.atomic.min(si, 6, i)
+    cuda.syncthreads()
+    if tid == 0:
+        status[b] = si[9]
+        out_nrec[b] = min(si[3], rcap)
+        out_final[b] = 1 if use_final else 0
+        if si[6] < n:
+            out_rec[b] = tok_rec[b, cur, si[6]]
+            out_cost[b] = sf[0]
+        else:
+            out_rec[b] = -1
+            out_cost[b] = inf

@@ -29,7 +29,13 @@ INT32_MAX = 2**31 - 1
 #: as kaldi-decoder; 1024 fails to launch (the kernel's registers). ``OASR_WFST_FUSED_THREADS``
 #: (<= 1024; a multiple of 32 on a GPU) and ``wfstbench --fused-threads`` to measure another GPU
 THREADS = 512
-_kernel = None
+#: kernel variants: "token" (a thread per token walks its arcs: the first kernel) and "arc" (a
+#: thread per emitting arc, numbered by a block prefix sum; see ``_fused_kernel.kernel_arc``).
+#: ``OASR_WFST_FUSED_VARIANT`` (or ``variant=``) picks one; "token" stays the default until the
+#: H200 shows "arc" faster with the same words (``wfstbench --fused-variants token,arc``)
+VARIANTS = ("token", "arc")
+DEFAULT_VARIANT = "token"
+_kernels: dict[str, object] = {}
 
 
 def _threads(threads: int | None) -> int:
@@ -40,7 +46,16 @@ def _threads(threads: int | None) -> int:
     return threads
 
 
-def decode_fused(dec, log_probs, lengths=None, threads: int | None = None):
+def _variant(variant: str | None) -> str:
+    if variant is None:
+        variant = os.environ.get("OASR_WFST_FUSED_VARIANT", "") or DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"fused kernel variant must be one of {VARIANTS}, not {variant!r}")
+    return variant
+
+
+def decode_fused(dec, log_probs, lengths=None, threads: int | None = None,
+                 variant: str | None = None):  # fmt: skip
     """:meth:`WfstDecoder.decode` by the fused kernel; utterances that overflow a buffer are
     decoded again by the tensor search. Returns ``WfstHypothesis`` per row."""
     import torch
@@ -49,7 +64,8 @@ def decode_fused(dec, log_probs, lengths=None, threads: int | None = None):
 
     B, T = log_probs.shape[:2]
     lens = [T] * B if lengths is None else [int(n) for n in lengths]
-    (rp, rw, rf), best, cost, fin, ovf = fused_decode(dec, log_probs, lens, threads=threads)
+    (rp, rw, rf), best, cost, fin, ovf = fused_decode(dec, log_probs, lens, threads=threads,
+                                                       variant=variant)  # fmt: skip
     out = []
     for b in range(B):
         words, frames = [], []
@@ -76,23 +92,27 @@ def simulated() -> bool:
 
 
 def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capacity: int | None = None,
-                 record_capacity: int = 1 << 18):  # fmt: skip
+                 record_capacity: int = 1 << 18, variant: str | None = None,
+                 candidate_capacity: int | None = None):  # fmt: skip
     """Decode with the fused kernel: ``dec`` is a :class:`WfstDecoder` (its graph, options and
-    device). Returns (records per utterance, best record, cost, reached final, overflowed)."""
-    global _kernel
+    device). Returns (records per utterance, best record, cost, reached final, overflowed).
+    ``candidate_capacity`` (default 4 x tokens) per utterance: epsilon candidates of a round
+    beyond it overflow; the "arc" variant's emitting candidates beyond it are recomputed."""
     import torch
 
     threads = _threads(threads)
+    variant = _variant(variant)
     if not hasattr(np, "row_stack"):
         # numpy 2.5 dropped the alias; the numba on the H200 image still calls it while compiling
         # the kernel (AttributeError there otherwise)
         np.row_stack = np.vstack
     from numba import cuda
 
-    if _kernel is None:
-        from oasr_decoders_wfst._fused_kernel import kernel
+    if variant not in _kernels:
+        from oasr_decoders_wfst import _fused_kernel
 
-        _kernel = kernel
+        _kernels[variant] = _fused_kernel.kernel if variant == "token" else _fused_kernel.kernel_arc
+    kernel = _kernels[variant]
     g = dec.graph
     o = dec.options
     B, T, V = log_probs.shape
@@ -140,7 +160,7 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     slot = torch.full((B * S,), -1, dtype=torch.int32, **z)
     claim = torch.full((B * S,), -1, dtype=torch.int32, **z)
     frontier = torch.empty(B, 2, cap, dtype=torch.int32, **z)
-    ccap = 4 * cap
+    ccap = candidate_capacity or 4 * cap
     cand_src = torch.empty(B, ccap, dtype=torch.int32, **z)
     cand_arc = torch.empty(B, ccap, dtype=torch.int32, **z)
     cand_cost = torch.empty(B, ccap, dtype=torch.float64, **z)
@@ -157,15 +177,18 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
             float(o.beam_delta), tok_state, tok_cost, tok_rec, best, slot, claim, frontier,
             cand_src, cand_arc, cand_cost, cand_rec, rec_prev, rec_word, rec_frame, out_rec,
             out_cost, out_final, status, out_nrec]  # fmt: skip
+    if variant == "arc":  # each token's first arc number where they overflow shared memory
+        args.append(torch.empty(B, cap + 1, dtype=torch.int32, **z))
     if sim:
         args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
-        _kernel[B, threads](*args)
-        out = [torch.from_numpy(a) for a in args[-5:-1]]
-        nrec = int(args[-1].max()) if B else 0
-        recs = tuple(torch.from_numpy(a)[:, :nrec].numpy() for a in args[-8:-5])
+        kernel[B, threads](*args)
+        outs = args[31:36]  # out_rec, out_cost, out_final, status, out_nrec
+        out = [torch.from_numpy(a) for a in outs[:4]]
+        nrec = int(outs[4].max()) if B else 0
+        recs = tuple(torch.from_numpy(a)[:, :nrec].numpy() for a in args[28:31])
     else:
         stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
-        _kernel[B, threads, stream](*args)
+        kernel[B, threads, stream](*args)
         out = [x.cpu() for x in (out_rec, out_cost, out_final, status)]
         nrec = int(out_nrec.max()) if B else 0
         # only the records written: the chains are followed on the host

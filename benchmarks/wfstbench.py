@@ -175,16 +175,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             variants["fused"] = timed(True)
         except Exception as exc:  # noqa: BLE001 - reported, the tensor search still runs
             variants["fused_error"] = repr(exc)
-        for threads in args.fused_threads:  # the same kernel at other block sizes
-            try:
-                variants[f"fused_{threads}_threads"] = timed(True, threads)
-            except Exception as exc:  # noqa: BLE001 - reported
-                variants[f"fused_{threads}_threads_error"] = repr(exc)
-        for variant in args.fused_variants:  # the other kernel variants (fused.VARIANTS)
-            try:
-                variants[f"fused_{variant}"] = timed(True, variant=variant)
-            except Exception as exc:  # noqa: BLE001 - reported
-                variants[f"fused_{variant}_error"] = repr(exc)
+        # the other kernel variants (fused.VARIANTS), each also at the other block sizes
+        for variant in [None, *args.fused_variants]:
+            name = "fused" if variant is None else f"fused_{variant}"
+            for threads in [None, *args.fused_threads]:
+                key = name if threads is None else f"{name}_{threads}_threads"
+                if key == "fused":
+                    continue
+                try:
+                    variants[key] = timed(True, threads, variant)
+                except Exception as exc:  # noqa: BLE001 - reported
+                    variants[f"{key}_error"] = repr(exc)
     if not args.no_tensor:
         variants["tensor"] = timed(False)
     main_key = "fused" if "fused" in variants else "tensor"
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ref-repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fused-threads", type=lambda v: [int(t) for t in v.split(",") if t], default=[],
-                   help="with --fused: also time the kernel at these threads per block (e.g. 512,1024)")
+                   help="with --fused: also time each kernel variant at these threads per block (e.g. 256,1024)")
     p.add_argument("--fused-variants", type=lambda v: [t for t in v.split(",") if t], default=[],
                    help="with --fused: also time these kernel variants (token, arc), each as fused_<variant>")
     p.add_argument("--fused", action="store_true",

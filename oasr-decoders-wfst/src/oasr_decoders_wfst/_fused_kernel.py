@@ -368,6 +368,33 @@ SHARED_TOKENS = 4096
 
 
 @cuda.jit(device=True)
+def kth_cost_ranked(tok_cost, b, cur, n, k, sf, costs):
+    """``kth_cost`` where n <= the block's threads: each thread ranks one token against all (in
+    shared memory); two barriers instead of quickselect's five a round. Returns ``inf`` where no
+    cost qualifies (only with NaN costs), as ``kth_cost``."""
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        sf[6] = inf
+    if tid < n:
+        costs[tid] = tok_cost[b, cur, tid]
+    cuda.syncthreads()
+    if tid < n:
+        c = costs[tid]
+        less = 0
+        eq = 0
+        for j in range(n):
+            v = costs[j]
+            if v < c:
+                less += 1
+            elif v == c:
+                eq += 1
+        if less <= k and k < less + eq:  # every thread holding the k-th value writes the same
+            sf[6] = c
+    cuda.syncthreads()
+    return sf[6]
+
+
+@cuda.jit(device=True)
 def owner_of(aoff, n, j):
     """The token whose arc range holds arc number j: the last i < n with aoff[i] <= j."""
     lo = 0
@@ -410,6 +437,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
     sf = cuda.shared.array(8, dtype=float64)
     scan = cuda.shared.array((2, 1024), dtype=int32)
     aoff_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
+    ranked = cuda.shared.array(1024, dtype=float64)  # kth_cost_ranked's copy of the costs
     if tid == 0:
         tok_state[b, 0, 0] = start
         tok_cost[b, 0, 0] = 0.0
@@ -458,17 +486,22 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                 if m_le:
                     cuda.atomic.add(si, 12, m_le)
                 cuda.syncthreads()
-                n_lt = si[11]
+                n_lt = si[11]  # reset at the end of the frame: no barrier needed after the read
                 n_le = si[12]
-                cuda.syncthreads()
                 if n > max_active and n_lt > max_active:
-                    kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
+                    if n <= nth:
+                        kval = kth_cost_ranked(tok_cost, b, cur, n, max_active, sf, ranked)
+                    else:
+                        kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
                     cutoff = kval
                     adaptive = float64(float32(kval - best_cost + beam_delta))
                 elif min_active > 0 and n_le <= min_active:
                     kval = inf
                     if n > min_active:
-                        kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
+                        if n <= nth:
+                            kval = kth_cost_ranked(tok_cost, b, cur, n, min_active, sf, ranked)
+                        else:
+                            kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
                     cutoff = kval
                     adaptive = float64(float32(kval - best_cost + beam_delta))
                 if cutoff != beam_cut:  # the k-th cost decided: count the arcs again
@@ -612,6 +645,8 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                         else:
                             si[9] = 1
             cuda.syncthreads()
+            if si[2] == 0:  # nothing improved: done (the counters are reset before the next closure)
+                break
             ncand = min(si[2], ccap)
             for k in range(tid, ncand, nth):
                 a = cand_arc[b, k]

@@ -26,7 +26,8 @@ INT32_MAX = 2**31 - 1
 #: threads per block (one block per utterance). Each thread walks a share of the frontier, so
 #: more threads per block pay where 64 utterances leave half the SMs idle: on the H200 (5000-word
 #: graph, 64 x 30 s, beam 12) 512 threads took 0.071 s against 0.094 s at 256, with the same words
-#: as kaldi-decoder; 1024 fails to launch (the kernel's registers). ``OASR_WFST_FUSED_THREADS``
+#: as kaldi-decoder; 1024 failed to launch (the kernel's registers; above 512 threads the kernel is
+#: now built with at most 64 registers a thread). ``OASR_WFST_FUSED_THREADS``
 #: (<= 1024; a multiple of 32 on a GPU) and ``wfstbench --fused-threads`` to measure another GPU
 THREADS = 512
 #: kernel variants: "token" (a thread per token walks its arcs: the first kernel) and "arc" (a
@@ -35,7 +36,7 @@ THREADS = 512
 #: H200 shows "arc" faster with the same words (``wfstbench --fused-variants token,arc``)
 VARIANTS = ("token", "arc")
 DEFAULT_VARIANT = "token"
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple[str, bool], object] = {}
 
 
 def _threads(threads: int | None) -> int:
@@ -108,15 +109,19 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
         np.row_stack = np.vstack
     from numba import cuda
 
-    if variant not in _kernels:
+    sim = simulated()
+    # above 512 threads a block's registers must fit 64 a thread (65536 an SM): ptxas keeps both
+    # variants there without spilling (sm_90), where they otherwise take up to 94
+    capped = threads > 512 and not sim
+    if (variant, capped) not in _kernels:
         from oasr_decoders_wfst import _fused_kernel
 
-        _kernels[variant] = _fused_kernel.kernel if variant == "token" else _fused_kernel.kernel_arc
-    kernel = _kernels[variant]
+        k = _fused_kernel.kernel if variant == "token" else _fused_kernel.kernel_arc
+        _kernels[variant, capped] = cuda.jit(max_registers=64)(k.py_func) if capped else k
+    kernel = _kernels[variant, capped]
     g = dec.graph
     o = dec.options
     B, T, V = log_probs.shape
-    sim = simulated()
     dev = torch.device("cpu") if sim else log_probs.device
     S = g.num_states
     cap = token_capacity or min(max(4 * min(o.max_active, S), 4096), 1 << 17)

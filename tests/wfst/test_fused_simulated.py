@@ -1,8 +1,9 @@
 """The fused CUDA kernel (``oasr_decoders_wfst.fused``), both variants (a thread per token, a
 thread per arc), on numba's CUDA simulator: the same one-best (words, word frames, cost, final)
 as the tensor search: beam only, max-active binding, min-active binding; the arc variant also
-with too small a candidate buffer (its emitting candidates recomputed), an odd block size and
-its two k-th cost selections (ranking where the tokens fit the block, else quickselect).
+with too small a candidate buffer (its emitting candidates recomputed) and its token arc starts
+in global memory, and at an odd block size where both of its k-th cost selections run (ranking
+where the tokens fit the block, else quickselect).
 Runs in a subprocess: the simulator must be chosen before numba.cuda is imported."""
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ SCRIPT = textwrap.dedent('''
                 assert a.cost == b.cost, (variant, a.cost, b.cost)
                 assert a.word_ids
         if seed == 1:  # frames here have up to 118 emitting candidates: most are recomputed
+            from oasr_decoders_wfst import _fused_kernel
+            _fused_kernel.SHARED_TOKENS = 3  # the simulator reads it at run time: arc starts in global memory
             (prev, word, _), best, cost, _, overflowed = fused_decode(
                 dec, lp, lengths, threads=3, variant="arc", candidate_capacity=24)
+            _fused_kernel.SHARED_TOKENS = 4096
             assert not overflowed.any()
             for b, h in enumerate(ref):
                 chain, r = [], int(best[b])

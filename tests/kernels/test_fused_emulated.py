@@ -56,7 +56,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
         body += _translate(source) + "\n"
         names += re.findall(r"^OASR_\w+\((oasr_\w+),", source, flags=re.M)
         names += re.findall(r'extern "C" __global__ void (oasr_\w+)\(', source)
-    assert len(names) == 24 + 12 + 3 + 1 + 6, names
+    assert len(names) == 24 + 12 + 3 + 3 + 1 + 6, names
     table = ",\n".join(f'{{"{n}", [](void** a) {{ emu_call({n}, a); }}}}' for n in names)
     launcher = f"""
 extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned threads,
@@ -178,6 +178,27 @@ def test_emulated_glu_depthwise_conv1d(emulated, dtype, k, padding, t) -> None:
     ref = native(L.glu_depthwise_conv1d, x, conv)
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("c", "k", "padding", "t", "act"), [(70, 7, 3, 37, "swish"), (32, 5, 0, 20, None),
+                                                           (16, 15, 7, 9, "swish")])  # fmt: skip
+def test_emulated_glu_depthwise_conv1d_frames_major(emulated, dtype, c, k, padding, t, act) -> None:
+    """The frames-major kernel on a (B, 2C, T) view of (B, T, 2C) memory (the Conformer
+    module's pointwise GEMM output), channel tiles of 32/64 with a partial last tile, 1-2 lanes."""
+    from oasr_kernels import fused
+
+    g = torch.Generator().manual_seed(4)
+    conv = DepthwiseConv1d(c, k, padding=padding, dtype=dtype)
+    with torch.no_grad():
+        conv.bias.copy_(torch.randn(c, generator=g))
+    x = (torch.randn(2, t, 2 * c, generator=g) * 2).to(dtype).transpose(1, 2)
+    for params in ({"channels": 64, "lanes": 2}, {"channels": 32, "lanes": 1}):
+        out = fused.launch_glu_dwconv_btc(x, conv.weight, conv.bias, padding, act is not None, params)
+        assert emulated[-1].startswith("oasr_glu_dwconv_btc_")
+        ref = native(L.glu_depthwise_conv1d, x, conv, act) if act else native(L.glu_depthwise_conv1d, x, conv)
+        assert out.shape == ref.shape and out.stride(1) == 1
+        torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
 def test_emulated_log_mel(emulated) -> None:

@@ -173,3 +173,45 @@ def test_gpu_batch_norm_fold(dtype) -> None:
         y, _ = m(x, valid)
         ref, _ = _unfolded(m, x, valid)
     torch.testing.assert_close(y.float(), ref.float(), atol=GPU_TOL[dtype], rtol=GPU_TOL[dtype])
+
+
+def test_glu_depthwise_conv1d_act_native() -> None:
+    from oasr.layers.conformer import DepthwiseConv1d
+
+    conv = DepthwiseConv1d(6, 5, padding=2).double()
+    x = torch.randn(2, 12, 9, dtype=torch.float64)
+    plain = L.glu_depthwise_conv1d(x, conv)
+    assert torch.equal(plain, conv(torch.nn.functional.glu(x, dim=1)))
+    assert torch.equal(L.glu_depthwise_conv1d(x, conv, "swish"), torch.nn.functional.silu(plain))
+    with pytest.raises(ValueError):
+        L.glu_depthwise_conv1d(x, conv, "gelu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels,kernel,padding,act", [(256, 15, 7, "swish"), (70, 15, 7, None),
+                                                         (512, 31, 15, "swish"), (64, 8, 0, "swish")])  # fmt: skip
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_glu_dwconv_frames_major_kernel(channels, kernel, padding, act, dtype) -> None:
+    """oasr-kernels' frames-major GLU + depthwise (+ SiLU) kernel against the native ops, on the
+    layout the Conformer module gives it: a (B, 2C, T) view of the pointwise GEMM's (B, T, 2C)."""
+    fused = pytest.importorskip("oasr_kernels.fused")
+    from oasr.layers.conformer import DepthwiseConv1d
+
+    torch.manual_seed(0)
+    conv = DepthwiseConv1d(channels, kernel, padding=padding).to("cuda", dtype)
+    x = torch.randn(3, 203, 2 * channels, device="cuda", dtype=dtype).transpose(1, 2)
+    old = L.set_overrides_enabled(False)
+    try:
+        ref = L.glu_depthwise_conv1d(x, conv, act)
+    finally:
+        L.set_overrides_enabled(old)
+    out = fused.launch_glu_dwconv_btc(x, conv.weight, conv.bias, padding, act is not None)
+    assert out is not None, "the kernel did not run"
+    assert out.shape == ref.shape and out.stride(1) == 1
+    tol = GPU_TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    # through the op (the override registered by the provider) the same
+    torch.testing.assert_close(
+        L.glu_depthwise_conv1d(x, conv, act).float(), ref.float(), atol=tol, rtol=tol
+    )

@@ -21,7 +21,7 @@ from oasr.tune import Tunable, tuned_params
 from oasr_kernels.jit import DTYPE_TAGS, KernelModule
 
 __all__ = [
-    "TUNABLES", "add_norm_cuda", "bias_act_cuda", "glu_depthwise_conv1d_cuda",
+    "TUNABLES", "add_norm_cuda", "bias_act_cuda", "glu_depthwise_conv1d_cuda", "launch_glu_dwconv_btc",
     "log_mel_power_cuda", "rms_norm_cuda",
 ]  # fmt: skip
 
@@ -31,9 +31,11 @@ MODULE = KernelModule("fused_ops.cu")
 #: H200 (benchmarks/kernelbench.py, docs/kernels.md): the RMSNorm and log-mel kernels beat
 #: the native ops; the residual add + LayerNorm, bias + activation and GLU + depthwise kernels
 #: did not in their first versions, so they run only where ``oasr.tune.autotune()`` measured
-#: them faster on the GPU at hand (``use_kernel: true`` in its cache).
+#: them faster on the GPU at hand (``use_kernel: true`` in its cache). The frames-major GLU +
+#: depthwise (+ SiLU) kernel takes the place of four native passes (GLU, cuDNN's convolution,
+#: its bias add, SiLU) over the Conformer module's frames, so it is on unless tuned off.
 USE_BY_DEFAULT = {"layer": False, "rms": True, "bias_act": False, "glu_depthwise_conv1d": False,
-                  "log_mel_power": True}  # fmt: skip
+                  "glu_depthwise_conv1d_btc": True, "log_mel_power": True}  # fmt: skip
 _SMEM_LIMIT = 48 * 1024  # the default dynamic shared memory limit (no opt-in attribute)
 MAX_NORM_DIM = _SMEM_LIMIT // 4 - 64  # the row lives in shared memory as fp32
 MAX_DWCONV_KERNEL = 2048
@@ -214,6 +216,7 @@ def dwconv_key(dtype: torch.dtype, k: int) -> str:
 
 
 _CONV_OUTPUTS_PER_THREAD = 4  # kConvOutputsPerThread in the .cu
+_BTC_OUTPUTS_PER_THREAD = 8  # kBtcOutputsPerThread in the .cu
 
 
 def _dwconv_default(t_out: int) -> dict[str, int]:
@@ -243,13 +246,59 @@ def launch_glu_dwconv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out
 
 
-def glu_depthwise_conv1d_cuda(x: torch.Tensor, conv: Any) -> Any:
-    """Override of ``glu_depthwise_conv1d`` for :class:`oasr.layers.DepthwiseConv1d`."""
+def _frames_major(x: torch.Tensor) -> bool:
+    """(B, 2C, T) whose memory is a contiguous (B, T, 2C): the pointwise GEMM's output."""
+    b, c2, t = x.shape
+    return x.stride(1) == 1 and (t == 1 or x.stride(2) == c2) and (b == 1 or x.stride(0) == t * c2)
+
+
+def btc_dwconv_key(dtype: torch.dtype, k: int) -> str:
+    return f"btc:{DTYPE_TAGS[dtype]}:k{k}"
+
+
+_BTC_DEFAULT = {"channels": 64, "lanes": 8}
+
+
+def launch_glu_dwconv_btc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: int,
+                          act: bool, params: dict[str, int] | None = None) -> torch.Tensor | None:  # fmt: skip
+    """The frames-major kernel: ``x`` (B, 2C, T) over (B, T, 2C) memory -> (B, C, T') over
+    (B, T', C) memory (the layout the next pointwise GEMM reads as it lies)."""
+    b, c2, t_in = x.shape
+    c, k = weight.shape[0], weight.shape[-1]
+    t_out = t_in + 2 * padding - k + 1
+    if params is None:
+        params = tuned_params("glu_depthwise_conv1d", btc_dwconv_key(x.dtype, k), x.device, _BTC_DEFAULT)
+    out = torch.empty((b, max(t_out, 0), c), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out.transpose(1, 2)
+    cw, lanes = int(params["channels"]), int(params["lanes"])
+    tile = lanes * _BTC_OUTPUTS_PER_THREAD
+    smem = 4 * cw * (k + tile + k - 1)
+    while smem > _SMEM_LIMIT and lanes > 1:  # long kernels: a shorter tile
+        lanes //= 2
+        tile = lanes * _BTC_OUTPUTS_PER_THREAD
+        smem = 4 * cw * (k + tile + k - 1)
+    if smem > _SMEM_LIMIT:
+        return None
+    grid = (-(-t_out // tile), -(-c // cw), b)
+    args = (_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), np.int32(c), np.int32(t_in), np.int32(t_out),
+            np.int32(k), np.int32(padding), np.int32(1 if act else 0), np.int32(cw))  # fmt: skip
+    if not MODULE.launch(f"oasr_glu_dwconv_btc_{DTYPE_TAGS[x.dtype]}", grid, (cw * lanes,), args, x.device,
+                         shared_mem=smem):  # fmt: skip
+        return None
+    return out.transpose(1, 2)
+
+
+def glu_depthwise_conv1d_cuda(x: torch.Tensor, conv: Any, act: str | None = None) -> Any:
+    """Override of ``glu_depthwise_conv1d`` for :class:`oasr.layers.DepthwiseConv1d`. Frames-major
+    input (the Conformer module's pointwise GEMM output) takes the frames-major kernel, with the
+    SiLU fused when asked (on by default: one pass for the native GLU, convolution, bias add and
+    SiLU passes); a contiguous (B, 2C, T) input the channel-major one (where tuned faster)."""
     from oasr.layers.conformer import DepthwiseConv1d
 
-    if type(conv) is not DepthwiseConv1d:
+    if type(conv) is not DepthwiseConv1d or act not in (None, "swish"):
         return NotImplemented
-    if not x.is_cuda or x.dtype not in DTYPE_TAGS or x.dim() != 3 or not x.is_contiguous():
+    if not x.is_cuda or x.dtype not in DTYPE_TAGS or x.dim() != 3:
         return NotImplemented
     w, bias = conv.weight, conv.bias
     c = conv.channels
@@ -257,7 +306,16 @@ def glu_depthwise_conv1d_cuda(x: torch.Tensor, conv: Any) -> Any:
         return NotImplemented
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return NotImplemented
-    if conv.kernel_size > MAX_DWCONV_KERNEL or x.shape[0] > 65535 or c > 65535:
+    if conv.kernel_size > MAX_DWCONV_KERNEL or x.shape[0] > 65535 or c > 65535 * 32:
+        return NotImplemented
+    if _frames_major(x) and x.numel() < 2**31:
+        tuned = tuned_params("glu_depthwise_conv1d", btc_dwconv_key(x.dtype, conv.kernel_size), x.device,
+                             {**_BTC_DEFAULT, "use_kernel": USE_BY_DEFAULT["glu_depthwise_conv1d_btc"]})  # fmt: skip
+        if not tuned.get("use_kernel", True):
+            return NotImplemented
+        out = launch_glu_dwconv_btc(x, w, bias, int(conv.padding), act is not None, tuned)
+        return NotImplemented if out is None else out
+    if act is not None or not x.is_contiguous() or c > 65535:
         return NotImplemented
     t_out = x.shape[2] + 2 * int(conv.padding) - conv.kernel_size + 1
     tuned = tuned_params("glu_depthwise_conv1d", dwconv_key(x.dtype, conv.kernel_size), x.device,

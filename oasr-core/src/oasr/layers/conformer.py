@@ -364,14 +364,19 @@ class ConformerConvModule(nn.Module):
                 idx = lengths.to(x.device)[:, None] + torch.arange(self.lorder, device=x.device)[None, :]
                 new_cache = torch.gather(x, 2, idx[:, None, :].expand(-1, x.shape[1], -1))
         folded = self._folded_depthwise(x.device.type)
-        # GLU then the depthwise convolution: one op (one kernel with oasr-kernels on CUDA)
-        x = glu_depthwise_conv1d(self.pointwise_conv1(x), self.depthwise_conv if folded is None else folded)
-        if folded is None:
-            if self.use_layer_norm:
-                x = self.norm(x.transpose(1, 2)).transpose(1, 2)
-            else:
-                x = self.norm(x)
-        x = self.pointwise_conv2(self.act(x)).transpose(1, 2)  # (B, T, C)
+        # GLU then the depthwise convolution: one op (one kernel with oasr-kernels on CUDA), with
+        # the activation too where the norm is folded away
+        if folded is not None and self.act is swish:
+            x = glu_depthwise_conv1d(self.pointwise_conv1(x), folded, "swish")
+        else:
+            x = glu_depthwise_conv1d(self.pointwise_conv1(x), self.depthwise_conv if folded is None else folded)
+            if folded is None:
+                if self.use_layer_norm:
+                    x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+                else:
+                    x = self.norm(x)
+            x = self.act(x)
+        x = self.pointwise_conv2(x).transpose(1, 2)  # (B, T, C)
         if valid is not None:
             x = x.masked_fill_(~valid[:, :, None], 0.0)  # in place: the output is ours
         return x, new_cache

@@ -14,9 +14,11 @@ Ops (overridable; overrides receive exactly the arguments below):
 ``bias_act(x, bias, act)``
     ``act(x + bias)`` with ``act`` "gelu" (exact erf), "silu" or "swish" (the same function);
     ``bias`` broadcast over the last axis, or None.
-``glu_depthwise_conv1d(x, conv)``
+``glu_depthwise_conv1d(x, conv[, act])``
     ``conv(glu(x, dim=1))``: the Conformer convolution module's GLU then its depthwise
-    convolution (:class:`~oasr.layers.DepthwiseConv1d`), ``x`` (B, 2C, T).
+    convolution (:class:`~oasr.layers.DepthwiseConv1d`), ``x`` (B, 2C, T); with ``act="swish"``
+    then ``swish`` of that (the module's activation, where no norm lies between, e.g. a
+    BatchNorm folded into the convolution). ``act`` reaches an override only when given.
 ``log_mel_power(stft, filters, frames)``
     ``log10(clamp(filters @ |stft[..., :frames]|^2, min=1e-10))``: Whisper's log-mel from a
     complex STFT (B, F, T') and mel filters (M, F); (B, M, frames) float32.
@@ -68,16 +70,25 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: str = "gelu") -> t
     return call_op(_BIAS_ACT, x.device.type, _bias_act_native, x, bias, act)
 
 
-def _glu_dwconv_native(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
-    from oasr.layers.conformer import glu
-
-    return conv(glu(x, dim=1))
+#: activations ``glu_depthwise_conv1d`` takes
+DWCONV_ACTIVATIONS = ("swish",)
 
 
-def glu_depthwise_conv1d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+def _glu_dwconv_native(x: torch.Tensor, conv: nn.Module, act: str | None = None) -> torch.Tensor:
+    from oasr.layers.conformer import glu, swish
+
+    y = conv(glu(x, dim=1))
+    return y if act is None else swish(y)
+
+
+def glu_depthwise_conv1d(x: torch.Tensor, conv: nn.Module, act: str | None = None) -> torch.Tensor:
     """``conv(glu(x, dim=1))`` for ``x`` (B, 2C, T) and a depthwise convolution ``conv`` over C
-    channels. Overridable op ``"glu_depthwise_conv1d"``."""
-    return call_op(_GLU_DWCONV, x.device.type, _glu_dwconv_native, x, conv)
+    channels, then ``swish`` when ``act="swish"``. Overridable op ``"glu_depthwise_conv1d"``."""
+    if act is None:
+        return call_op(_GLU_DWCONV, x.device.type, _glu_dwconv_native, x, conv)
+    if act not in DWCONV_ACTIVATIONS:
+        raise ValueError(f"glu_depthwise_conv1d takes act in {DWCONV_ACTIVATIONS}, not {act!r}")
+    return call_op(_GLU_DWCONV, x.device.type, _glu_dwconv_native, x, conv, act)
 
 
 def _log_mel_power_native(stft: torch.Tensor, filters: torch.Tensor, frames: int) -> torch.Tensor:

@@ -240,6 +240,76 @@ __device__ __forceinline__ void glu_dwconv(const T* __restrict__ x, const T* __r
   }
 }
 
+// The same over frames-major memory (what the Conformer's pointwise GEMM leaves): x (B, Tin, 2C),
+// each frame's row [value | gate]; out (B, Tout, C); act 1 applies SiLU to the biased sum (as
+// it is rounded to T first, like the native ops). Block: cw channels x (blockDim.x / cw)
+// lanes, each lane kBtcOutputsPerThread consecutive output frames, so a block covers a tile of
+// lanes * kBtcOutputsPerThread frames; its GLU inputs (tile + K - 1 frames) and weights sit in
+// shared memory with the channel fastest (loads coalesced across the channels).
+constexpr int kBtcOutputsPerThread = 8;
+
+template <typename T>
+__device__ __forceinline__ void glu_dwconv_btc(const T* __restrict__ x, const T* __restrict__ w,
+                                               const T* __restrict__ bias, T* __restrict__ out,
+                                               int C, int Tin, int Tout, int K, int P, int act,
+                                               int cw) {
+  constexpr int OPT = kBtcOutputsPerThread;
+  extern __shared__ float oasr_fused_smem[];
+  const int tx = threadIdx.x % cw, ty = threadIdx.x / cw, lanes = blockDim.x / cw;
+  float* ws = oasr_fused_smem;           // K x cw
+  float* g = oasr_fused_smem + K * cw;   // (tile + K - 1) x cw
+  const int c = blockIdx.y * cw + tx;
+  const bool live = c < C;
+  const long long b = blockIdx.z;
+  const int tile = OPT * lanes;
+  const int t0 = blockIdx.x * tile;
+  for (int k = ty; k < K; k += lanes)
+    ws[k * cw + tx] = live ? to_float(w[(long long)c * K + k]) : 0.f;
+  const T* xb = x + b * (long long)Tin * 2 * C;
+  const int span = tile + K - 1;
+  for (int i = ty; i < span; i += lanes) {
+    const int p = t0 - P + i;
+    float v = 0.f;
+    if (live && p >= 0 && p < Tin) {
+      const T* row = xb + (long long)p * 2 * C;
+      const float gate = to_float(row[C + c]);
+      v = round_to<T>(to_float(row[c]) * (1.f / (1.f + expf(-gate))));
+    }
+    g[i * cw + tx] = v;
+  }
+  __syncthreads();
+  const int tb = ty * OPT;  // this lane's first output within the tile
+  if (!live || t0 + tb >= Tout) return;
+  float acc[OPT], win[OPT];
+#pragma unroll
+  for (int j = 0; j < OPT; ++j) {
+    acc[j] = 0.f;
+    win[j] = g[(tb + j) * cw + tx];
+  }
+  for (int k = 0; k < K; ++k) {
+    const float wk = ws[k * cw + tx];
+#pragma unroll
+    for (int j = 0; j < OPT; ++j) acc[j] = fmaf(wk, win[j], acc[j]);
+#pragma unroll
+    for (int j = 0; j < OPT - 1; ++j) win[j] = win[j + 1];
+    if (k + 1 < K) win[OPT - 1] = g[(tb + OPT + k) * cw + tx];
+  }
+  const float bv = bias != nullptr ? to_float(bias[c]) : 0.f;
+  T* o = out + b * (long long)Tout * C + c;
+#pragma unroll
+  for (int j = 0; j < OPT; ++j) {
+    const int t = t0 + tb + j;
+    if (t < Tout) {
+      float v = acc[j] + bv;
+      if (act == 1) {
+        v = round_to<T>(v);
+        v = v / (1.f + expf(-v));
+      }
+      o[(long long)t * C] = from_float<T>(v);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- log-mel from an STFT
 // spec: the STFT as floats (re, im) with strides sb, sf, st (in floats; re at +0, im at +1);
 // out (B, M, frames) float: log10(max(sum_f filt[m, f] * |spec[b, f, t]|^2, 1e-10)).
@@ -302,6 +372,12 @@ __device__ __forceinline__ void log_mel(const float* __restrict__ spec, long lon
     oasr::glu_dwconv<T>(x, w, bias, out, C, Tin, Tout, K, P);                                \
   }
 
+#define OASR_GLU_DWCONV_BTC(NAME, T)                                                         \
+  extern "C" __global__ void NAME(const T* x, const T* w, const T* bias, T* out, int C,      \
+                                  int Tin, int Tout, int K, int P, int act, int cw) {        \
+    oasr::glu_dwconv_btc<T>(x, w, bias, out, C, Tin, Tout, K, P, act, cw);                   \
+  }
+
 OASR_ADD_NORM(oasr_add_layer_norm_f32, float, 0)
 OASR_ADD_NORM_VEC(oasr_add_layer_norm_f32_v1, float, 0, 1)
 OASR_ADD_NORM_VEC(oasr_add_layer_norm_f32_v2, float, 0, 2)
@@ -341,6 +417,9 @@ OASR_BIAS_ACT(oasr_bias_silu_bf16_v, oasr::bf16, 1, true)
 OASR_GLU_DWCONV(oasr_glu_dwconv_f32, float)
 OASR_GLU_DWCONV(oasr_glu_dwconv_f16, oasr::f16)
 OASR_GLU_DWCONV(oasr_glu_dwconv_bf16, oasr::bf16)
+OASR_GLU_DWCONV_BTC(oasr_glu_dwconv_btc_f32, float)
+OASR_GLU_DWCONV_BTC(oasr_glu_dwconv_btc_f16, oasr::f16)
+OASR_GLU_DWCONV_BTC(oasr_glu_dwconv_btc_bf16, oasr::bf16)
 
 extern "C" __global__ void oasr_log_mel_f32(const float* spec, long long sb, long long sf,
                                             long long st, const float* filt, const int* lo,

@@ -215,3 +215,15 @@ def test_gpu_glu_dwconv_frames_major_kernel(channels, kernel, padding, act, dtyp
     torch.testing.assert_close(
         L.glu_depthwise_conv1d(x, conv, act).float(), ref.float(), atol=tol, rtol=tol
     )
+
+
+def test_causal_left_context_keeps_frames_major_memory() -> None:
+    """With left context the pointwise convolution still gets a (B, C, T) view of frames-major
+    memory (what CUDA runs as one GEMM, then the frames-major GLU + depthwise kernel)."""
+    m = _conv_module("batch_norm", True, torch.float32)
+    seen = []
+    m.pointwise_conv1.register_forward_pre_hook(lambda mod, args: seen.append(args[0].stride()))
+    with torch.no_grad():
+        m(torch.randn(2, 10, 16))
+        m(torch.randn(2, 10, 16), None, torch.randn(2, 16, m.lorder))
+    assert all(stride[1] == 1 for stride in seen) and len(seen) == 2

@@ -352,17 +352,20 @@ class ConformerConvModule(nn.Module):
             # contiguous (B, C, T) copy and sent it to cuDNN's slower kernels instead. One pass
             # (masked_fill is a copy and a fill).
             x = torch.where(valid[:, :, None], x, 0.0)
-        x = x.transpose(1, 2)  # (B, C, T)
         new_cache = None
         if self.lorder > 0:
             if cache is None or cache.shape[2] == 0:
-                cache = x.new_zeros(x.shape[0], x.shape[1], self.lorder)
-            x = torch.cat([cache, x], dim=2)
+                cache = x.new_zeros(x.shape[0], x.shape[2], self.lorder)
+            # joined in (B, T, C), so the (B, C, T) view keeps frames-major memory (the GEMM and
+            # frames-major kernel paths, as without left context)
+            x = torch.cat([cache.transpose(1, 2), x], dim=1).transpose(1, 2)
             if lengths is None:
                 new_cache = x[:, :, -self.lorder :]
             else:
                 idx = lengths.to(x.device)[:, None] + torch.arange(self.lorder, device=x.device)[None, :]
                 new_cache = torch.gather(x, 2, idx[:, None, :].expand(-1, x.shape[1], -1))
+        else:
+            x = x.transpose(1, 2)  # (B, C, T)
         folded = self._folded_depthwise(x.device.type)
         # GLU then the depthwise convolution: one op (one kernel with oasr-kernels on CUDA), with
         # the activation too where the norm is folded away

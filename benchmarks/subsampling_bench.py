@@ -1,8 +1,10 @@
 """The WeNet Conformer's CUDA fast paths (issue #23) beside the paths they replace, at WeNet's
 shapes (64 x 30 s, fp16): the Conv2d x4 subsampling frames-last (first convolution as a GEMM,
 the second channels-last, ``Conv2dSubsampling.forward_frames_last``) against NCHW cuDNN, and the
-convolution module with its eval-mode BatchNorm folded into the depthwise convolution against
-the norm as its own pass. Prints one JSON object (ms, best of 10, and the largest difference).
+convolution module three ways: eval-mode BatchNorm folded into the depthwise convolution with
+oasr-kernels' frames-major GLU + depthwise + SiLU kernel (``fold_kernel``), folded with the
+native ops (``fold_native``), and the norm as its own pass with the native ops (``bn_native``,
+what ran before). Prints one JSON object (ms, best of 10, and the largest difference).
 
     python -m benchmarks.subsampling_bench
 """
@@ -13,6 +15,7 @@ import json
 
 import torch
 
+import oasr.layers as L
 from oasr.layers.conformer import ConformerConvModule, Conv2dSubsampling
 
 
@@ -54,12 +57,23 @@ def measure(d: int, dev: str = "cuda", dt: torch.dtype = torch.float16) -> dict:
         m.norm.running_mean.normal_()
     x = torch.randn(64, 749, d, device=dev, dtype=dt)
     valid = torch.ones(64, 749, dtype=torch.bool, device=dev)
-    folded = timeit(lambda: m(x, valid))
+    valid[1:, 600:] = False
+
+    def native_ops(fn):
+        old = L.set_overrides_enabled(False)
+        try:
+            return fn()
+        finally:
+            L.set_overrides_enabled(old)
+
+    res[f"conv_module_d{d}_fold_kernel_ms"] = timeit(lambda: m(x, valid))
+    res[f"conv_module_d{d}_fold_native_ms"] = native_ops(lambda: timeit(lambda: m(x, valid)))
     ref = m(x, valid)[0]
     m.train()  # BatchNorm1d keeps its running statistics; training only turns the fold off
-    res[f"conv_module_d{d}_bn_ms"] = timeit(lambda: m(x, valid))
-    res[f"conv_module_d{d}_bn_folded_ms"] = folded
-    res[f"conv_module_d{d}_maxdiff"] = float((m(x, valid)[0].float() - ref.float()).abs().max())
+    res[f"conv_module_d{d}_bn_native_ms"] = native_ops(lambda: timeit(lambda: m(x, valid)))
+    res[f"conv_module_d{d}_maxdiff"] = float(
+        (native_ops(lambda: m(x, valid)[0]).float() - ref.float()).abs().max()
+    )
     return res
 
 

@@ -29,6 +29,10 @@ SCRIPT = textwrap.dedent('''
     from oasr_decoders_wfst.decoder import WfstDecoder, WfstSearchOptions
     from oasr_decoders_wfst.fused import decode_fused, fused_decode
 
+    from oasr_decoders_wfst._fused_kernel import cost_key
+    costs = [-float("inf"), -3.5e9, -2.0, -1.0, -1e-300, 0.0, 1e-300, 1.0, 1.0000001, 7e9, float("inf")]
+    keys = [int(cost_key(c)) for c in costs]  # the arc variant's table keys order as the costs
+    assert keys == sorted(keys) and len(set(keys)) == len(keys), keys
     g = build_tlg(TOY_LEXICON, read_arpa(TOY_ARPA.splitlines()))
     for seed, opts in ((1, WfstSearchOptions(beam=16.0)),
                        (2, WfstSearchOptions(beam=7.0, max_active=5, min_active=2, acoustic_scale=0.7)),

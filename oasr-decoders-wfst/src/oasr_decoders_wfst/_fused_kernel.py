@@ -5,8 +5,11 @@ when the fused search runs."""
 from __future__ import annotations
 
 import math
+import os
 
+import numpy as np
 from numba import cuda, float32, float64, int32
+from numba.cuda import libdevice
 
 INT32_MAX = 2**31 - 1
 
@@ -366,6 +369,29 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
 #: token arc starts live in shared memory up to this many tokens (else in global scratch)
 SHARED_TOKENS = 4096
 
+# The arc variant keeps the per-state cost table as int64 keys that order as the float64 costs
+# (non-negative: the bits; negative: all bits but the sign flipped), so lowering an entry is one
+# native 64-bit atomic min the thread need not wait for, not numba's float64 atomic min (a load,
+# then a compare-and-swap loop: two waits). inf's key is its bits.
+INF_KEY = 0x7FF0000000000000
+FLIP = 0x7FFFFFFFFFFFFFFF
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":  # the simulator has no libdevice
+
+    @cuda.jit(device=True)
+    def cost_key(x):
+        u = int(np.float64(x).view(np.int64))
+        return np.int64(u if u >= 0 else u ^ FLIP)
+
+else:
+
+    @cuda.jit(device=True)
+    def cost_key(x):
+        u = libdevice.double_as_longlong(x)
+        if u < 0:
+            u ^= FLIP
+        return u
+
 
 @cuda.jit(device=True)
 def kth_cost_ranked(tok_cost, b, cur, n, k, sf, costs):
@@ -446,7 +472,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
         si[3] = 0
         si[9] = 0
         si[10] = 0
-        best[base + start] = 0.0
+        best[base + start] = 0  # the key of 0.0
         slot[base + start] = 0
     cuda.syncthreads()
     cur = 0
@@ -557,7 +583,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                     o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
                     d = e_next[a]
                 if nc < next_cutoff:
-                    cuda.atomic.min(best, base + d, nc)
+                    cuda.atomic.min(best, base + d, cost_key(nc))
             cuda.syncthreads()
             for j in range(tid, total, nth):
                 o = 0
@@ -569,7 +595,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                     o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
                     d = e_next[a]
                 # the table was lowered by atomics: read it with one (no stale L1 line)
-                if nc < next_cutoff and nc == cuda.atomic.min(best, base + d, inf):
+                if nc < next_cutoff and cost_key(nc) == cuda.atomic.min(best, base + d, INF_KEY):
                     if cuda.atomic.cas(slot, base + d, -1, -2) == -1:
                         if j < ccap:
                             o = cand_src[b, j]
@@ -634,8 +660,9 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                 for a in range(p_off[s], p_off[s + 1]):
                     nc = c + p_w[a]
                     d = p_next[a]
-                    if nc <= ccut and nc < best[base + d]:
-                        cuda.atomic.min(best, base + d, nc)
+                    key = cost_key(nc)
+                    if nc <= ccut and key < best[base + d]:
+                        cuda.atomic.min(best, base + d, key)
                         k = cuda.atomic.add(si, 2, 1)
                         if k < ccap:
                             cand_src[b, k] = i
@@ -652,7 +679,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                 a = cand_arc[b, k]
                 d = p_next[a]
                 nc = cand_cost[b, k]
-                if nc == cuda.atomic.min(best, base + d, inf) and cuda.atomic.max(claim, base + d, rid) < rid:
+                if cost_key(nc) == cuda.atomic.min(best, base + d, INF_KEY) and cuda.atomic.max(claim, base + d, rid) < rid:
                     r = cand_rec[b, k]
                     if p_olab[a] != 0:
                         q = cuda.atomic.add(si, 3, 1)
@@ -699,7 +726,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
         for i in range(tid, si[0], nth):
             s = tok_state[b, nb, i]
             mine = min(mine, tok_cost[b, nb, i])
-            best[base + s] = inf
+            best[base + s] = INF_KEY
             slot[base + s] = -1
         if mine < inf:
             cuda.atomic.min(sf, 7, mine)

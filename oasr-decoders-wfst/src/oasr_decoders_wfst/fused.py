@@ -182,7 +182,10 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
             float(o.beam_delta), tok_state, tok_cost, tok_rec, best, slot, claim, frontier,
             cand_src, cand_arc, cand_cost, cand_rec, rec_prev, rec_word, rec_frame, out_rec,
             out_cost, out_final, status, out_nrec]  # fmt: skip
-    if variant == "arc":  # each token's first arc number where they overflow shared memory
+    if variant == "arc":
+        assert args[20] is best
+        args[20] = best.view(torch.int64)  # its cost table holds order-preserving int64 keys
+        # each token's first arc number where they overflow shared memory
         args.append(torch.empty(B, cap + 1, dtype=torch.int32, **z))
     if sim:
         args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]

@@ -19,6 +19,7 @@ OPS = (
     "glu_depthwise_conv1d",
     "log_mel_power",
     "paged_decode_attention_fp8",
+    "cross_attention_fp8",
     "ctc_prefix_beam_frames",
 )
 
@@ -46,10 +47,13 @@ def install(device_type: str = "cuda") -> list[str]:
     register_override("bias_act", "cuda", fused.bias_act_cuda)
     register_override("glu_depthwise_conv1d", "cuda", fused.glu_depthwise_conv1d_cuda)
     register_override("log_mel_power", "cuda", fused.log_mel_power_cuda)
-    import oasr.layers.quantized  # noqa: F401 - declares the fp8 KV cache's op
+    import oasr.layers.quantized  # noqa: F401 - declares the fp8 KV cache's ops
     from oasr_kernels.paged_attention_fp8 import paged_decode_attention_fp8_cuda
 
     register_override("paged_decode_attention_fp8", "cuda", paged_decode_attention_fp8_cuda)
+    from oasr_kernels.cross_attention_fp8 import cross_attention_fp8_cuda
+
+    register_override("cross_attention_fp8", "cuda", cross_attention_fp8_cuda)
     from oasr.decoders.ctc_gpu import FRAMES_OP
     from oasr.layers._dispatch import declare_op
     from oasr_kernels.ctc_beam import ctc_prefix_beam_frames_cuda

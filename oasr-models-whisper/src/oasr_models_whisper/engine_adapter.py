@@ -32,7 +32,6 @@ import torch
 from oasr.audio import as_mono_waveform
 from oasr.executors.autoregressive import AttentionContext, AutoregressiveExecutor, Row, Window
 from oasr.features.whisper import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
-from oasr.layers.attention import attention, fixed_shape_attention
 from oasr.layers.fused import add_norm
 from oasr.types import DecodingOptions, Transcript
 from oasr_models_whisper.decoding import (
@@ -132,6 +131,7 @@ class WhisperStepModel:
         self.max_positions = dims.n_text_ctx
         self.vocab_size = dims.n_vocab
         self.cross_shape = (dims.n_audio_ctx, dims.n_text_state)
+        self.cross_heads = dims.n_text_head
         self._fused_qkv = self._fuse_self_qkv() if self.device.type == "cuda" else None
         self._norms = decoder_norms(net.decoder)
         esize = torch.empty(0, dtype=self.dtype).element_size()
@@ -182,21 +182,18 @@ class WhisperStepModel:
             out = ctx.self_attention(li, q, k, v)
             # each residual add with the norm after it: one kernel with oasr-kernels
             x, h = add_norm(x, att.out_proj(out.transpose(1, 2).reshape(b, t, -1)), norms[3 * li + 1])
-            x, h = add_norm(x, self._cross_attention(block, h, *ctx.cross_kv(li)), norms[3 * li + 2])
+            x, h = add_norm(x, self._cross_attention(block, h, li, ctx), norms[3 * li + 2])
             x, h = add_norm(x, block.mlp(h), norms[3 * li + 3])
         return dec.logits(h).float()
 
     @staticmethod
-    def _cross_attention(block: Any, h: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
-        """Cross-attention of the normalised ``h`` (B, T, d) over pooled K/V (B, frames, d)."""
+    def _cross_attention(block: Any, h: torch.Tensor, layer: int, ctx: AttentionContext) -> torch.Tensor:
+        """Cross-attention of the normalised ``h`` (B, T, d) over the executor's pooled K/V
+        (fp16 through cuDNN's fixed-shape SDPA, fp8 through the op that reads the e4m3 bytes:
+        this read is most of a large model's decode step)."""
         att = block.cross_attn
         b, t, _ = h.shape
-        q = att._split(att.q_proj(h))
-        # the key length is always the encoder's: cuDNN's kernel streams the K/V of a large
-        # batch about twice as fast as flash (see fixed_shape_attention), and this read is
-        # most of a large model's decode step
-        with fixed_shape_attention():
-            out = attention(q, att._split(ck), att._split(cv))
+        out = ctx.cross_attention(layer, att._split(att.q_proj(h)))
         return att.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -51,7 +51,9 @@ from oasr.layers import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from oasr.layers.quantized import paged_decode_attention_fp8
+from oasr.layers.attention import fixed_shape_attention
+from oasr.layers.quantized import cross_attention_fp8, paged_decode_attention_fp8
+from oasr.quantization.numerics import dequantize_kv, quantize_kv
 from oasr.stream_cache import CAPTURE_LOCK
 
 if TYPE_CHECKING:
@@ -88,6 +90,10 @@ class StepModel(Protocol):
     vocab_size: int
     #: per-row cross-attention memory (frames, width) per layer, or None without cross-attention
     cross_shape: tuple[int, int] | None
+    #: optional: the heads the cross-attention K/V split into (width = heads x head size); read
+    #: by the fp8 cross pools (one scale per frame and head) and ``ctx.cross_attention``.
+    #: Default ``num_kv_heads``
+    cross_heads: int
     #: device memory the step model holds beyond the executor's pools (e.g. fused weights)
     extra_bytes: int
 
@@ -103,9 +109,10 @@ class StepModel(Protocol):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Logits (B, T, V) for ``tokens``/``positions`` (B, T); self-attention goes through
         ``ctx.self_attention`` (it writes the new K/V into the paged cache), cross-attention
-        reads ``ctx.cross_kv``. ``positions`` are absolute (rotary embeddings read them). A
-        family whose prompts carry embeddings (``Window.embeds``) passes its token embeddings
-        through ``ctx.input_embeddings`` before the first layer."""
+        goes through ``ctx.cross_attention`` (or reads ``ctx.cross_kv``). ``positions`` are
+        absolute (rotary embeddings read them). A family whose prompts carry embeddings
+        (``Window.embeds``) passes its token embeddings through ``ctx.input_embeddings`` before
+        the first layer."""
         ...
 
 
@@ -263,12 +270,42 @@ class AttentionContext:
         return _causal_attention(q, k.reshape(b, t, cache.num_heads, cache.head_dim),
                                  v.reshape(b, t, cache.num_heads, cache.head_dim))  # fmt: skip
 
-    def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This batch's rows of the cross-attention pools of ``layer``: K, V (B, frames, width)."""
+    def cross_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` (B, heads, T, head_dim) over this batch's rows of the
+        cross-attention K/V of ``layer`` (every frame); returns (B, heads, T, head_dim). With the
+        fp8 pools (``kv_cache_dtype="fp8"``) this is the op ``cross_attention_fp8``, which reads
+        the e4m3 bytes and their scales (oasr-kernels on CUDA)."""
         ex = self._ex
+        if ex.cross_fp8:
+            k, v, ks, vs = (self._rows_of(t[layer]) for t in (ex.cross_k, ex.cross_v, ex.cross_k_scale,
+                                                              ex.cross_v_scale))  # fmt: skip
+            return cross_attention_fp8(q, k, v, ks, vs)
+        k, v = self.cross_kv(layer)
+        b, s, _ = k.shape
+        k = k.view(b, s, ex.cross_heads, -1).transpose(1, 2)
+        v = v.view(b, s, ex.cross_heads, -1).transpose(1, 2)
+        # the key length is always the encoder's: cuDNN's kernel streams the K/V of a large batch
+        # about twice as fast as flash (see fixed_shape_attention)
+        with fixed_shape_attention():
+            return attention(q, k, v)
+
+    def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This batch's rows of the cross-attention pools of ``layer``: K, V (B, frames, width),
+        in the compute dtype (the fp8 pools dequantized: ``cross_attention`` reads them
+        without that copy)."""
+        ex = self._ex
+        if ex.cross_fp8:
+            k, v, ks, vs = (self._rows_of(t[layer]) for t in (ex.cross_k, ex.cross_v, ex.cross_k_scale,
+                                                              ex.cross_v_scale))  # fmt: skip
+            b, h, s, d = k.shape
+            return tuple(dequantize_kv(x, sx, ex.dtype).transpose(1, 2).reshape(b, s, h * d)
+                         for x, sx in ((k, ks), (v, vs)))  # type: ignore[return-value]  # fmt: skip
+        return self._rows_of(ex.cross_k[layer]), self._rows_of(ex.cross_v[layer])
+
+    def _rows_of(self, pool: torch.Tensor) -> torch.Tensor:
         if isinstance(self.rows, int):
-            return ex.cross_k[layer][: self.rows], ex.cross_v[layer][: self.rows]
-        return ex.cross_k[layer].index_select(0, self.rows), ex.cross_v[layer].index_select(0, self.rows)
+            return pool[: self.rows]
+        return pool.index_select(0, self.rows)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -324,12 +361,20 @@ class AutoregressiveExecutor:
         self.block_size = config.block_size
         self.max_positions = sm.max_positions
         esize = torch.empty(0, dtype=self.dtype).element_size()
+        #: "fp8": the self-attention pools and the cross-attention K/V in float8 e4m3
+        #: (SchedulerConfig.kv_cache_dtype)
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.cross_fp8 = self.kv_cache_dtype == "fp8" and sm.cross_shape is not None
+        #: heads of the cross-attention K/V (StepModel.cross_heads)
+        self.cross_heads = int(getattr(sm, "cross_heads", sm.num_kv_heads))
         cross_bytes = 0
         if sm.cross_shape is not None:
             frames, width = sm.cross_shape
-            cross_bytes = 2 * sm.num_layers * frames * width * esize
-        #: "fp8": the self-attention pools in float8 e4m3 (SchedulerConfig.kv_cache_dtype)
-        self.kv_cache_dtype = config.kv_cache_dtype
+            if width % self.cross_heads:
+                raise ValueError(f"cross-attention width {width} does not split into {self.cross_heads} heads")
+            # fp8: a byte per element and a float32 scale per (frame, head)
+            per_frame = width + 4 * self.cross_heads if self.cross_fp8 else width * esize
+            cross_bytes = 2 * sm.num_layers * frames * per_frame
         block_bytes = PagedKVCache.bytes_per_block(sm.num_layers, self.block_size, sm.num_kv_heads,
                                                    sm.head_dim, esize, self.kv_cache_dtype)  # fmt: skip
         self.max_blocks = blocks_for(sm.max_positions, self.block_size)
@@ -377,11 +422,17 @@ class AutoregressiveExecutor:
                                   kv_dtype=self.kv_cache_dtype)  # fmt: skip
         self.cross_k: list[torch.Tensor] = []
         self.cross_v: list[torch.Tensor] = []
+        #: fp8 pools only: float32 scales (rows, heads, frames), one per key / value vector
+        self.cross_k_scale: list[torch.Tensor] = []
+        self.cross_v_scale: list[torch.Tensor] = []
         if sm.cross_shape is not None:
+            frames, width = sm.cross_shape
             # (rows, frames, width): the projection's own layout, so a window's K/V lands with
-            # one contiguous copy
-            shape = (self.max_rows, *sm.cross_shape)
-            kw = {"device": self.device, "dtype": self.dtype}
+            # one contiguous copy. fp8: e4m3 bytes (rows, heads, frames, head_dim), so the
+            # attention of a (row, head) reads one contiguous run of bytes and of scales
+            fp8_shape = (self.max_rows, self.cross_heads, frames, width // self.cross_heads)
+            shape = fp8_shape if self.cross_fp8 else (self.max_rows, frames, width)
+            kw = {"device": self.device, "dtype": torch.uint8 if self.cross_fp8 else self.dtype}
             # CPU: left unwritten. A row's slot is written whole before the row reads it, and
             # the pages of slots never used stay untouched, so a run of a few inputs does not
             # hold max_batch_size windows of K/V (tiny.en: 18 MB each) in memory. CUDA graphs
@@ -389,7 +440,12 @@ class AutoregressiveExecutor:
             alloc = torch.zeros if self.device.type == "cuda" else torch.empty
             self.cross_k = [alloc(shape, **kw) for _ in range(sm.num_layers)]
             self.cross_v = [alloc(shape, **kw) for _ in range(sm.num_layers)]
-        self.memory_bytes = self.cache.nbytes + sum(t.numel() * esize for t in (*self.cross_k, *self.cross_v))
+            if self.cross_fp8:
+                skw = {"device": self.device, "dtype": torch.float32}
+                self.cross_k_scale = [alloc(fp8_shape[:3], **skw) for _ in range(sm.num_layers)]
+                self.cross_v_scale = [alloc(fp8_shape[:3], **skw) for _ in range(sm.num_layers)]
+        cross_pools = (*self.cross_k, *self.cross_v, *self.cross_k_scale, *self.cross_v_scale)
+        self.memory_bytes = self.cache.nbytes + sum(t.numel() * t.element_size() for t in cross_pools)
         self.memory_bytes += int(sm.extra_bytes)
         # kernel providers (oasr-kernels: paged decode attention) for models built without
         # load_model, e.g. from an in-memory checkpoint
@@ -607,8 +663,7 @@ class AutoregressiveExecutor:
             feats = torch.cat([r.window.features for r in starting]).to(self.device, self.dtype)
             for li in range(len(self.cross_k)):
                 k, v = self.step_model.project_cross(li, feats)
-                self.cross_k[li][base : base + len(starting)].copy_(k)
-                self.cross_v[li][base : base + len(starting)].copy_(v)
+                self._store_cross(li, slice(base, base + len(starting)), k, v)
         self.rows.extend(starting)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(self.rows))
         by_len: dict[int, list[int]] = {}
@@ -631,6 +686,19 @@ class AutoregressiveExecutor:
                 r.sum_logprob = np.float32(0.0)
             finished.extend(self._sample(rows, idx, last))
         self._retire(finished)
+
+    def _store_cross(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the cross-attention K/V (n, frames, width) of ``layer`` into pool ``rows``;
+        quantized once here per (frame, head) with the fp8 pools."""
+        if not self.cross_fp8:
+            self.cross_k[layer][rows].copy_(k)
+            self.cross_v[layer][rows].copy_(v)
+            return
+        n, frames, width = k.shape
+        for pool, scales, x in ((self.cross_k, self.cross_k_scale, k), (self.cross_v, self.cross_v_scale, v)):
+            q, s = quantize_kv(x.reshape(n * frames, self.cross_heads, width // self.cross_heads))
+            pool[layer][rows].copy_(q.view(n, frames, self.cross_heads, -1).transpose(1, 2))
+            scales[layer][rows].copy_(s.view(n, frames, self.cross_heads).transpose(1, 2))
 
     def _prompt_embeds(self, rows: list[Row], t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The windows' given embeddings as (flat indices into the (B, T) prefill, vectors)."""
@@ -859,9 +927,9 @@ class AutoregressiveExecutor:
         row = self.rows[i]
         last = len(self.rows) - 1
         if i != last:
-            for li in range(len(self.cross_k)):
-                self.cross_k[li][i].copy_(self.cross_k[li][last])
-                self.cross_v[li][i].copy_(self.cross_v[li][last])
+            for pools in (self.cross_k, self.cross_v, self.cross_k_scale, self.cross_v_scale):
+                for pool in pools:
+                    pool[i].copy_(pool[last])
             self.rows[i] = self.rows[last]
         self.rows.pop()
         self.cache.allocator.free(row.blocks)

@@ -456,3 +456,43 @@ def _paged_decode_fp8_native(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     v = dequantize_kv(v_pool.index_select(0, flat), v_scale.index_select(0, flat), q.dtype)
     tables = torch.arange(b * n, device=block_tables.device, dtype=block_tables.dtype).view(b, n)
     return paged_decode_attention(q, k, v, tables, lengths, scale)
+
+
+# --------------------------------------------------------------------------- fp8 cross-attention K/V
+_CROSS_FP8 = declare_op("cross_attention_fp8")
+
+
+def cross_attention_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` (B, H, T, D) over every one of S keys/values held in fp8: ``k`` / ``v``
+    (B, H_kv, S, D) e4m3 bytes (uint8), ``k_scale`` / ``v_scale`` (B, H_kv, S) float32, one per
+    key / value vector (:func:`~oasr.quantization.numerics.quantize_kv`'s format, heads first so
+    that a (row, head) is one contiguous run). Query head ``h`` reads kv head ``h // (H / H_kv)``.
+    Returns (B, H, T, D) in ``q``'s dtype. The autoregressive executor's fp8 cross-attention
+    pools (``EngineConfig.kv_cache_dtype="fp8"``). Overridable op ``"cross_attention_fp8"``; the
+    native code dequantizes to ``q``'s dtype and runs :func:`oasr.layers.attention` (static
+    shapes, no synchronisation: capturable in a CUDA graph)."""
+    from oasr.layers._dispatch import call_op
+
+    return call_op(_CROSS_FP8, q.device.type, _cross_fp8_native, q, k, v, k_scale, v_scale, scale)
+
+
+def _cross_fp8_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
+    from oasr.layers.attention import attention, fixed_shape_attention
+    from oasr.quantization.numerics import dequantize_kv
+
+    kd = dequantize_kv(k, k_scale, q.dtype)
+    vd = dequantize_kv(v, v_scale, q.dtype)
+    h, hkv = q.shape[1], k.shape[1]
+    if hkv != h:  # grouped heads: each key/value head serves H / H_kv query heads
+        kd = kd.repeat_interleave(h // hkv, dim=1)
+        vd = vd.repeat_interleave(h // hkv, dim=1)
+    with fixed_shape_attention():  # the key length is fixed (see fixed_shape_attention)
+        return attention(q, kd, vd, scale=scale)

@@ -366,8 +366,9 @@ def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
 # starts); the first pass stores each candidate (cost, destination, arc, token) so the other two
 # read it back instead of walking the graph again. Same search, same results.
 
-#: token arc starts live in shared memory up to this many tokens (else in global scratch)
-SHARED_TOKENS = 4096
+#: token arc numbers and first arcs live in shared memory up to this many tokens (else in global
+#: scratch)
+SHARED_TOKENS = 2048
 
 # The arc variant keeps the per-state cost table as int64 keys that order as the float64 costs
 # (non-negative: the bits; negative: all bits but the sign flipped), so lowering an entry is one
@@ -435,11 +436,11 @@ def owner_of(aoff, n, j):
 
 
 @cuda.jit(device=True)
-def arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t):
-    """(token, arc, new cost) of emitting candidate number j, summed in Kaldi's order."""
+def arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t):
+    """(token, arc, new cost) of emitting candidate number j, summed in Kaldi's order; aoff /
+    arc0: each token's first arc number / its state's first emitting arc."""
     o = owner_of(aoff, n, j)
-    s = tok_state[b, cur, o]
-    a = e_off[s] + (j - aoff[o])
+    a = arc0[o] + (j - aoff[o])
     nc = (tok_cost[b, cur, o] + e_w[a]) + float64(-lp[b, t, e_tok[a]])
     return o, a, nc
 
@@ -463,6 +464,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
     sf = cuda.shared.array(8, dtype=float64)
     scan = cuda.shared.array((2, 1024), dtype=int32)
     aoff_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
+    arc0_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
     ranked = cuda.shared.array(1024, dtype=float64)  # kth_cost_ranked's copy of the costs
     if tid == 0:
         tok_state[b, 0, 0] = start
@@ -481,7 +483,8 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
         nb = cur if t < 0 else 1 - cur
         if t >= 0:
             n = si[0]
-            aoff = aoff_shared if n <= SHARED_TOKENS else tok_aoff[b]
+            aoff = aoff_shared if n <= SHARED_TOKENS else tok_aoff[b, 0]
+            arc0 = arc0_shared if n <= SHARED_TOKENS else tok_aoff[b, 1]
             best_cost = sf[7]  # from the last frame's clean-up pass
             beam_cut = best_cost + beam
             cutoff = beam_cut
@@ -501,7 +504,9 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                 if c < beam_cut:
                     m_lt += 1
                     s = tok_state[b, cur, i]
-                    k = int32(e_off[s + 1] - e_off[s])
+                    a0 = e_off[s]
+                    k = int32(e_off[s + 1] - a0)
+                    arc0[i] = a0
                 if c <= beam_cut:
                     m_le += 1
                 aoff[i] = k
@@ -536,7 +541,9 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                         k = 0
                         if tok_cost[b, cur, i] < cutoff:
                             s = tok_state[b, cur, i]
-                            k = int32(e_off[s + 1] - e_off[s])
+                            a0 = e_off[s]
+                            k = int32(e_off[s + 1] - a0)
+                            arc0[i] = a0
                         aoff[i] = k
                         tot += k
             # ---- block prefix sum of the per-thread arc counts (Hillis-Steele, shared memory)
@@ -562,7 +569,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
             # ---- emitting arcs: best new cost; each candidate stored for the next two passes
             mine = inf
             for j in range(tid, total, nth):
-                o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
+                o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
                 if j < ccap:
                     cand_src[b, j] = o
                     cand_arc[b, j] = a
@@ -580,26 +587,23 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                     nc = cand_cost[b, j]
                     d = cand_rec[b, j]
                 else:
-                    o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
+                    o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
                     d = e_next[a]
                 if nc < next_cutoff:
                     cuda.atomic.min(best, base + d, cost_key(nc))
             cuda.syncthreads()
             for j in range(tid, total, nth):
-                o = 0
-                a = 0
-                if j < ccap:
+                if j < ccap:  # all four loads at once: no second wait for a winner's token
                     nc = cand_cost[b, j]
                     d = cand_rec[b, j]
+                    o = cand_src[b, j]
+                    a = cand_arc[b, j]
                 else:
-                    o, a, nc = arc_candidate(aoff, n, j, tok_state, tok_cost, b, cur, e_off, e_w, e_tok, lp, t)  # fmt: skip
+                    o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
                     d = e_next[a]
                 # the table was lowered by atomics: read it with one (no stale L1 line)
                 if nc < next_cutoff and cost_key(nc) == cuda.atomic.min(best, base + d, INF_KEY):
                     if cuda.atomic.cas(slot, base + d, -1, -2) == -1:
-                        if j < ccap:
-                            o = cand_src[b, j]
-                            a = cand_arc[b, j]
                         jj = cuda.atomic.add(si, 1, 1)
                         if jj < cap:
                             r = tok_rec[b, cur, o]
@@ -665,7 +669,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
                         cuda.atomic.min(best, base + d, key)
                         k = cuda.atomic.add(si, 2, 1)
                         if k < ccap:
-                            cand_src[b, k] = i
+                            cand_src[b, k] = d  # the destination: one dependent load fewer below
                             cand_arc[b, k] = a
                             cand_cost[b, k] = nc
                             cand_rec[b, k] = tok_rec[b, nb, i]
@@ -677,7 +681,7 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
             ncand = min(si[2], ccap)
             for k in range(tid, ncand, nth):
                 a = cand_arc[b, k]
-                d = p_next[a]
+                d = cand_src[b, k]
                 nc = cand_cost[b, k]
                 if cost_key(nc) == cuda.atomic.min(best, base + d, INF_KEY) and cuda.atomic.max(claim, base + d, rid) < rid:
                     r = cand_rec[b, k]

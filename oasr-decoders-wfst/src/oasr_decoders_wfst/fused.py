@@ -36,7 +36,7 @@ THREADS = 512
 #: H200 shows "arc" faster with the same words (``wfstbench --fused-variants token,arc``)
 VARIANTS = ("token", "arc")
 DEFAULT_VARIANT = "token"
-_kernels: dict[tuple[str, bool], object] = {}
+_kernels: dict[tuple[str, int | None], object] = {}
 
 
 def _threads(threads: int | None) -> int:
@@ -110,15 +110,16 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     from numba import cuda
 
     sim = simulated()
-    # above 512 threads a block's registers must fit 64 a thread (65536 an SM): ptxas keeps both
-    # variants there without spilling (sm_90), where they otherwise take up to 94
-    capped = threads > 512 and not sim
-    if (variant, capped) not in _kernels:
+    # a block's registers must fit an SM's 65536: above 512 threads 64 a thread (ptxas, sm_90: the
+    # token variant needs no more, the arc variant spills 24 bytes), at 512 the arc variant's 123
+    # are capped at 128 so another compiler's few more cannot stop the launch
+    regs = None if sim else 64 if threads > 512 else 128 if variant == "arc" else None
+    if (variant, regs) not in _kernels:
         from oasr_decoders_wfst import _fused_kernel
 
         k = _fused_kernel.kernel if variant == "token" else _fused_kernel.kernel_arc
-        _kernels[variant, capped] = cuda.jit(max_registers=64)(k.py_func) if capped else k
-    kernel = _kernels[variant, capped]
+        _kernels[variant, regs] = cuda.jit(max_registers=regs)(k.py_func) if regs else k
+    kernel = _kernels[variant, regs]
     g = dec.graph
     o = dec.options
     B, T, V = log_probs.shape
@@ -185,8 +186,8 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     if variant == "arc":
         assert args[20] is best
         args[20] = best.view(torch.int64)  # its cost table holds order-preserving int64 keys
-        # each token's first arc number where they overflow shared memory
-        args.append(torch.empty(B, cap + 1, dtype=torch.int32, **z))
+        # each token's first arc number and first emitting arc where they overflow shared memory
+        args.append(torch.empty(B, 2, cap, dtype=torch.int32, **z))
     if sim:
         args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
         kernel[B, threads](*args)

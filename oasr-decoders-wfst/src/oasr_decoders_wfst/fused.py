@@ -11,6 +11,10 @@ tensor search. Ties between equal costs go to whichever thread claims first (the
 takes the first candidate). Buffers have fixed capacities; an utterance that overflows one is
 reported and decoded again by the tensor search.
 
+Two variants (``VARIANTS``, ``OASR_WFST_FUSED_VARIANT``): "token" as above, a thread per token;
+"arc", a thread per emitting arc (``_fused_kernel.kernel_arc``; docs/wfst_decoder_gpu.md says
+what else it changes). Same search, same results.
+
 Offline only (one call decodes whole utterances). Runs on CUDA, or on numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, for tests on a machine without a GPU).
 """

@@ -235,7 +235,10 @@ class QuantizedLinear(Op):
             # tiny.en's int8 WER by 0.3 points, the size of the whole int8 budget)
             y = y.mul_(sx)
         else:
-            acc = torch._int_mm(xq, self._weight_kn() if dev == "cpu" else self.qweight.t())[:rows]
+            if dev == "cpu":
+                acc = _int_mm_cpu(self, xq)
+            else:
+                acc = torch._int_mm(xq, self.qweight.t())[:rows]
             # int32 -> float32 first: a mixed int32 * float32 multiply is ~15x slower on the CPU
             y = acc.to(torch.float32).mul_(sx).mul_(self.weight_scale)
         if self.act_terms == 2:
@@ -392,6 +395,69 @@ def _onednn_int8_works() -> bool:
     if not ok:
         log.info("oneDNN int8 linear gives inexact products for signed activations here; using torch._int_mm")
     return ok
+
+
+#: whether ``torch._int_mm`` is slow on this CPU (probed once; see :func:`_int_mm_cpu`)
+_INT_MM_SLOW: list[bool] = []
+#: int8 x int8 products summed over at most this many terms are exact in float32:
+#: |sum| <= 128 * 128 * 1024 = 2**24, and every integer up to 2**24 is a float32
+_F32_EXACT_K = 1024
+
+
+def _int_mm_cpu(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor:
+    """``xq @ W_q^T``, the exact integer products, on the CPU: ``torch._int_mm``, or where that is
+    slow here (a CPU without VNNI, e.g. an AVX2 EPYC: oneDNN's reference int8 kernel, 40x a
+    float32 matmul of the same shape) the same integers through float32 matmuls over K chunks of
+    at most :data:`_F32_EXACT_K`, where every partial sum is exact. int32, or float32 holding the
+    int32 values: the caller converts to float32 either way, so the outputs are identical."""
+    if not _INT_MM_SLOW:
+        _INT_MM_SLOW.append(_int_mm_is_slow())
+    if not _INT_MM_SLOW[0]:
+        return torch._int_mm(xq, module._weight_kn())
+    key = (module.qweight.device, module.qweight._version, module.qweight.data_ptr(), "float32")
+    if module._kn is None or module._kn[0] != key:  # the (K, N) slot holds the float32 copy here
+        module._kn = (key, module.qweight.t().to(torch.float32).contiguous())
+    w = module._kn[1]
+    xf = xq.to(torch.float32)
+    k = xq.shape[1]
+    if k <= _F32_EXACT_K:
+        return torch.mm(xf, w)
+    acc = torch.mm(xf[:, :_F32_EXACT_K], w[:_F32_EXACT_K]).to(torch.int32)
+    for start in range(_F32_EXACT_K, k, _F32_EXACT_K):
+        end = start + _F32_EXACT_K
+        acc.add_(torch.mm(xf[:, start:end], w[start:end]).to(torch.int32))
+    return acc
+
+
+def _int_mm_is_slow() -> bool:
+    """Whether ``torch._int_mm`` lacks a fast kernel here: an x86 CPU without VNNI (AVX-512 VNNI,
+    AMX), where oneDNN runs its reference int8 GEMM (an AVX2 EPYC: 5x to 40x a float32 matmul of
+    the same shape), and the float32 matmul gives the exact integer products (checked against
+    int64). ``OASR_INT8_FLOAT32_GEMM=1`` / ``0`` forces the float32 / ``_int_mm`` path."""
+    import os
+    import platform
+
+    forced = os.environ.get("OASR_INT8_FLOAT32_GEMM")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        cpu = torch.cpu
+        fast = cpu._is_vnni_supported() or cpu._is_amx_tile_supported()
+    except (AttributeError, RuntimeError):
+        return False
+    if fast or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-128, 128, (8, _F32_EXACT_K), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (_F32_EXACT_K, 16), generator=g, dtype=torch.int8)
+    x[0].fill_(-128)
+    w[:, 0].fill_(-127)  # the largest sum, near 2**24
+    products = torch.mm(x.to(torch.float32), w.to(torch.float32)).to(torch.int64)
+    exact = torch.equal(products, x.long() @ w.long())
+    if exact:
+        log.info("no VNNI on this CPU (torch._int_mm has no fast kernel): int8 GEMMs run as exact "
+                 "float32 matmuls of the int8 values")  # fmt: skip
+    return bool(exact)
 
 
 def _scaled_mm_out_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:

@@ -22,8 +22,12 @@ behind one lock, 64 KiB at a time: with many workers and many files the pipe is 
 pipe). Results under :data:`SHARED_MIN_BYTES`, errors, and any write that fails (a full or
 missing ``/dev/shm``) take the pipe; the samples are the same bytes either way.
 
-Workers are started with ``forkserver`` on Linux (never ``fork``: the parent may already hold
-CUDA state and threads) and ``spawn`` elsewhere; they import numpy and PyAV, never torch.
+Workers are started with ``forkserver`` on Linux (not ``fork``: the parent may already hold
+CUDA state and threads) and ``spawn`` elsewhere; they import numpy and PyAV, never torch. A
+caller that has imported neither torch nor started a thread may ask for ``fork``
+(:func:`fork_is_safe`; ``oasr transcribe`` does, before it imports torch): the workers then
+start in milliseconds with what the caller imported. A pool replaced after a worker died is
+never forked (the caller has threads by then): it uses the default method.
 """
 
 from __future__ import annotations
@@ -62,6 +66,20 @@ def default_decode_processes(cpu_count: int | None = None) -> int:
     than the parallelism is worth."""
     cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     return 0 if cores < 4 else min(8, cores // 2)
+
+
+def default_start_method() -> str:
+    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+
+
+def fork_is_safe() -> bool:
+    """Whether this process may ``fork`` decode workers now: a POSIX system, torch not imported
+    (no CUDA or OpenMP state) and no thread but this one (no lock another thread could hold)."""
+    return (
+        "fork" in multiprocessing.get_all_start_methods()
+        and "torch" not in sys.modules
+        and threading.active_count() == 1
+    )
 
 
 def _warm_worker() -> int:
@@ -167,7 +185,7 @@ class AudioDecodePool:
             raise InvalidRequestError("an audio decode pool needs >= 1 process", param="processes")
         self.processes = int(processes)
         if start_method is None:
-            start_method = "forkserver" if sys.platform.startswith("linux") else "spawn"
+            start_method = default_start_method()
         self._context = multiprocessing.get_context(start_method)
         self._decoder = decoder
         #: where workers hand their results over (None: through the result pipe)
@@ -212,6 +230,8 @@ class AudioDecodePool:
     def _replace(self, broken: cf.ProcessPoolExecutor) -> None:
         with self._lock:
             if self._executor is broken and not self._closed:
+                if self._context.get_start_method() == "fork":  # threads by now: never fork again
+                    self._context = multiprocessing.get_context(default_start_method())
                 self._executor = self._new_executor()
                 self.restarts += 1
                 log.warning("an audio decode worker died; the decode pool was restarted")
@@ -282,6 +302,11 @@ class AudioDecodePool:
                 outer.set_result(result)
 
         inner.add_done_callback(done)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
+        """``fn(*args)`` in a worker (a picklable top-level function): small side work beside
+        the decodes, such as reading a file's header. Not retried when a worker dies."""
+        return self._current().submit(fn, *args)
 
     async def decode(
         self, data: bytes | bytearray | memoryview, sample_rate: int = 16000, **kwargs: Any

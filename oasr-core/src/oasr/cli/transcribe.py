@@ -27,8 +27,8 @@ from oasr.errors import InvalidRequestError, OASRError
 
 #: stderr: messages are never wrapped (a ``pip install`` line stays one line when piped)
 err_console = Console(stderr=True, soft_wrap=True)
-#: From this many files on, ``--decode-processes`` defaults to a pool: below, starting the
-#: worker processes costs more than decoding the files one after another.
+#: From this many files on, ``--decode-processes`` defaults to the server's pool size (half the
+#: cores up to 8); below it, and on machines under 4 cores, to one worker (:class:`EarlyDecode`).
 PARALLEL_DECODE_FILES = 8
 #: a decoded input this much shorter than its header declares is reported as truncated
 TRUNCATION_TOLERANCE_S = 0.5
@@ -322,38 +322,107 @@ def _check_task(run: Run) -> None:
 def run_command(run: Run) -> None:
     """Check everything, transcribe the good inputs, write each output; exit 1 if any input
     failed (every good input still gets its output)."""
+    early: EarlyDecode | None = None
     try:
-        _check_task(run)
-        targets = plan_targets(run.files, run.output, run.output_dir, run.formats)
-        if not run.server:
-            check_device(run.device)
-            run.dtype, run.quantization = check_compute(run.dtype, run.quantization)
-            if run.kv_cache_dtype not in (None, "auto", "fp8"):
-                raise UsageError(f"--kv-cache-dtype {run.kv_cache_dtype}: use auto or fp8",
-                                 param="--kv-cache-dtype")  # fmt: skip
-        options = _decoding_options(run)
-    except (OASRError, typer.BadParameter) as exc:
-        _error(exc.message if isinstance(exc, OASRError) else str(exc))
-        raise typer.Exit(2 if isinstance(exc, UsageError | OutputError) else 1) from None
+        try:
+            _check_task(run)
+            targets = plan_targets(run.files, run.output, run.output_dir, run.formats)
+            if not run.server:
+                early = EarlyDecode.start(run)  # before check_device imports torch
+                check_device(run.device)
+                run.dtype, run.quantization = check_compute(run.dtype, run.quantization)
+                if run.kv_cache_dtype not in (None, "auto", "fp8"):
+                    raise UsageError(f"--kv-cache-dtype {run.kv_cache_dtype}: use auto or fp8",
+                                     param="--kv-cache-dtype")  # fmt: skip
+            options = _decoding_options(run)
+        except (OASRError, typer.BadParameter) as exc:
+            _error(exc.message if isinstance(exc, OASRError) else str(exc))
+            raise typer.Exit(2 if isinstance(exc, UsageError | OutputError) else 1) from None
 
-    failed = 0
-    good: list[int] = []
-    for k, f in enumerate(run.files):
-        problem = check_input(f)
-        if problem:
-            _error(problem)
-            failed += 1
-        else:
-            good.append(k)
-    results: dict[int, Any] = {}
-    if good:
-        if run.server:
-            results = _transcribe_remote(run, good)
-        else:
-            results = _transcribe_local(run, good, options)
+        failed = 0
+        good: list[int] = []
+        for k, f in enumerate(run.files):
+            problem = check_input(f)
+            if problem:
+                _error(problem)
+                failed += 1
+            else:
+                good.append(k)
+        results: dict[int, Any] = {}
+        if good:
+            if run.server:
+                results = _transcribe_remote(run, good)
+            else:
+                results = _transcribe_local(run, good, options, early)
+    finally:
+        if early is not None:
+            early.close()
     failed += _write(run, targets, results)
     if failed:
         raise typer.Exit(1)
+
+
+class EarlyDecode:
+    """The inputs' audio decoding, started before torch is imported: worker processes decode the
+    files (and read their headers' durations) while this process imports torch and loads the
+    model, which on a 2-core machine took the decoding (about 0.6 s for the nine English
+    files of benchmarks/cpubench.py, plus PyAV's import) off the serial start-up. Forked where
+    that is safe (no torch, no thread yet: :func:`oasr.decode_pool.fork_is_safe`), so a worker
+    starts with this process's imports; numpy is imported first (torch imports it anyway), so
+    the workers have it too. The samples are the same as decoding here: the same
+    :func:`oasr.audio.load_audio` at the same rate, then the engine's own length check."""
+
+    #: the rate decoded to before the model is known (every model family here is 16 kHz; an
+    #: engine of another rate decodes again, see :meth:`audios`)
+    sample_rate = 16000
+
+    def __init__(self, pool: Any, files: list[Path], max_seconds: float) -> None:
+        self.pool = pool
+        self.decoded = {f: pool.submit(f, self.sample_rate, max_seconds=max_seconds) for f in files}
+        self.declared = {f: pool.call(declared_seconds, f) for f in files}
+
+    @classmethod
+    def start(cls, run: Run) -> EarlyDecode | None:
+        """Start decoding ``run``'s readable inputs; None with ``--decode-processes 0``."""
+        processes = run.decode_processes
+        if processes is None:
+            from oasr.decode_pool import default_decode_processes
+
+            many = len(run.files) >= PARALLEL_DECODE_FILES
+            processes = max(1, default_decode_processes() if many else 1)
+        files = [f for f in run.files if check_input(f) is None]
+        if processes < 1 or not files:
+            return None
+        import numpy  # noqa: F401 - before the fork: the workers then have it
+
+        from oasr.decode_pool import AudioDecodePool, fork_is_safe
+        from oasr.types import EngineConfig
+
+        start_method = "fork" if fork_is_safe() else None
+        pool = AudioDecodePool(min(processes, len(files)), start_method=start_method)
+        return cls(pool, files, EngineConfig().max_audio_seconds)
+
+    def audios(self, engine: Any, files: list[Path]) -> list[Any]:
+        """``engine.load_audios(files)``: each input's samples (through the engine's length
+        check) or its error, in order; decoded again here when the engine's rate differs."""
+        if engine.sample_rate != self.sample_rate or any(f not in self.decoded for f in files):
+            return engine.load_audios(files)
+        out: list[Any] = []
+        for f in files:
+            try:
+                out.append(engine.load_audio(self.decoded[f].result()))
+            except Exception as exc:  # noqa: BLE001 - this input fails alone
+                out.append(exc)
+        return out
+
+    def declared_seconds(self, f: Path) -> float | None:
+        try:
+            return self.declared[f].result() if f in self.declared else declared_seconds(f)
+        except Exception:  # noqa: BLE001 - only a warning hangs on it (a dead worker)
+            return declared_seconds(f)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def _decoding_options(run: Run) -> Any:
@@ -394,9 +463,12 @@ def _vad_available() -> bool:
         return False
 
 
-def _transcribe_local(run: Run, good: list[int], options: Any) -> dict[int, Any]:
-    """In-process: load the model once, decode and transcribe the good inputs. Returns, per
-    input index, its Transcript or its error."""
+def _transcribe_local(
+    run: Run, good: list[int], options: Any, early: EarlyDecode | None = None
+) -> dict[int, Any]:
+    """In-process: load the model once, decode and transcribe the good inputs (decoded by
+    ``early`` where given: started before the model load). Returns, per input index, its
+    Transcript or its error."""
     from oasr.defaults import install_hint, resolve_model_name
     from oasr.engine import ASREngine
     from oasr.types import EngineConfig
@@ -408,7 +480,9 @@ def _transcribe_local(run: Run, good: list[int], options: Any) -> dict[int, Any]
         try:
             ckpt = resolve_model_name(run.model)
             decode_processes = run.decode_processes
-            if decode_processes is None:
+            if early is not None:
+                decode_processes = 0  # decoded by ``early`` already
+            elif decode_processes is None:
                 from oasr.decode_pool import default_decode_processes
 
                 many = len(files) >= PARALLEL_DECODE_FILES
@@ -436,19 +510,21 @@ def _transcribe_local(run: Run, good: list[int], options: Any) -> dict[int, Any]
             raise typer.Exit(1) from None
 
         with err_console.status(f"decoding {len(files)} file(s)"):
-            audios = engine.load_audios(files)
+            audios = early.audios(engine, files) if early is not None else engine.load_audios(files)
         arrays, order = [], []
         for k, f, audio in zip(good, files, audios, strict=True):
             if isinstance(audio, BaseException):
                 results[k] = audio
                 continue
-            declared = declared_seconds(f)
+            declared = early.declared_seconds(f) if early is not None else declared_seconds(f)
             got = audio.shape[-1] / engine.sample_rate
             if declared is not None and got < declared - TRUNCATION_TOLERANCE_S:
                 _warn(f"{f}: decoded {got:.1f} s of the {declared:.1f} s its header declares "
                       f"(truncated or corrupt); transcribing what decoded")  # fmt: skip
             arrays.append(audio)
             order.append(k)
+        if early is not None:
+            early.close()  # decoded: the workers' memory back before the transcription
         if not arrays:
             return results
         total = sum(a.shape[-1] for a in arrays) / engine.sample_rate
@@ -685,9 +761,10 @@ ModelOptionOpt = Annotated[
 DecodeProcsOpt = Annotated[
     Optional[int],  # noqa: UP045
     typer.Option("--decode-processes", min=0, metavar="N",
-                 help="Worker processes that decode the files in parallel (0: one after another "
-                 f"here). Default: 0 below {PARALLEL_DECODE_FILES} files, else half the cores up "
-                 "to 8 (none below 4 cores)."),
+                 help="Worker processes that decode the files, started before the model loads "
+                 "so decoding overlaps it (0: one after another here, after the model loads). "
+                 f"Default: 1 below {PARALLEL_DECODE_FILES} files, else half the cores up to 8 "
+                 "(1 below 4 cores)."),
 ]  # fmt: skip
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print each input's segments "
                        "with their times on stderr as soon as it is transcribed.")]  # fmt: skip

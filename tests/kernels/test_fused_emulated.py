@@ -201,6 +201,20 @@ def test_emulated_glu_depthwise_conv1d_frames_major(emulated, dtype, c, k, paddi
         torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
+def test_emulated_glu_dwconv_frames_major_tunable(emulated) -> None:
+    """Every autotune candidate of the frames-major kernel computes the native op."""
+    from oasr_kernels import fused
+
+    tunable = next(t for t in fused.TUNABLES if t.variant == "btc")
+    shape = {"batch": 1, "channels": 40, "frames": 30, "kernel": 15}
+    torch.manual_seed(5)
+    run = tunable.make(shape, torch.float32, torch.device("cpu"))
+    torch.manual_seed(5)
+    ref = tunable.native(shape, torch.float32, torch.device("cpu"))()
+    for params in tunable.candidates(shape):
+        torch.testing.assert_close(run(params), ref, **TOL[torch.float32])
+
+
 def test_emulated_log_mel(emulated) -> None:
     from oasr.features.whisper import HOP_LENGTH, N_FFT, mel_filters
     from oasr_kernels import fused

@@ -476,6 +476,37 @@ def _dwconv_tunable() -> Tunable:
     )
 
 
+def _dwconv_btc_tunable() -> Tunable:
+    def inputs(shape: dict, dtype: torch.dtype, device: torch.device):
+        from oasr.layers.conformer import DepthwiseConv1d
+
+        b, c, t, k = (int(shape[n]) for n in ("batch", "channels", "frames", "kernel"))
+        x = torch.randn(b, t, 2 * c, device=device, dtype=dtype).transpose(1, 2)  # frames-major
+        return x, DepthwiseConv1d(c, k, padding=(k - 1) // 2, device=device, dtype=dtype)
+
+    def make(shape: dict, dtype: torch.dtype, device: torch.device):
+        x, conv = inputs(shape, dtype, device)
+        return lambda p: launch_glu_dwconv_btc(x, conv.weight, conv.bias, conv.padding, True, p)
+
+    def native(shape: dict, dtype: torch.dtype, device: torch.device):
+        import oasr.layers as L
+
+        x, conv = inputs(shape, dtype, device)
+        return _without_overrides(lambda: L.glu_depthwise_conv1d(x, conv, "swish"))
+
+    return Tunable(
+        op="glu_depthwise_conv1d",
+        key=lambda shape, dtype: btc_dwconv_key(dtype, int(shape["kernel"])),
+        candidates=lambda shape: [{"channels": c, "lanes": n} for c in (32, 64) for n in (2, 4, 8, 16)],
+        make=make,
+        default=lambda shape: dict(_BTC_DEFAULT),
+        shapes=[{"batch": 64, "channels": 256, "frames": 749, "kernel": 15},
+                {"batch": 64, "channels": 512, "frames": 749, "kernel": 15}],  # fmt: skip
+        variant="btc",
+        native=native,
+    )
+
+
 def _mel_tunable() -> Tunable:
     def make(shape: dict, dtype: torch.dtype, device: torch.device):
         b, m, frames = int(shape["batch"]), int(shape["mels"]), int(shape["frames"])
@@ -503,4 +534,5 @@ def _mel_tunable() -> Tunable:
     )
 
 
-TUNABLES = [_norm_tunable("layer"), _norm_tunable("rms"), _act_tunable(), _dwconv_tunable(), _mel_tunable()]
+TUNABLES = [_norm_tunable("layer"), _norm_tunable("rms"), _act_tunable(), _dwconv_tunable(), _dwconv_btc_tunable(),
+            _mel_tunable()]  # fmt: skip

@@ -37,6 +37,7 @@ import itertools
 import logging
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -227,13 +228,19 @@ class AttentionContext:
     """What a step model's layers need to attend over the paged cache in one forward call."""
 
     def __init__(self, executor: AutoregressiveExecutor, positions: torch.Tensor, slots: torch.Tensor,
-                 tables: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | int) -> None:  # fmt: skip
+                 tables: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | int,
+                 fixed_shapes: bool = False) -> None:  # fmt: skip
         self._ex = executor
         self.positions = positions  # (B, T)
         self.slots = slots.reshape(-1)  # (B*T,) flat cache slots of the new tokens
         self.tables = tables  # (B, nb) block ids
         self.lengths = lengths  # (B,) keys valid after this call's write
         self.rows = rows  # cross-pool rows: an int n for rows [0, n), or indices (B,)
+        #: this call's shapes recur (a captured graph's bucket): cross-attention may take cuDNN,
+        #: whose one-off plan per shape then pays. Prefills and eager steps see a new batch size
+        #: almost every call, where each plan cost milliseconds of CPU (H200, tiny.en on 1000
+        #: files: prefills took 3.9 s of 7.2 s of scheduler time) and flash has no plan
+        self.fixed_shapes = fixed_shapes
         #: embeddings given for some inputs: (flat indices into B*T, vectors (n, d)), or None
         self.embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -276,17 +283,17 @@ class AttentionContext:
         fp8 pools (``kv_cache_dtype="fp8"``) this is the op ``cross_attention_fp8``, which reads
         the e4m3 bytes and their scales (oasr-kernels on CUDA)."""
         ex = self._ex
-        if ex.cross_fp8:
-            k, v, ks, vs = (self._rows_of(t[layer]) for t in (ex.cross_k, ex.cross_v, ex.cross_k_scale,
-                                                              ex.cross_v_scale))  # fmt: skip
-            return cross_attention_fp8(q, k, v, ks, vs)
-        k, v = self.cross_kv(layer)
-        b, s, _ = k.shape
-        k = k.view(b, s, ex.cross_heads, -1).transpose(1, 2)
-        v = v.view(b, s, ex.cross_heads, -1).transpose(1, 2)
-        # the key length is always the encoder's: cuDNN's kernel streams the K/V of a large batch
-        # about twice as fast as flash (see fixed_shape_attention)
-        with fixed_shape_attention():
+        # the key length is always the encoder's: in a graph step (fixed_shapes) cuDNN's kernel
+        # streams the K/V of a large batch about twice as fast as flash (fixed_shape_attention)
+        with fixed_shape_attention() if self.fixed_shapes else nullcontext():
+            if ex.cross_fp8:
+                k, v, ks, vs = (self._rows_of(t[layer]) for t in (ex.cross_k, ex.cross_v, ex.cross_k_scale,
+                                                                  ex.cross_v_scale))  # fmt: skip
+                return cross_attention_fp8(q, k, v, ks, vs)
+            k, v = self.cross_kv(layer)
+            b, s, _ = k.shape
+            k = k.view(b, s, ex.cross_heads, -1).transpose(1, 2)
+            v = v.view(b, s, ex.cross_heads, -1).transpose(1, 2)
             return attention(q, k, v)
 
     def cross_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -781,7 +788,7 @@ class AutoregressiveExecutor:
 
         def run() -> torch.Tensor:
             pos = g.positions[:, None]
-            ctx = AttentionContext(self, pos, g.slots[:, None], g.tables, pos[:, 0] + 1, b)
+            ctx = AttentionContext(self, pos, g.slots[:, None], g.tables, pos[:, 0] + 1, b, fixed_shapes=True)
             return self.step_model.forward(g.tokens[:, None], pos, ctx)[:, -1]
 
         stream = torch.cuda.Stream()

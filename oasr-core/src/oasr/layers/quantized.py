@@ -551,7 +551,7 @@ def cross_attention_fp8(
 
 def _cross_fp8_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                       v_scale: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
-    from oasr.layers.attention import attention, fixed_shape_attention
+    from oasr.layers.attention import attention
     from oasr.quantization.numerics import dequantize_kv
 
     kd = dequantize_kv(k, k_scale, q.dtype)
@@ -560,5 +560,5 @@ def _cross_fp8_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
     if hkv != h:  # grouped heads: each key/value head serves H / H_kv query heads
         kd = kd.repeat_interleave(h // hkv, dim=1)
         vd = vd.repeat_interleave(h // hkv, dim=1)
-    with fixed_shape_attention():  # the key length is fixed (see fixed_shape_attention)
-        return attention(q, kd, vd, scale=scale)
+    # cuDNN or flash: the caller's choice (AttentionContext.cross_attention: cuDNN in graph steps)
+    return attention(q, kd, vd, scale=scale)

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from qhelpers import whisper_logits, whisper_net  # noqa: E402
 
+from oasr.layers import quantized  # noqa: E402
 from oasr.layers.quantized import QuantizedLinear  # noqa: E402
 from oasr.quantization import cache  # noqa: E402
 from oasr.quantization.apply import PREPACK_ENV, TIED_ENV, networks, quantize_model  # noqa: E402
@@ -113,10 +114,13 @@ def test_background_packing_matches_inline(ckpt, monkeypatch):
     model = _model()
     report = quantize_model(model, "int8_w8a8")
     if report.prepack is None:
+        assert not quantized._onednn_int8_works()  # no thread only where oneDNN is not the GEMM
         pytest.skip("oneDNN's int8 linear is not used on this machine")
     report.prepack.join(30)
     layers = [m for m in model.network.modules() if isinstance(m, QuantizedLinear)]
-    assert all(m._onednn is not None for m in layers)
+    # every layer packed where the thread's one-time check found oneDNN's int8 linear exact
+    # (the forward pass then uses it), none where it did not (the forward pass never packs)
+    assert all((m._onednn is not None) == quantized._ONEDNN_INT8[0] for m in layers)
     monkeypatch.setenv(PREPACK_ENV, "0")
     inline = _model()
     assert quantize_model(inline, "int8_w8a8").prepack is None
@@ -124,6 +128,43 @@ def test_background_packing_matches_inline(ckpt, monkeypatch):
     mel, tokens = torch.randn(1, 80, 3000), torch.randint(0, 96, (1, 6))
     with torch.no_grad():
         assert torch.equal(whisper_logits(model.network, mel, tokens), whisper_logits(inline.network, mel, tokens))
+
+
+def test_no_packing_thread_without_int8_dot_product(ckpt, monkeypatch):
+    """On an x86 CPU without VNNI / AMX (an AVX2 EPYC) oneDNN's int8 linear saturates: no thread
+    packs for it, the forward pass never packs, and its outputs are the reference's."""
+    monkeypatch.setattr(quantized, "_ONEDNN_INT8", [])
+    monkeypatch.setattr(quantized, "_NO_INT8_DOT", [True])
+    model = _model()
+    assert quantize_model(model, "int8_w8a8").prepack is None
+    torch.manual_seed(2)
+    mel, tokens = torch.randn(1, 80, 3000), torch.randint(0, 96, (1, 6))
+    with torch.no_grad():
+        got = whisper_logits(model.network, mel, tokens)
+        want = whisper_logits(model.network.double(), mel.double(), tokens)
+    assert quantized._ONEDNN_INT8 == [False]
+    layers = [m for m in model.network.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m._onednn is None for m in layers)
+    assert float((got.double() - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+@pytest.mark.parametrize(
+    ("machine", "flags", "no_dot"),
+    [
+        ("x86_64", {"avx2": True}, True),
+        ("x86_64", {"avx2": True, "avx_vnni": True}, False),
+        ("AMD64", {"avx512_vnni": True}, False),
+        ("x86_64", {"amx_int8": True}, False),
+        ("aarch64", {}, False),
+    ],
+)
+def test_int8_dot_product_flags(monkeypatch, machine, flags, no_dot):
+    import platform
+
+    monkeypatch.setattr(quantized, "_NO_INT8_DOT", [])
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags, raising=False)
+    assert quantized._x86_without_int8_dot() is no_dot
 
 
 def test_exit_while_packing_is_clean(tmp_path):

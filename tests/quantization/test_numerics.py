@@ -146,6 +146,8 @@ def test_two_term_activations_match_reference(monkeypatch, onednn):
     from oasr.layers import quantized as qmod
     from oasr.quantization.numerics import quantize_activation_terms
 
+    if onednn and not qmod._onednn_int8_works():
+        pytest.skip("oneDNN's int8 linear is not usable in this torch / CPU")
     monkeypatch.setattr(qmod, "_ONEDNN_INT8", [onednn])
     g = torch.Generator().manual_seed(5)
     w = torch.randn(200, 64, generator=g)

@@ -306,15 +306,17 @@ def _pack_lock(module: QuantizedLinear) -> threading.Lock:
 def prepack_in_background(modules: Iterable[QuantizedLinear]) -> threading.Thread | None:
     """Make oneDNN's packed weights of the CPU int8 layers among ``modules`` (in their order) on
     a daemon thread, so that the first forward pass finds them made; None when there is none to
-    make or oneDNN's int8 linear is not used here. Packing is a single-threaded reorder (tiny.en:
-    about 0.25 s, half of it the 51 864-row tied output projection) that the first pass would
-    otherwise do inline while the other cores wait; torch releases the GIL inside it, so the
-    thread overlaps with what the process does next (engine start, audio decoding, features,
-    the first layers). The same packed weights either way: only when they are made differs."""
+    make or oneDNN's int8 linear is known not to be used here (an x86 CPU without VNNI / AMX,
+    :func:`_x86_without_int8_dot`, or its one-time check already failed). Packing is a
+    single-threaded reorder (tiny.en: about 0.25 s, half of it the 51 864-row tied output
+    projection) that the first pass would otherwise do inline while the other cores wait; torch
+    releases the GIL inside it, so the thread overlaps with what the process does next (engine
+    start, audio decoding, features, the first layers). The same packed weights either way: only
+    when they are made differs."""
     todo = [m for m in modules if isinstance(m, QuantizedLinear) and m.fmt == "int8"
             and m.qweight.device.type == "cpu"]  # fmt: skip
-    if not todo:
-        return None
+    if not todo or (_ONEDNN_INT8 and not _ONEDNN_INT8[0]) or _x86_without_int8_dot():
+        return None  # oneDNN's int8 linear is known not to be used here: nothing to pack
 
     def run() -> None:
         try:
@@ -378,7 +380,12 @@ def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor
 
 def _onednn_int8_works() -> bool:
     """Whether oneDNN's int8 linear exists here and gives exact integer products for int8
-    (signed) activations on this CPU (checked once against an int64 matmul)."""
+    (signed) activations on this CPU (checked once against an int64 matmul; never on an x86 CPU
+    without an int8 dot-product instruction, :func:`_x86_without_int8_dot`)."""
+    if _x86_without_int8_dot():
+        log.info("no int8 dot-product instruction (VNNI / AMX) on this CPU: oneDNN's int8 linear "
+                 "is inexact for signed activations here and is not used")  # fmt: skip
+        return False
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(-127, 128, (5, 64), generator=g, dtype=torch.int8)
@@ -395,6 +402,33 @@ def _onednn_int8_works() -> bool:
     if not ok:
         log.info("oneDNN int8 linear gives inexact products for signed activations here; using torch._int_mm")
     return ok
+
+
+#: whether this is an x86 CPU without an int8 dot-product instruction (read once)
+_NO_INT8_DOT: list[bool] = []
+
+
+def _x86_without_int8_dot() -> bool:
+    """Whether this is an x86 CPU with none of AVX-512 VNNI, AVX-VNNI, AMX-INT8 (e.g. an AVX2
+    EPYC). oneDNN's int8 kernels there multiply byte pairs into saturating 16-bit sums
+    (``vpmaddubsw``), so its int8 linear is inexact for signed activations: it is not used, and
+    its weights are not packed. Known from the CPU's flags, without running oneDNN."""
+    if not _NO_INT8_DOT:
+        import platform
+
+        cpu = torch.cpu
+        no_dot = False
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            try:
+                caps = cpu.get_capabilities()
+                no_dot = not any(caps.get(k, False) for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
+            except (AttributeError, RuntimeError):  # an older torch: its own VNNI / AMX checks
+                try:
+                    no_dot = not (cpu._is_vnni_supported() or cpu._is_amx_tile_supported())
+                except (AttributeError, RuntimeError):
+                    no_dot = False
+        _NO_INT8_DOT.append(no_dot)
+    return _NO_INT8_DOT[0]
 
 
 #: whether ``torch._int_mm`` is slow on this CPU (probed once; see :func:`_int_mm_cpu`)

@@ -27,19 +27,20 @@ import os
 import numpy as np
 
 INT32_MAX = 2**31 - 1
-#: threads per block (one block per utterance). Each thread walks a share of the frontier, so
-#: more threads per block pay where 64 utterances leave half the SMs idle: on the H200 (5000-word
-#: graph, 64 x 30 s, beam 12) 512 threads took 0.071 s against 0.094 s at 256, with the same words
-#: as kaldi-decoder; 1024 failed to launch (the kernel's registers; above 512 threads the kernel is
-#: now built with at most 64 registers a thread). ``OASR_WFST_FUSED_THREADS``
-#: (<= 1024; a multiple of 32 on a GPU) and ``wfstbench --fused-threads`` to measure another GPU
-THREADS = 512
+#: threads per block (one block per utterance). Each thread walks a share of the frame's work, so
+#: more threads per block pay where 64 utterances leave half the SMs idle. H200 (5000-word graph,
+#: 64 x 30 s, beam 12, every setting 64/64 words equal to kaldi-decoder's): arc variant 0.0414 s at
+#: 256 threads, 0.0327 s at 512, 0.0322 s at 1024; token variant 0.0806 / 0.0787 / 0.0661 s. Above
+#: 512 threads the kernels are built with at most 64 registers a thread so that 1024 launches.
+#: ``OASR_WFST_FUSED_THREADS`` (<= 1024; a multiple of 32 on a GPU) and ``wfstbench
+#: --fused-threads`` to measure another GPU
+THREADS = 1024
 #: kernel variants: "token" (a thread per token walks its arcs: the first kernel) and "arc" (a
-#: thread per emitting arc, numbered by a block prefix sum; see ``_fused_kernel.kernel_arc``).
-#: ``OASR_WFST_FUSED_VARIANT`` (or ``variant=``) picks one; "token" stays the default until the
-#: H200 shows "arc" faster with the same words (``wfstbench --fused-variants token,arc``)
+#: thread per emitting arc, numbered by a block prefix sum; see ``_fused_kernel.kernel_arc``), the
+#: default: 2.0-2.4x faster than "token" on the H200 with the same words (figures above).
+#: ``OASR_WFST_FUSED_VARIANT`` (or ``variant=``) picks one (``wfstbench --fused-variants``)
 VARIANTS = ("token", "arc")
-DEFAULT_VARIANT = "token"
+DEFAULT_VARIANT = "arc"
 _kernels: dict[tuple[str, int | None], object] = {}
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -371,7 +372,10 @@ class AutoregressiveExecutor:
         #: "fp8": the self-attention pools and the cross-attention K/V in float8 e4m3
         #: (SchedulerConfig.kv_cache_dtype)
         self.kv_cache_dtype = config.kv_cache_dtype
-        self.cross_fp8 = self.kv_cache_dtype == "fp8" and sm.cross_shape is not None
+        #: OASR_FP8_CROSS_KV=0 keeps the cross-attention K/V in the compute dtype (fp8 self-attention
+        #: pools only), for A/B runs of the fp8 cross pools
+        self.cross_fp8 = (self.kv_cache_dtype == "fp8" and sm.cross_shape is not None
+                          and os.environ.get("OASR_FP8_CROSS_KV", "1") != "0")  # fmt: skip
         #: heads of the cross-attention K/V (StepModel.cross_heads)
         self.cross_heads = int(getattr(sm, "cross_heads", sm.num_kv_heads))
         cross_bytes = 0

@@ -444,9 +444,7 @@ def _int_mm_cpu(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor:
     float32 matmul of the same shape) the same integers through float32 matmuls over K chunks of
     at most :data:`_F32_EXACT_K`, where every partial sum is exact. int32, or float32 holding the
     int32 values: the caller converts to float32 either way, so the outputs are identical."""
-    if not _INT_MM_SLOW:
-        _INT_MM_SLOW.append(_int_mm_is_slow())
-    if not _INT_MM_SLOW[0]:
+    if not int8_gemm_is_float32():
         return torch._int_mm(xq, module._weight_kn())
     key = (module.qweight.device, module.qweight._version, module.qweight.data_ptr(), "float32")
     if module._kn is None or module._kn[0] != key:  # the (K, N) slot holds the float32 copy here
@@ -461,6 +459,14 @@ def _int_mm_cpu(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor:
         end = start + _F32_EXACT_K
         acc.add_(torch.mm(xf[:, start:end], w[start:end]).to(torch.int32))
     return acc
+
+
+def int8_gemm_is_float32() -> bool:
+    """Whether CPU int8 GEMMs here run as float32 matmuls of the int8 values (:func:`_int_mm_cpu`:
+    an x86 CPU without VNNI / AMX, or ``OASR_INT8_FLOAT32_GEMM=1``); decided once."""
+    if not _INT_MM_SLOW:
+        _INT_MM_SLOW.append(_int_mm_is_slow())
+    return _INT_MM_SLOW[0]
 
 
 def _int_mm_is_slow() -> bool:

@@ -39,7 +39,7 @@ from oasr.layers.basic import Linear
 from oasr.layers.quantized import FORMATS, QuantizedLinear, prepack_in_background
 from oasr.quantization import check_method
 
-__all__ = ["QuantizationReport", "attention_dtype_applies", "check_device", "keep_patterns", "networks", "quantizable_linears",
+__all__ = ["QuantizationReport", "attention_dtype_applies", "check_device", "keep_patterns", "networks", "no_int8_gemm_keep_applies", "no_int8_gemm_kept", "quantizable_linears",
            "quantize_model", "quantize_module", "start_prepack", "tied_applies"]  # fmt: skip
 
 
@@ -127,6 +127,51 @@ def tied_applies(method: str, device: torch.device | str) -> bool:
     if not env_switch(TIED_ENV, True):
         return False
     return method == "int8_w8a8" and torch.device(device).type == "cpu"
+
+
+#: switch for the linears a family keeps float where the CPU has no int8 GEMM
+#: (``OASR_INT8_KEEP_WITHOUT_INT8_GEMM=0``: quantize them anyway)
+NO_INT8_GEMM_KEEP_ENV = "OASR_INT8_KEEP_WITHOUT_INT8_GEMM"
+
+
+def no_int8_gemm_keep_applies(method: str, device: torch.device | str) -> bool:
+    """Whether the linears a family lists in ``quantization_keep_without_int8_gemm`` stay float:
+    for int8 on a CPU whose int8 GEMM runs as float32 matmuls of the int8 values (an x86 CPU
+    without VNNI / AMX, :func:`oasr.layers.quantized.int8_gemm_is_float32`). There int8 saves
+    neither weight reads nor arithmetic, and a decode step's few rows cost more to quantize than
+    to multiply (tiny.en's decoder linears at 9 rows, 2 threads on an AVX2 EPYC: 186 / 371 /
+    427 us int8 against 67 / 244 / 220 us float32), so float is faster and exact. Unless
+    ``OASR_INT8_KEEP_WITHOUT_INT8_GEMM=0``."""
+    from oasr.defaults import env_switch
+    from oasr.layers.quantized import int8_gemm_is_float32
+
+    if not env_switch(NO_INT8_GEMM_KEEP_ENV, True):
+        return False
+    return method == "int8_w8a8" and torch.device(device).type == "cpu" and int8_gemm_is_float32()
+
+
+def _keep_for(model: Any, net: nn.Module, method: str, no_int8_gemm_keep: bool | None) -> tuple[str, ...]:
+    """The keep patterns for ``net``: the family's, plus ``quantization_keep_without_int8_gemm``
+    when ``no_int8_gemm_keep`` (None: where :func:`no_int8_gemm_keep_applies`)."""
+    keep = keep_patterns(model, net)
+    if no_int8_gemm_keep is None:
+        no_int8_gemm_keep = no_int8_gemm_keep_applies(method, _device(net))
+    if no_int8_gemm_keep:
+        keep += tuple(p for p in getattr(net, "quantization_keep_without_int8_gemm", ()) or () if p not in keep)
+    return keep
+
+
+def no_int8_gemm_kept(model: Any) -> set[str]:
+    """The full names of the linears a family lists in ``quantization_keep_without_int8_gemm``
+    (whatever the CPU): a quantized checkpoint that quantized any of them loads with them
+    quantized."""
+    out: set[str] = set()
+    for attr, net in networks(model).items():
+        pats = getattr(net, "quantization_keep_without_int8_gemm", ()) or ()
+        for name, module in net.named_modules():
+            if isinstance(module, Linear) and _matches(name, pats):
+                out.add(f"{attr}.{name}" if attr else name)
+    return out
 
 
 #: switch for bfloat16 long self-attention under int8 on the CPU (``OASR_INT8_BF16_ATTENTION=0``:
@@ -230,12 +275,13 @@ def _ready(weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None, name
     return got[0].to(weight.device), got[1].to(weight.device)
 
 
-def _plan(model: Any, nets: Mapping[str, nn.Module], method: str, tied: bool | None) -> dict[str, Any]:
+def _plan(model: Any, nets: Mapping[str, nn.Module], method: str, tied: bool | None,
+          no_int8_gemm_keep: bool | None = None) -> dict[str, Any]:  # fmt: skip
     """What :func:`quantize_model` will quantize (the cache's key): networks' dtypes, keep lists,
     whether tied projections are quantized, layer names and shapes."""
     plan: dict[str, Any] = {"nets": {}, "layers": []}
     for attr, net in nets.items():
-        keep = keep_patterns(model, net)
+        keep = _keep_for(model, net, method, no_int8_gemm_keep)
         device = _device(net)
         dtypes = sorted({str(t.dtype) for t in net.parameters()})
         on = tied if tied is not None else tied_applies(method, device)
@@ -268,6 +314,7 @@ def quantize_model(
     tied: bool | None = None,
     source: str | Path | None = None,
     prepack: bool = True,
+    no_int8_gemm_keep: bool | None = None,
 ) -> QuantizationReport:
     """Quantize every network of a loaded model in place (the family's keep list honoured);
     ``input_scales`` are keyed ``"<network attr>.<module name>"``; ``tied`` as
@@ -276,7 +323,9 @@ def quantize_model(
     ``source``: the checkpoint the model was loaded from; with it (and no ``input_scales``) the
     quantized weights go through the disk cache (:mod:`oasr.quantization.cache`). ``prepack``:
     start packing CPU int8 weights on a background thread (``report.prepack``) unless
-    ``OASR_INT8_PREPACK_THREAD=0``."""
+    ``OASR_INT8_PREPACK_THREAD=0``. ``no_int8_gemm_keep``: whether the linears the family keeps
+    where the CPU has no int8 GEMM stay float (None: where :func:`no_int8_gemm_keep_applies`;
+    a saved quantized checkpoint says which, whatever this CPU)."""
     canonical = check_method(method)
     if canonical is None:
         raise UnsupportedOptionError(f"quantization {method!r}: name a method", param="quantization")
@@ -287,13 +336,14 @@ def quantize_model(
             param="quantization",
         )
     report = QuantizationReport(canonical)
-    entry, cached = _cache_lookup(model, nets, canonical, tied, source) if not input_scales else (None, None)
+    extra = no_int8_gemm_keep
+    entry, cached = _cache_lookup(model, nets, canonical, tied, source, extra) if not input_scales else (None, None)
     for attr, net in nets.items():
         scales = None
         if input_scales:
             pre = f"{attr}." if attr else ""
             scales = {k[len(pre):]: v for k, v in input_scales.items() if k.startswith(pre)}
-        r = quantize_module(net, canonical, keep_patterns(model, net), scales, prefix=attr, tied=tied,
+        r = quantize_module(net, canonical, _keep_for(model, net, canonical, extra), scales, prefix=attr, tied=tied,
                             weights=cached)  # fmt: skip
         report.quantized += r.quantized
         report.kept += r.kept
@@ -338,7 +388,7 @@ def _module(nets: Mapping[str, nn.Module], name: str) -> nn.Module:
 
 
 def _cache_lookup(model: Any, nets: Mapping[str, nn.Module], method: str, tied: bool | None,
-                  source: str | Path | None) -> tuple[Any, Any]:  # fmt: skip
+                  source: str | Path | None, no_int8_gemm_keep: bool | None = None) -> tuple[Any, Any]:  # fmt: skip
     """((entry path, key) or None, cached weights or None) for :func:`quantize_model`."""
     from oasr.quantization import cache
 
@@ -346,7 +396,7 @@ def _cache_lookup(model: Any, nets: Mapping[str, nn.Module], method: str, tied: 
         return None, None
     try:
         device = _device(next(iter(nets.values()))).type
-        entry = cache.entry_path(Path(source), method, device, _plan(model, nets, method, tied))
+        entry = cache.entry_path(Path(source), method, device, _plan(model, nets, method, tied, no_int8_gemm_keep))
     except OSError:  # the checkpoint's files cannot be listed: no cache
         return None, None
     return entry, cache.load(*entry)

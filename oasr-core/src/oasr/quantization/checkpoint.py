@@ -79,7 +79,7 @@ def apply_saved(model: Any, path: Path, block: dict[str, Any], requested: str | 
     from safetensors.torch import load_file
 
     from oasr.quantization import check_method
-    from oasr.quantization.apply import networks, quantize_model, start_prepack
+    from oasr.quantization.apply import networks, no_int8_gemm_kept, quantize_model, start_prepack
 
     method = check_method(block.get("method"))
     if method is None:
@@ -100,7 +100,11 @@ def apply_saved(model: Any, path: Path, block: dict[str, Any], requested: str | 
     # quantized it, or on a device where it stays float, keeps it float
     tied = {f"{attr}.{name}" if attr else name for attr, net in networks(model).items()
             for name in (getattr(net, "quantization_tied", None) or {})}  # fmt: skip
-    report = quantize_model(model, method, input_scales=scales, tied=bool(tied & set(expected)), prepack=False)
+    # the linears a family keeps float without an int8 GEMM, as they were saved whatever this
+    # CPU (written on a CPU without one: float; elsewhere: quantized)
+    device_keep = not (no_int8_gemm_kept(model) & set(expected))
+    report = quantize_model(model, method, input_scales=scales, tied=bool(tied & set(expected)), prepack=False,
+                            no_int8_gemm_keep=device_keep)  # fmt: skip
     if sorted(report.quantized) != sorted(expected):
         extra = sorted(set(report.quantized) ^ set(expected))[:6]
         raise CheckpointError(

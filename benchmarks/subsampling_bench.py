@@ -4,7 +4,7 @@ the second channels-last, ``Conv2dSubsampling.forward_frames_last``) against NCH
 convolution module three ways: eval-mode BatchNorm folded into the depthwise convolution with
 oasr-kernels' frames-major GLU + depthwise + SiLU kernel (``fold_kernel``), folded with the
 native ops (``fold_native``), and the norm as its own pass with the native ops (``bn_native``,
-what ran before). Prints one JSON object (ms, best of 10, and the largest difference).
+what ran before). Prints one JSON object (ms, median of 10, and the largest difference).
 
     python -m benchmarks.subsampling_bench
 """
@@ -17,20 +17,12 @@ import torch
 
 import oasr.layers as L
 from oasr.layers.conformer import ConformerConvModule, Conv2dSubsampling
+from oasr.tune import cuda_event_timer
 
 
-def timeit(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(reps):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        best = min(best, s.elapsed_time(e))
-    return round(best, 3)
+def timeit(fn) -> float:
+    """Milliseconds per call: ``oasr.tune``'s CUDA-event timer (median of 10 after warm-up)."""
+    return round(cuda_event_timer(repeats=10)(fn) * 1e3, 3)
 
 
 def nchw(sub: Conv2dSubsampling, x: torch.Tensor) -> torch.Tensor:

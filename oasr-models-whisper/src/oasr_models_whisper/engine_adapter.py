@@ -189,8 +189,9 @@ class WhisperStepModel:
     @staticmethod
     def _cross_attention(block: Any, h: torch.Tensor, layer: int, ctx: AttentionContext) -> torch.Tensor:
         """Cross-attention of the normalised ``h`` (B, T, d) over the executor's pooled K/V
-        (fp16 through cuDNN's fixed-shape SDPA, fp8 through the op that reads the e4m3 bytes:
-        this read is most of a large model's decode step)."""
+        through ``ctx.cross_attention`` (cuDNN's SDPA in captured steps, flash otherwise; the fp8
+        pools through the op that reads the e4m3 bytes): this read is most of a large model's
+        decode step."""
         att = block.cross_attn
         b, t, _ = h.shape
         out = ctx.cross_attention(layer, att._split(att.q_proj(h)))

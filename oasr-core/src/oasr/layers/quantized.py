@@ -470,22 +470,17 @@ def int8_gemm_is_float32() -> bool:
 
 
 def _int_mm_is_slow() -> bool:
-    """Whether ``torch._int_mm`` lacks a fast kernel here: an x86 CPU without VNNI (AVX-512 VNNI,
-    AMX), where oneDNN runs its reference int8 GEMM (an AVX2 EPYC: 5x to 40x a float32 matmul of
-    the same shape), and the float32 matmul gives the exact integer products (checked against
-    int64). ``OASR_INT8_FLOAT32_GEMM=1`` / ``0`` forces the float32 / ``_int_mm`` path."""
+    """Whether ``torch._int_mm`` lacks a fast kernel here: an x86 CPU without an int8 dot-product
+    instruction (:func:`_x86_without_int8_dot`), where oneDNN runs its reference int8 GEMM (an
+    AVX2 EPYC: 5x to 40x a float32 matmul of the same shape), and the float32 matmul gives the
+    exact integer products (checked against int64). ``OASR_INT8_FLOAT32_GEMM=1`` / ``0`` forces
+    the float32 / ``_int_mm`` path."""
     import os
-    import platform
 
     forced = os.environ.get("OASR_INT8_FLOAT32_GEMM")
     if forced in ("0", "1"):
         return forced == "1"
-    try:
-        cpu = torch.cpu
-        fast = cpu._is_vnni_supported() or cpu._is_amx_tile_supported()
-    except (AttributeError, RuntimeError):
-        return False
-    if fast or platform.machine().lower() not in ("x86_64", "amd64"):
+    if not _x86_without_int8_dot():
         return False
     g = torch.Generator().manual_seed(0)
     x = torch.randint(-128, 128, (8, _F32_EXACT_K), generator=g, dtype=torch.int8)

@@ -336,14 +336,14 @@ def quantize_model(
             param="quantization",
         )
     report = QuantizationReport(canonical)
-    extra = no_int8_gemm_keep
-    entry, cached = _cache_lookup(model, nets, canonical, tied, source, extra) if not input_scales else (None, None)
+    entry, cached = (_cache_lookup(model, nets, canonical, tied, source, no_int8_gemm_keep) if not input_scales
+                     else (None, None))  # fmt: skip
     for attr, net in nets.items():
         scales = None
         if input_scales:
             pre = f"{attr}." if attr else ""
             scales = {k[len(pre):]: v for k, v in input_scales.items() if k.startswith(pre)}
-        r = quantize_module(net, canonical, _keep_for(model, net, canonical, extra), scales, prefix=attr, tied=tied,
+        r = quantize_module(net, canonical, _keep_for(model, net, canonical, no_int8_gemm_keep), scales, prefix=attr, tied=tied,
                             weights=cached)  # fmt: skip
         report.quantized += r.quantized
         report.kept += r.kept

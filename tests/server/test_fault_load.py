@@ -139,6 +139,11 @@ class Server:
             assert time.monotonic() < deadline, "server never became ready"
             time.sleep(0.1)
 
+    def log_tail(self, lines: int = 60) -> str:
+        """The server's log without its 200 access lines: what to read when a request failed."""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in text if '" 200 OK' not in line][-lines:])
+
     def gauges(self) -> dict[str, float]:
         text = httpx.get(f"{self.base}/metrics", timeout=5).text
         out: dict[str, float] = {}
@@ -220,10 +225,17 @@ def test_load_with_faults_loses_nothing(tmp_path: Path) -> None:
                     for d in durations
                 ]
                 bad = [_rude_client(server.port, rude, mid_upload=i < 20) for i in range(40)]
-                results = await asyncio.gather(*good, *bad)
+                results = await asyncio.gather(*good, *bad, return_exceptions=True)
+                rude_errors = [r for r in results[len(good) :] if r is not None]
+                assert not rude_errors, (rude_errors[:5], server.log_tail())
                 return list(results[: len(good)])
 
         answers = asyncio.run(go())
+        # a transport error is a lost request too; report them all, with what the server logged
+        failed = [
+            (d, a) for d, a in zip(durations, answers, strict=True) if isinstance(a, BaseException)
+        ]
+        assert not failed, (failed[:5], server.log_tail())
         texts = []
         for r in answers:
             assert r.status_code == 200, r.text

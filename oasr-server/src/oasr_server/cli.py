@@ -56,6 +56,16 @@ def serve_command(
             "--request-timeout", min=0.001, help="Seconds before a request is answered 504."
         ),
     ] = 600.0,
+    keep_alive_timeout: Annotated[
+        float,
+        typer.Option(
+            "--keep-alive-timeout",
+            min=0.1,
+            help="Seconds an idle HTTP/1.1 connection stays open. Longer than the idle expiry "
+            "of common clients (httpx 5 s, aiohttp 15 s), so the client drops an idle "
+            "connection first instead of sending a request onto one the server is closing.",
+        ),
+    ] = 75.0,
     api_key: Annotated[
         Optional[str],  # noqa: UP045
         typer.Option(
@@ -67,8 +77,11 @@ def serve_command(
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[
         str,
-        typer.Option("--dtype", metavar="auto|float32|float16|bfloat16",
-                     help="The model's compute dtype (auto: float32 on CPU, float16 on CUDA)."),
+        typer.Option(
+            "--dtype",
+            metavar="auto|float32|float16|bfloat16",
+            help="The model's compute dtype (auto: float32 on CPU, float16 on CUDA).",
+        ),
     ] = "auto",
     quantization: Annotated[
         Optional[str],  # noqa: UP045
@@ -81,8 +94,11 @@ def serve_command(
     ] = None,
     kv_cache_dtype: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option("--kv-cache-dtype", metavar="auto|fp8",
-                     help="Whisper / Qwen2-Audio decoders: keep the KV cache in fp8."),
+        typer.Option(
+            "--kv-cache-dtype",
+            metavar="auto|fp8",
+            help="Whisper / Qwen2-Audio decoders: keep the KV cache in fp8.",
+        ),
     ] = None,
     max_batch_size: Annotated[
         int, typer.Option("--max-batch-size", min=1, help="Most requests in one engine call.")
@@ -414,6 +430,7 @@ def serve_command(
             log_level=log_level.lower(),
             lifespan="on",
             timeout_graceful_shutdown=max(5, int(request_timeout)),
+            timeout_keep_alive=keep_alive_timeout,
             ws=websocket_protocol(),  # pauses reading a socket only when messages queue up
         )
     )

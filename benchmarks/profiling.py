@@ -15,7 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 
-def profile_call(fn: Callable[[], Any], device: str, rows: int = 20) -> dict[str, Any]:
+def profile_call(fn: Callable[[], Any], device: str, rows: int = 20,
+                 all_threads: bool = False) -> dict[str, Any]:  # fmt: skip
+    """``all_threads``: also the operators of other threads (an engine's scheduler thread), where
+    this torch's profiler can (``_ExperimentalConfig(profile_all_threads=True)``); the device's
+    kernels are recorded from every thread either way."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -25,7 +29,15 @@ def profile_call(fn: Callable[[], Any], device: str, rows: int = 20) -> dict[str
         torch.cuda.synchronize()
     # OASR_PROFILE_SHAPES=1: one row per operator and input shapes (which tensor a copy is)
     shapes = os.environ.get("OASR_PROFILE_SHAPES", "") not in ("", "0")
-    with profile(activities=activities, record_shapes=shapes) as prof:
+    extra: dict[str, Any] = {}
+    if all_threads:
+        try:
+            from torch._C._profiler import _ExperimentalConfig
+
+            extra["experimental_config"] = _ExperimentalConfig(profile_all_threads=True)
+        except (ImportError, TypeError):
+            pass
+    with profile(activities=activities, record_shapes=shapes, **extra) as prof:
         t0 = time.perf_counter()
         fn()
         if cuda:

@@ -39,6 +39,12 @@ forced decode), through the continuous-batching engine at ``--batch`` rows:
   oasr_int8        int8_w8a8 linears, fp16 KV cache
   transformers     WhisperForConditionalGeneration fp16 (sdpa), generate() in batches of --batch
 
+``--profile``: each OASR side runs one more pass under torch.profiler and its kernel table
+(names, counts, device ms, benchmarks/profiling.py) goes into the JSON; ``<side>_before`` with
+``--before-env NAME=VALUE`` runs a side again with switches set (e.g. ``oasr_fp8_before
+--before-env OASR_FP8_FUSED_QUANT=0``: the W8A8 path without the one-launch quantization, the
+bias in the GEMM and the fused self-attention projections).
+
 Targets (issue #22): oasr_fp8 >= 1.4x oasr_fp16 and >= 4x transformers in throughput.
 """
 
@@ -185,7 +191,7 @@ def _sync(device: str) -> None:
 
 
 def _engine_run(asr: Any, audios: list, options: Any, batch: int, kv: str | None, warm: int,
-                device: str = "cuda") -> dict[str, Any]:  # fmt: skip
+                device: str = "cuda", profile: bool = False) -> dict[str, Any]:  # fmt: skip
 
     from oasr.engine import ASREngine
     from oasr.scheduler import SchedulerConfig
@@ -207,10 +213,21 @@ def _engine_run(asr: Any, audios: list, options: Any, batch: int, kv: str | None
         wall = time.perf_counter() - t0
         tokens = ex.stats.get("tokens", 0) - before
         mem = ex.memory_bytes / 2**30
+        prof = None
+        if profile:  # one more timed pass under the profiler: kernel names, counts, device ms
+            from benchmarks.profiling import profile_call
+
+            steps = ex.stats.get("steps", 0)
+            prof = profile_call(lambda: [f.result() for f in [engine.submit(a, options) for a in audios]],
+                                device, rows=40, all_threads=True)  # fmt: skip
+            prof["engine_steps"] = ex.stats.get("steps", 0) - steps
     finally:
         engine.shutdown()
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "kv_and_cross_gib": round(mem, 2),
-            "texts": [o.text for o in outs]}  # fmt: skip
+    out = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "kv_and_cross_gib": round(mem, 2),
+           "texts": [o.text for o in outs]}  # fmt: skip
+    if prof is not None:
+        out["profile"] = prof
+    return out
 
 
 def _hf_run(hf: Any, asr: Any, audios: list, tokens: int, batch: int) -> dict[str, Any]:
@@ -255,12 +272,33 @@ def _hf_run(hf: Any, asr: Any, audios: list, tokens: int, batch: int) -> dict[st
     return {"wall_s": wall, "tokens": n, "tokens_per_s": n / wall, "texts": texts}
 
 
+def _device_side(side: str, args: argparse.Namespace, asr: Any, hf: Any, float_net: Any, audios: list,
+                 options: Any, device: str) -> dict[str, Any]:  # fmt: skip
+    from oasr.quantization import quantize_model
+
+    run = {"batch": args.batch, "warm": args.warmup, "device": device, "profile": args.profile}
+    if side == "transformers":
+        return _hf_run(hf, asr, audios, args.tokens, args.batch)
+    if side == "oasr_fp16":
+        return _engine_run(asr, audios, options, kv=None, **run)
+    if side in ("oasr_fp8", "oasr_fp8_w"):
+        if getattr(asr, "quantization", None) is None:
+            quantize_model(asr, "fp8_w8a8")
+        return _engine_run(asr, audios, options, kv="fp8" if side == "oasr_fp8" else None, **run)
+    if side == "oasr_int8":
+        q = copy.copy(asr)
+        q.network = copy.deepcopy(float_net)
+        q.quantization = None
+        quantize_model(q, "int8_w8a8")
+        return _engine_run(q, audios, options, kv=None, **run)
+    raise SystemExit(f"unknown side {side!r}")
+
+
 def bench_device(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
 
     from benchmarks.synthetic import build_models
-    from oasr.quantization import quantize_model
     from oasr.types import DecodingOptions
 
     device = args.device
@@ -278,28 +316,25 @@ def bench_device(args: argparse.Namespace) -> dict[str, Any]:
     sides = [s for s in args.sides.split(",") if s]
     results: dict[str, dict[str, Any]] = {}
     float_net = copy.deepcopy(asr.network) if any(s.startswith("oasr_int8") for s in sides) else None
+    before_env = dict(kv.split("=", 1) for kv in args.before_env)
     for side in sides:
-        if side == "transformers":
-            results[side] = _hf_run(hf, asr, audios, args.tokens, args.batch)
-        elif side == "oasr_fp16":
-            results[side] = _engine_run(asr, audios, options, args.batch, None, args.warmup, device)
-        elif side in ("oasr_fp8", "oasr_fp8_w"):
-            if getattr(asr, "quantization", None) is None:
-                quantize_model(asr, "fp8_w8a8")
-            results[side] = _engine_run(asr, audios, options, args.batch, "fp8" if side == "oasr_fp8" else None,
-                                        args.warmup, device)  # fmt: skip
-        elif side == "oasr_int8":
-            q = copy.copy(asr)
-            q.network = copy.deepcopy(float_net)
-            q.quantization = None
-            quantize_model(q, "int8_w8a8")
-            results[side] = _engine_run(q, audios, options, args.batch, None, args.warmup, device)
-        else:
-            raise SystemExit(f"unknown side {side!r}")
+        # "<side>_before": that side with --before-env set (the path a switch turns back on)
+        saved = {k: os.environ.get(k) for k in before_env} if side.endswith("_before") else {}
+        os.environ.update({k: before_env[k] for k in saved})
+        try:
+            results[side] = _device_side(side.removesuffix("_before"), args, asr, hf, float_net, audios, options,
+                                         device)  # fmt: skip
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         r = results[side]
         print(f"{side:<14} {r['wall_s']:8.2f} s  {r['tokens_per_s']:9.1f} tokens/s", flush=True)
+
     base = results.get("oasr_fp16")
     ref = results.get("transformers")
     speed: dict[str, float] = {}
@@ -371,7 +406,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     dev.add_argument("--requests", type=int, default=128)
     dev.add_argument("--tokens", type=int, default=64)
     dev.add_argument("--warmup", type=int, default=1)
-    dev.add_argument("--sides", default="oasr_fp16,oasr_int8,oasr_fp8_w,oasr_fp8,transformers")
+    dev.add_argument("--sides", default="oasr_fp16,oasr_int8,oasr_fp8_w,oasr_fp8,transformers",
+                     help="also <side>_before: that side with --before-env set")  # fmt: skip
+    dev.add_argument("--profile", action="store_true",
+                     help="one more pass of each OASR side under torch.profiler (benchmarks/profiling.py): "
+                          "its kernel table (names, counts, device ms) in the JSON's results")  # fmt: skip
+    dev.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
+                     help="the environment of the <side>_before sides (repeatable), e.g. "
+                          "OASR_FP8_FUSED_QUANT=0: the W8A8 path without the fused kernels")  # fmt: skip
     for p in (cpu, dev):
         p.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)

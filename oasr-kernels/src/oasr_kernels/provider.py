@@ -20,6 +20,7 @@ OPS = (
     "log_mel_power",
     "paged_decode_attention_fp8",
     "cross_attention_fp8",
+    "quantize_activations",
     "ctc_prefix_beam_frames",
 )
 
@@ -47,13 +48,16 @@ def install(device_type: str = "cuda") -> list[str]:
     register_override("bias_act", "cuda", fused.bias_act_cuda)
     register_override("glu_depthwise_conv1d", "cuda", fused.glu_depthwise_conv1d_cuda)
     register_override("log_mel_power", "cuda", fused.log_mel_power_cuda)
-    import oasr.layers.quantized  # noqa: F401 - declares the fp8 KV cache's ops
+    import oasr.layers.quantized  # noqa: F401 - declares the fp8 KV cache's and quantization's ops
     from oasr_kernels.paged_attention_fp8 import paged_decode_attention_fp8_cuda
 
     register_override("paged_decode_attention_fp8", "cuda", paged_decode_attention_fp8_cuda)
     from oasr_kernels.cross_attention_fp8 import cross_attention_fp8_cuda
 
     register_override("cross_attention_fp8", "cuda", cross_attention_fp8_cuda)
+    from oasr_kernels.quantize_act import quantize_activations_cuda
+
+    register_override("quantize_activations", "cuda", quantize_activations_cuda)
     from oasr.decoders.ctc_gpu import FRAMES_OP
     from oasr.layers._dispatch import declare_op
     from oasr_kernels.ctc_beam import ctc_prefix_beam_frames_cuda

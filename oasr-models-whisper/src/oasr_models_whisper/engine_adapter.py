@@ -133,10 +133,15 @@ class WhisperStepModel:
         self.cross_shape = (dims.n_audio_ctx, dims.n_text_state)
         self.cross_heads = dims.n_text_head
         self._fused_qkv = self._fuse_self_qkv() if self.device.type == "cuda" else None
+        #: the same for W8A8 layers: one QuantizedLinear of the three's weights and scales
+        self._fused_qkv_quant = (self._fuse_self_qkv_quantized()
+                                 if self.device.type == "cuda" and self._fused_qkv is None else None)  # fmt: skip
         self._norms = decoder_norms(net.decoder)
         esize = torch.empty(0, dtype=self.dtype).element_size()
         #: memory beyond the executor's pools (the fused projection weights)
         self.extra_bytes = sum(w.numel() * esize for w, _ in self._fused_qkv or ())
+        self.extra_bytes += sum(sum(t.numel() * t.element_size() for t in q.buffers())
+                                for q in self._fused_qkv_quant or ())  # fmt: skip
 
     def _fuse_self_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """One (3d, d) weight per decoder layer for the self-attention q/k/v projections: one
@@ -153,6 +158,35 @@ class WhisperStepModel:
                 return None
             bias = [p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0]) for p in projs]
             fused.append((torch.cat([p.weight for p in projs]).contiguous(), torch.cat(bias).contiguous()))
+        return fused
+
+    def _fuse_self_qkv_quantized(self) -> list[Any] | None:
+        """:meth:`_fuse_self_qkv` for W8A8 projections (:class:`~oasr.layers.quantized.
+        QuantizedLinear`, one activation term, no SmoothQuant divisor): the weights (N, K)
+        and their per-output-channel scales concatenated. The activations' per-token scales
+        come from the same ``h`` and each output channel keeps its own scale, so it is the same
+        math in one quantization and one GEMM instead of three of each. ``OASR_FP8_FUSED_QUANT=0``
+        keeps the three calls (the path before, for an A/B)."""
+        import os
+
+        from oasr.layers.quantized import QuantizedLinear
+
+        if os.environ.get("OASR_FP8_FUSED_QUANT") == "0":
+            return None
+        fused = []
+        for block in self.net.decoder.layers:
+            att = block.self_attn
+            projs = (att.q_proj, att.k_proj, att.v_proj)
+            if any(type(p) is not QuantizedLinear or p.act_terms != 1 or p.input_scale is not None
+                   or p.method != projs[0].method or p.compute_dtype != self.dtype for p in projs):  # fmt: skip
+                return None
+            bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=self.dtype,
+                                                                            device=p.qweight.device)
+                              for p in projs])  # fmt: skip
+            qweight = torch.cat([p.qweight for p in projs]).contiguous()
+            scale = torch.cat([p.weight_scale for p in projs]).contiguous()
+            method = projs[0].method
+            fused.append(QuantizedLinear.from_quantized(qweight, scale, bias, method, dtype=self.dtype))  # fmt: skip
         return fused
 
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
@@ -175,6 +209,9 @@ class WhisperStepModel:
             if self._fused_qkv is not None:
                 w, bias = self._fused_qkv[li]
                 q, k, v = torch.nn.functional.linear(h, w, bias).split(att.embed_dim, dim=-1)
+                q = att._split(q)
+            elif self._fused_qkv_quant is not None:
+                q, k, v = self._fused_qkv_quant[li](h).split(att.embed_dim, dim=-1)
                 q = att._split(q)
             else:
                 q = att._split(att.q_proj(h))

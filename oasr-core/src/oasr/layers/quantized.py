@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -224,7 +225,10 @@ class QuantizedLinear(Op):
             return self._dequantized(x2, "cuBLASLt's int8 GEMM needs K and N multiples of 8")
         # two terms: (2m, K) rows, the second m the first's rounding errors; one GEMM reads the
         # weight once for both
-        xq, sx = quantize_activation_terms(x2, "int8", self.act_terms)
+        if self.act_terms == 1 and dev == "cuda":
+            xq, sx = quantize_activations_op(x2, "int8")
+        else:
+            xq, sx = quantize_activation_terms(x2, "int8", self.act_terms)
         rows = xq.shape[0]
         if dev == "cuda" and rows <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
             xq = F.pad(xq, (0, 0, 0, 17 - rows))
@@ -272,13 +276,17 @@ class QuantizedLinear(Op):
         k, n = self.in_features, self.out_features
         if k % 16 or n % 16:
             return self._dequantized(x2, "torch._scaled_mm needs K and N multiples of 16")
-        xq, sx = quantize_activations(x2, "fp8")
+        xq, sx = quantize_activations_op(x2, "fp8")
         out_dtype = _scaled_mm_out_dtype(x2.device.type, x2.dtype)
+        fused = (self.bias is not None and out_dtype == x2.dtype
+                 and _scaled_mm_takes_bias(x2.device.type, out_dtype))  # fmt: skip
+        # A row-major (M, K), B column-major (the transposed row-major weight): what cuBLASLt /
+        # CUTLASS want, no copy
         y = torch._scaled_mm(xq, self.weight_q.t(), scale_a=sx, scale_b=self.weight_scale[None, :],
-                             out_dtype=out_dtype)  # fmt: skip
-        if self.bias is not None:
+                             bias=self.bias if fused else None, out_dtype=out_dtype)  # fmt: skip
+        if self.bias is not None and not fused:
             y = y + self.bias.to(out_dtype)
-        return y.to(x2.dtype)
+        return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
     def extra_repr(self) -> str:
         smooth = ", smoothed" if self.input_scale is not None else ""
@@ -493,6 +501,53 @@ def _int_mm_is_slow() -> bool:
         log.info("no VNNI on this CPU (torch._int_mm has no fast kernel): int8 GEMMs run as exact "
                  "float32 matmuls of the int8 values")  # fmt: skip
     return bool(exact)
+
+
+_QUANT_ACT = declare_op("quantize_activations")
+
+
+def quantize_activations_op(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~oasr.quantization.numerics.quantize_activations` of a 2-D ``x`` as an overridable
+    op (``"quantize_activations"``): on CUDA oasr-kernels' one-launch kernel gives the same bytes
+    and scales as the native five ops. ``OASR_FP8_FUSED_QUANT=0`` keeps the native ops (an A/B
+    in one process: read on every call)."""
+    if not x.is_cuda or os.environ.get("OASR_FP8_FUSED_QUANT") == "0":
+        return quantize_activations(x, fmt)
+    from oasr.layers._dispatch import call_op
+
+    return call_op(_QUANT_ACT, "cuda", quantize_activations, x, fmt)
+
+
+#: (device type, dtype) -> whether ``_scaled_mm`` with row-wise scales adds a bias of that dtype
+_SCALED_MM_BIAS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _scaled_mm_takes_bias(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` with row-wise scales takes ``bias=`` (added in its epilogue,
+    one pass over the output fewer) and gives ``gemm + bias`` rounded once, as the separate add
+    of the unrounded sum would: probed once per (device type, dtype) on small integers, where
+    both are exact (a rounding fewer than the separate add, closer to the float64 reference).
+    ``OASR_FP8_FUSED_QUANT=0`` says no (the separate add, as before)."""
+    if os.environ.get("OASR_FP8_FUSED_QUANT") == "0":
+        return False
+    key = (device_type, dtype)
+    got = _SCALED_MM_BIAS.get(key)
+    if got is None:
+        got = False
+        try:
+            a = torch.arange(-8, 8, device=device_type, dtype=torch.float32).repeat(16, 1)
+            bias = torch.arange(16, device=device_type, dtype=torch.float32).to(dtype)
+            a8 = a.to(FP8_DTYPE)
+            # powers of two: exact either way, and a bias added before the scales would show
+            two_a = torch.full((16, 1), 2.0, device=device_type)
+            quarter_b = torch.full((1, 16), 0.25, device=device_type)
+            y = torch._scaled_mm(a8, a8.t(), scale_a=two_a, scale_b=quarter_b, bias=bias,
+                                 out_dtype=dtype)  # fmt: skip
+            got = bool(torch.equal(y.float(), (a @ a.t()) * 0.5 + bias.float()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            got = False
+        _SCALED_MM_BIAS[key] = got
+    return got
 
 
 def _scaled_mm_out_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,22 +20,14 @@ from oasr.layers.conformer import DepthwiseConv1d
 from oasr.layers.llm import RMSNorm
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _emulation import emulated_common  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-def _translate(source: str, common: bool = False) -> str:
-    """The two PTX conversions (common.cuh) become _Float16 casts; dynamic shared memory
-    becomes a pointer to the emulated block's."""
-    if common:
-        rules = [
-            (r'asm\("cvt\.f32\.f16 %0, %1;" : "=f"\(f\) : "h"\(v\.bits\)\);', "f = (float)std::bit_cast<_Float16>(v.bits);"),
-            (r'asm\("cvt\.rn\.f16\.f32 %0, %1;" : "=h"\(r\.bits\) : "f"\(f\)\);', "r.bits = std::bit_cast<unsigned short>((_Float16)f);"),
-        ]  # fmt: skip
-        for pattern, replacement in rules:
-            source, n = re.subn(pattern, replacement, source)
-            assert n == 1, f"emulation rule no longer matches common.cuh: {pattern}"
-        return source
+def _translate(source: str) -> str:
+    """Dynamic shared memory becomes a pointer to the emulated block's."""
     source, n1 = re.subn(r"extern __shared__ float (\w+)\[\];", r"float* \1 = reinterpret_cast<float*>(emu_dyn_smem);", source)
     source, n2 = re.subn(r"extern __shared__ long long (\w+)\[\];",
                          r"long long* \1 = reinterpret_cast<long long*>(emu_dyn_smem);", source)  # fmt: skip
@@ -49,7 +42,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
     cxx = cxx20
     work = tmp_path_factory.mktemp("emu_fused")
     csrc = Path(fused_module.__file__).parent / "csrc"
-    body = _translate((csrc / "common.cuh").read_text(), common=True) + "\n"
+    body = emulated_common(csrc) + "\n"
     names: list[str] = []
     for filename in ("fused_ops.cu", "paged_prefill_attention.cu"):
         source = (csrc / filename).read_text()

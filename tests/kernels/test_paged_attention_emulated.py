@@ -17,6 +17,7 @@ import torch
 from oasr_kernels import paged_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _emulation import emulated_common  # noqa: E402
 from _paged_reference import reference  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -67,7 +68,11 @@ extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned threa
 """
     cpp = work / "emulated.cpp"
     cpp.write_text(
-        f'#include "{HERE / "cuda_host_emulation.h"}"\n' + _translate(SOURCE.read_text()) + launcher
+        f'#include "{HERE / "cuda_host_emulation.h"}"\n'
+        + emulated_common(SOURCE.parent)  # the JIT prepends it too
+        + "\n"
+        + _translate(SOURCE.read_text())
+        + launcher
     )
     lib = work / "libemulated.so"
     proc = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas",

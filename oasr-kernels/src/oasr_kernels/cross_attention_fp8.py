@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from oasr_kernels.jit import DTYPE_TAGS, KernelModule
+from oasr_kernels.paged_attention_fp8 import HEAD_DIMS, decode_query_fp8_reason
 
 __all__ = ["HEAD_DIMS", "UNROLL", "cross_attention_fp8_cuda", "unsupported_reason"]
 
 MODULE = KernelModule("cross_attention_fp8.cu")
-HEAD_DIMS = (64, 128)
 _THREADS = 128
 _WARPS = _THREADS // 32
 _SMEM_LIMIT = 48 * 1024
@@ -41,15 +41,10 @@ def smem_bytes(frames: int, head_dim: int) -> int:
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                        v_scale: torch.Tensor) -> str | None:  # fmt: skip
     """Why the kernel cannot take these inputs (None if it can)."""
-    if not q.is_cuda:
-        return "not a CUDA tensor"
-    if q.dim() != 4 or q.shape[2] != 1 or q.dtype not in DTYPE_TAGS:
-        return "q must be (B, H, 1, D) fp32/fp16/bf16"
+    reason = decode_query_fp8_reason(q, k, v, "k and v")
+    if reason is not None:
+        return reason
     b, h, _, d = q.shape
-    if d not in HEAD_DIMS:
-        return f"head size {d} (supported: {HEAD_DIMS})"
-    if k.dtype != torch.uint8 or v.dtype != torch.uint8:
-        return "k and v must hold e4m3 bytes (uint8)"
     if k.dim() != 4 or k.shape[0] != b or k.shape[3] != d or v.shape != k.shape:
         return "k and v must both be (B, H_kv, S, D)"
     if k_scale.dtype != torch.float32 or k_scale.shape != k.shape[:3] or v_scale.shape != k_scale.shape:

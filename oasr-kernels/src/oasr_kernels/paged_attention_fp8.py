@@ -18,7 +18,7 @@ import torch
 
 from oasr_kernels.jit import DTYPE_TAGS, KernelModule
 
-__all__ = ["HEAD_DIMS", "paged_decode_attention_fp8_cuda", "unsupported_reason"]
+__all__ = ["HEAD_DIMS", "decode_query_fp8_reason", "paged_decode_attention_fp8_cuda", "unsupported_reason"]
 
 MODULE = KernelModule("paged_decode_attention_fp8.cu")
 HEAD_DIMS = (64, 128)
@@ -32,19 +32,29 @@ def smem_bytes(nb: int, block_size: int, head_dim: int) -> int:
     return nb * 8 + 4 * (_WARPS * head_dim + 2 * _WARPS + nb * block_size)
 
 
-def unsupported_reason(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
-                       v_scale: torch.Tensor, block_tables: torch.Tensor,
-                       lengths: torch.Tensor) -> str | None:  # fmt: skip
-    """Why the kernel cannot take these inputs (None if it can)."""
+def decode_query_fp8_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> str | None:
+    """The checks every fp8 decode-attention kernel makes of its query and its key/value bytes
+    (``what`` names those in the message): one CUDA query per (row, head), a supported head size,
+    e4m3 bytes stored as uint8."""
     if not q.is_cuda:
         return "not a CUDA tensor"
     if q.dim() != 4 or q.shape[2] != 1 or q.dtype not in DTYPE_TAGS:
         return "q must be (B, H, 1, D) fp32/fp16/bf16"
+    if q.shape[3] not in HEAD_DIMS:
+        return f"head size {q.shape[3]} (supported: {HEAD_DIMS})"
+    if k.dtype != torch.uint8 or v.dtype != torch.uint8:
+        return f"{what} must hold e4m3 bytes (uint8)"
+    return None
+
+
+def unsupported_reason(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
+                       v_scale: torch.Tensor, block_tables: torch.Tensor,
+                       lengths: torch.Tensor) -> str | None:  # fmt: skip
+    """Why the kernel cannot take these inputs (None if it can)."""
+    reason = decode_query_fp8_reason(q, k_pool, v_pool, "pools")
+    if reason is not None:
+        return reason
     b, h, _, d = q.shape
-    if d not in HEAD_DIMS:
-        return f"head size {d} (supported: {HEAD_DIMS})"
-    if k_pool.dtype != torch.uint8 or v_pool.dtype != torch.uint8:
-        return "pools must hold e4m3 bytes (uint8)"
     if k_pool.dim() != 4 or k_pool.shape[3] != d or v_pool.shape != k_pool.shape:
         return "pools must both be (num_blocks, block_size, H_kv, D)"
     if k_scale.dtype != torch.float32 or k_scale.shape != k_pool.shape[:3] or v_scale.shape != k_scale.shape:

@@ -142,4 +142,36 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return total;
 }
 
+// The softmax numerators of scores[0, len) in place (exp(score - max), in float32) by one block
+// of kWarps warps (threadIdx.x < 32 * kWarps); returns their sum, the same in every thread.
+// red_max and red_sum hold kWarps floats each of shared memory. The last barrier also publishes
+// the exponentials to every thread.
+template <int kWarps>
+__device__ __forceinline__ float block_softmax_numerators(float* scores, int len, float* red_max,
+                                                          float* red_sum) {
+  constexpr int kThreads = 32 * kWarps;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float m = -3.0e38f;
+  for (int j = tid; j < len; j += kThreads) m = fmaxf(m, scores[j]);
+  m = warp_max(m);
+  if (lane == 0) red_max[warp] = m;
+  __syncthreads();
+  m = red_max[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red_max[w]);
+  float sum = 0.f;
+  for (int j = tid; j < len; j += kThreads) {
+    const float e = expf(scores[j] - m);
+    scores[j] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) red_sum[warp] = sum;
+  __syncthreads();
+  sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sum += red_sum[w];
+  return sum;
+}
+
 }  // namespace oasr

@@ -108,27 +108,8 @@ __device__ __forceinline__ void cross_fp8(const T* __restrict__ q_all, long long
   }
   __syncthreads();
 
-  // Softmax
-  float m = -3.0e38f;
-  for (int j = tid; j < S; j += kThreads) m = fmaxf(m, scores[j]);
-  m = oasr::warp_max(m);
-  if (lane == 0) red_max[warp] = m;
-  __syncthreads();
-  m = red_max[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red_max[w]);
-  float sum = 0.f;
-  for (int j = tid; j < S; j += kThreads) {
-    const float e = expf(scores[j] - m);
-    scores[j] = e;
-    sum += e;
-  }
-  sum = oasr::warp_sum(sum);
-  if (lane == 0) red_sum[warp] = sum;
-  __syncthreads();
-  sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) sum += red_sum[w];
+  // Softmax numerators in place, and their sum
+  const float sum = oasr::block_softmax_numerators<kWarps>(scores, S, red_max, red_sum);
 
   // Pass 2: acc = sum_j p[j] * v_scale[j] * V[j]
   float acc[kBytes];

@@ -197,29 +197,8 @@ __device__ __forceinline__ void paged_decode_attention(
   }
   __syncthreads();
 
-  // Softmax over the row's keys (max, exponentials in place, sum).
-  float m = -3.0e38f;
-  for (int j = tid; j < len; j += kThreads) m = fmaxf(m, scores[j]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(OASR_FULL_MASK, m, off));
-  if (lane == 0) red_max[warp] = m;
-  __syncthreads();
-  m = red_max[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red_max[w]);
-  float sum = 0.f;
-  for (int j = tid; j < len; j += kThreads) {
-    const float e = expf(scores[j] - m);
-    scores[j] = e;
-    sum += e;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(OASR_FULL_MASK, sum, off);
-  if (lane == 0) red_sum[warp] = sum;
-  __syncthreads();  // also publishes the exponentials for pass 2
-  sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) sum += red_sum[w];
+  // Softmax numerators in place, and their sum
+  const float sum = oasr::block_softmax_numerators<kWarps>(scores, len, red_max, red_sum);
 
   // Pass 2: acc = sum_j p[j] * V[j] over this thread's keys and EPL output dims.
   float acc[EPL];

@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if x.is_cuda and args.fused:
         try:
             variants["fused"] = timed(True)
+            print(f"fused: {statistics.median(variants['fused'][0]):.4f} s", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - reported, the tensor search still runs
             variants["fused_error"] = repr(exc)
         # the other kernel variants (fused.VARIANTS), each also at the other block sizes
@@ -184,6 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 try:
                     variants[key] = timed(True, threads, variant)
+                    # as each is timed: a run cut short still says something
+                    print(f"{key}: {statistics.median(variants[key][0]):.4f} s", file=sys.stderr, flush=True)
                 except Exception as exc:  # noqa: BLE001 - reported
                     variants[f"{key}_error"] = repr(exc)
     if not args.no_tensor:
@@ -198,8 +202,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               beam_delta=opts.beam_delta)  # fmt: skip
     # spawn: the workers must not inherit this process's CUDA context
     ctx = multiprocessing.get_context("spawn")
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "wfst"))
     from _kaldi_reference import to_kaldifst
 

@@ -1,6 +1,6 @@
-"""The fused CUDA kernel (``oasr_decoders_wfst.fused``), both variants (a thread per token, a
-thread per arc), on numba's CUDA simulator: the same one-best (words, word frames, cost, final)
-as the tensor search: beam only, max-active binding, min-active binding; the arc variant also
+"""The fused CUDA kernel (``oasr_decoders_wfst.fused``), its variants (a thread per token, a
+thread per arc, "arc2"), on numba's CUDA simulator: the same one-best (words, word frames, cost, final)
+as the tensor search: beam only, max-active binding, min-active binding; the arc variants also
 with too small a candidate buffer (its emitting candidates recomputed) and its token arc starts
 in global memory, and at an odd block size where both of its k-th cost selections run (ranking
 where the tokens fit the block, else quickselect).
@@ -40,7 +40,8 @@ SCRIPT = textwrap.dedent('''
         lp, lengths = _inputs(g, 2, 18, seed=seed, peaky=True)
         dec = WfstDecoder(g, "cpu", opts)
         ref = dec.decode(lp, lengths, fused=False)
-        for variant, threads in (("token", 4), ("arc", 13)):  # arc: k-th cost ranked (n <= 13) and quickselected
+        # arc, arc2: k-th cost ranked (n <= 13) and quickselected
+        for variant, threads in (("token", 4), ("arc", 13), ("arc2", 13)):
             got = decode_fused(dec, lp, lengths, threads=threads, variant=variant)
             for a, b in zip(got, ref, strict=True):
                 assert (a.word_ids, a.word_frames, a.reached_final) == (b.word_ids, b.word_frames, b.reached_final), (variant, a, b)
@@ -49,16 +50,17 @@ SCRIPT = textwrap.dedent('''
         if seed == 1:  # frames here have up to 118 emitting candidates: most are recomputed
             from oasr_decoders_wfst import _fused_kernel
             _fused_kernel.SHARED_TOKENS = 3  # the simulator reads it at run time: arc starts in global memory
-            (prev, word, _), best, cost, _, overflowed = fused_decode(
-                dec, lp, lengths, threads=3, variant="arc", candidate_capacity=24)
+            for variant in ("arc", "arc2"):
+                (prev, word, _), best, cost, _, overflowed = fused_decode(
+                    dec, lp, lengths, threads=3, variant=variant, candidate_capacity=24)
+                assert not overflowed.any()
+                for b, h in enumerate(ref):
+                    chain, r = [], int(best[b])
+                    while r >= 0:
+                        chain.append(int(word[b, r]))
+                        r = int(prev[b, r])
+                    assert (chain[::-1], float(cost[b])) == (h.word_ids, h.cost), (variant, chain, h)
             _fused_kernel.SHARED_TOKENS = 4096
-            assert not overflowed.any()
-            for b, h in enumerate(ref):
-                chain, r = [], int(best[b])
-                while r >= 0:
-                    chain.append(int(word[b, r]))
-                    r = int(prev[b, r])
-                assert (chain[::-1], float(cost[b])) == (h.word_ids, h.cost), (chain, h)
     print("fused == tensor")
 ''')
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 import os
+import types
 
 import numpy as np
-from numba import cuda, float32, float64, int32
+from numba import cuda, float32, float64, int32, int64
 from numba.cuda import libdevice
 
 INT32_MAX = 2**31 - 1
@@ -773,3 +774,419 @@ def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, fi
         else:
             out_rec[b] = -1
             out_cost[b] = inf
+
+
+# ---------------------------------------------------------------------------------------------
+# The "arc2" variant: ``kernel_arc`` with a shorter chain of dependent memory round trips a
+# frame (the frame loop is latency-bound: ~1500 arcs a frame are about one per thread). Same
+# search, same results:
+# - the per-state table interleaves each state's cost key, token slot and epsilon claim in 16
+#   bytes (``table``: int64 [2 * state] the key; its int32 view ``table32`` [4 * state + 2] the
+#   slot, [+ 3] the claim), so the slot / claim after a cost atomic is in the same 32-byte sector
+#   (an L2 hit, not a second DRAM miss);
+# - the emitting passes "best new cost" and "lower the table" are one: every candidate lowers
+#   its state's key, and the claim pass keeps only those under the next cutoff (the minimum over
+#   all candidates is under the cutoff iff the minimum over those under it is, and then they are
+#   the same); a state whose minimum is not under it is reset there by its candidates (one
+#   barrier and one pass over the candidates fewer a frame);
+# - the first pass also stores each candidate's word (the arc's output label) and its token's
+#   record, the epsilon expansion the arc's output label: the claim passes load nothing after
+#   their atomics;
+# - the block's best costs are int64 keys in shared memory (a native 64-bit atomic min, not
+#   numba's float64 compare-and-swap loop, which 1024 threads on one word retry).
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+
+    @cuda.jit(device=True)
+    def key_cost(k):
+        u = int(k)
+        return float(np.int64(u if u >= 0 else u ^ FLIP).view(np.float64))
+
+else:
+
+    @cuda.jit(device=True)
+    def key_cost(k):
+        u = k
+        if u < 0:
+            u ^= FLIP
+        return libdevice.longlong_as_double(u)
+
+
+#: kernel_arc2's block prefix sum by warp shuffles (``kernel_arc3``); numba's simulator has no
+#: shuffles, so only a GPU runs that copy
+WARP_SCAN = False
+
+
+@cuda.jit(device=True)
+def warp_scan(x, warp_sums):
+    """(block total, exclusive prefix) of x over the block's threads (a multiple of 32, all here):
+    a shuffle scan in each warp, then one over the warps' sums; two barriers."""
+    tid = cuda.threadIdx.x
+    lane = tid & 31
+    wid = tid >> 5
+    nwarps = cuda.blockDim.x >> 5
+    v = x
+    off = 1
+    while off < 32:
+        y = cuda.shfl_up_sync(0xFFFFFFFF, v, off)
+        if lane >= off:
+            v += y
+        off *= 2
+    if lane == 31:
+        warp_sums[wid] = v
+    cuda.syncthreads()
+    if wid == 0:
+        w = warp_sums[lane] if lane < nwarps else 0
+        off = 1
+        while off < 32:
+            y = cuda.shfl_up_sync(0xFFFFFFFF, w, off)
+            if lane >= off:
+                w += y
+            off *= 2
+        if lane < nwarps:
+            warp_sums[lane] = w
+    cuda.syncthreads()
+    before = warp_sums[wid - 1] if wid > 0 else 0
+    return warp_sums[nwarps - 1], before + v - x
+
+
+@cuda.jit
+def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start,
+                lp, lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec,
+                table, table32, frontier, cand_src, cand_arc, cand_cost, cand_rec, rec_prev,
+                rec_word, rec_frame, out_rec, out_cost, out_final, status, out_nrec, tok_aoff):  # fmt: skip
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    S = final.shape[0]
+    cap = tok_state.shape[2]
+    ccap = cand_src.shape[1]
+    rcap = rec_prev.shape[1]
+    base = b * S
+    # shared scalars as in ``kernel_arc``; sk: int64 keys [0 best new cost, 1 best cost of the
+    # tokens the last frame left]
+    si = cuda.shared.array(16, dtype=int32)
+    sf = cuda.shared.array(8, dtype=float64)
+    sk = cuda.shared.array(2, dtype=int64)
+    scan = cuda.shared.array((2, 1024), dtype=int32)
+    aoff_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
+    arc0_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
+    ranked = cuda.shared.array(1024, dtype=float64)
+    warp_sums = cuda.shared.array(32, dtype=int32)
+    if tid == 0:
+        tok_state[b, 0, 0] = start
+        tok_cost[b, 0, 0] = 0.0
+        tok_rec[b, 0, 0] = -1
+        si[0] = 1
+        si[3] = 0
+        si[9] = 0
+        si[10] = 0
+        table[2 * (base + start)] = 0  # the key of 0.0
+        table32[4 * (base + start) + 2] = 0
+    cuda.syncthreads()
+    cur = 0
+    n_frames = lens[b]
+    for t in range(-1, n_frames):
+        nb = cur if t < 0 else 1 - cur
+        if t >= 0:
+            n = si[0]
+            aoff = aoff_shared if n <= SHARED_TOKENS else tok_aoff[b, 0]
+            arc0 = arc0_shared if n <= SHARED_TOKENS else tok_aoff[b, 1]
+            best_cost = key_cost(sk[1])  # from the last frame's clean-up pass
+            beam_cut = best_cost + beam
+            cutoff = beam_cut
+            adaptive = float64(beam)
+            per = (n + nth - 1) // nth
+            lo_i = tid * per
+            hi_i = min(n, lo_i + per)
+            active = (n + per - 1) // per
+            m_lt = 0
+            m_le = 0
+            tot = 0
+            for i in range(lo_i, hi_i):
+                c = tok_cost[b, cur, i]
+                k = 0
+                if c < beam_cut:
+                    m_lt += 1
+                    s = tok_state[b, cur, i]
+                    a0 = e_off[s]
+                    k = int32(e_off[s + 1] - a0)
+                    arc0[i] = a0
+                if c <= beam_cut:
+                    m_le += 1
+                aoff[i] = k
+                tot += k
+            if not (max_active == INT32_MAX and min_active == 0):
+                if m_lt:
+                    cuda.atomic.add(si, 11, m_lt)
+                if m_le:
+                    cuda.atomic.add(si, 12, m_le)
+                cuda.syncthreads()
+                n_lt = si[11]
+                n_le = si[12]
+                if n > max_active and n_lt > max_active:
+                    if n <= nth:
+                        kval = kth_cost_ranked(tok_cost, b, cur, n, max_active, sf, ranked)
+                    else:
+                        kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
+                    cutoff = kval
+                    adaptive = float64(float32(kval - best_cost + beam_delta))
+                elif min_active > 0 and n_le <= min_active:
+                    kval = inf
+                    if n > min_active:
+                        if n <= nth:
+                            kval = kth_cost_ranked(tok_cost, b, cur, n, min_active, sf, ranked)
+                        else:
+                            kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
+                    cutoff = kval
+                    adaptive = float64(float32(kval - best_cost + beam_delta))
+                if cutoff != beam_cut:
+                    tot = 0
+                    for i in range(lo_i, hi_i):
+                        k = 0
+                        if tok_cost[b, cur, i] < cutoff:
+                            s = tok_state[b, cur, i]
+                            a0 = e_off[s]
+                            k = int32(e_off[s + 1] - a0)
+                            arc0[i] = a0
+                        aoff[i] = k
+                        tot += k
+            if WARP_SCAN:  # "arc3": shuffles within warps, two barriers
+                total, run = warp_scan(tot, warp_sums)
+            else:
+                scan[0, tid] = tot
+                cuda.syncthreads()
+                src = 0
+                step = 1
+                while step < active:
+                    v = scan[src, tid]
+                    if tid >= step:
+                        v += scan[src, tid - step]
+                    scan[1 - src, tid] = v
+                    src = 1 - src
+                    step *= 2
+                    cuda.syncthreads()
+                total = scan[src, active - 1]
+                run = scan[src, tid] - tot
+            for i in range(lo_i, hi_i):
+                k = aoff[i]
+                aoff[i] = run
+                run += k
+            cuda.syncthreads()
+            # ---- emitting arcs, one pass: each candidate lowers its state's key and is stored
+            # (destination, cost, word, its token's record); the block's best new cost
+            mine = INF_KEY
+            for j in range(tid, total, nth):
+                o = owner_of(aoff, n, j)
+                a = arc0[o] + (j - aoff[o])
+                r = tok_rec[b, cur, o]
+                w = e_olab[a]
+                d = e_next[a]
+                nc = (tok_cost[b, cur, o] + e_w[a]) + float64(-lp[b, t, e_tok[a]])
+                if j < ccap:
+                    cand_src[b, j] = r
+                    cand_arc[b, j] = w
+                    cand_cost[b, j] = nc
+                    cand_rec[b, j] = d
+                key = cost_key(nc)
+                cuda.atomic.min(table, 2 * (base + d), key)
+                mine = min(mine, key)
+            if mine < INF_KEY:
+                cuda.atomic.min(sk, 0, mine)
+            if tid == 0:
+                si[1] = 0
+            cuda.syncthreads()
+            next_cutoff = key_cost(sk[0]) + adaptive
+            for j in range(tid, total, nth):
+                if j < ccap:  # all four loads at once
+                    nc = cand_cost[b, j]
+                    d = cand_rec[b, j]
+                    r = cand_src[b, j]
+                    w = cand_arc[b, j]
+                else:
+                    o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
+                    d = e_next[a]
+                    r = tok_rec[b, cur, o]
+                    w = e_olab[a]
+                # the table was lowered by atomics: read it with one (no stale L1 line)
+                low = cuda.atomic.min(table, 2 * (base + d), INF_KEY)
+                if nc < next_cutoff:
+                    if cost_key(nc) == low and cuda.atomic.cas(table32, 4 * (base + d) + 2, -1, -2) == -1:  # fmt: skip
+                        jj = cuda.atomic.add(si, 1, 1)
+                        if jj < cap:
+                            if w != 0:
+                                q = cuda.atomic.add(si, 3, 1)
+                                if q < rcap:
+                                    rec_prev[b, q] = r
+                                    rec_word[b, q] = w
+                                    rec_frame[b, q] = t
+                                else:
+                                    si[9] = 1
+                                r = q
+                            tok_state[b, nb, jj] = d
+                            tok_cost[b, nb, jj] = nc
+                            tok_rec[b, nb, jj] = r
+                            table32[4 * (base + d) + 2] = jj
+                        else:
+                            si[9] = 1
+                elif not (key_cost(low) < next_cutoff):
+                    # no candidate of this state is under the cutoff: no token, reset its key
+                    # (every candidate of the state writes the same)
+                    table[2 * (base + d)] = INF_KEY
+            cuda.syncthreads()
+            if tid == 0:
+                if si[1] > cap:
+                    si[1] = cap
+                sf[2] = next_cutoff
+            n_tok_slot = 1
+        else:
+            n_tok_slot = 0
+            if tid == 0:
+                sf[2] = inf
+        # ---- epsilon closure as in ``kernel_arc``; candidates keep the arc's word
+        if tid == 0:
+            si[4] = si[n_tok_slot]
+            si[2] = 0
+            si[5] = 0
+            si[10] += 1
+        cuda.syncthreads()
+        ccut = sf[2]
+        frame = t if t >= 0 else 0
+        fb = 0
+        rounds = 0
+        while si[4] > 0:
+            rounds += 1
+            if rounds > 10000:
+                if tid == 0:
+                    si[9] = 1
+                break
+            nf = si[4]
+            rid = si[10]
+            for fi in range(tid, nf, nth):
+                if rounds == 1:
+                    i = fi
+                    if tok_cost[b, nb, i] > ccut:
+                        continue
+                else:
+                    i = frontier[b, fb, fi]
+                c = tok_cost[b, nb, i]
+                s = tok_state[b, nb, i]
+                r = tok_rec[b, nb, i]
+                for a in range(p_off[s], p_off[s + 1]):
+                    nc = c + p_w[a]
+                    d = p_next[a]
+                    w = p_olab[a]
+                    key = cost_key(nc)
+                    if nc <= ccut and key < table[2 * (base + d)]:
+                        cuda.atomic.min(table, 2 * (base + d), key)
+                        k = cuda.atomic.add(si, 2, 1)
+                        if k < ccap:
+                            cand_src[b, k] = d
+                            cand_arc[b, k] = w
+                            cand_cost[b, k] = nc
+                            cand_rec[b, k] = r
+                        else:
+                            si[9] = 1
+            cuda.syncthreads()
+            if si[2] == 0:
+                break
+            ncand = min(si[2], ccap)
+            for k in range(tid, ncand, nth):
+                d = cand_src[b, k]
+                w = cand_arc[b, k]
+                nc = cand_cost[b, k]
+                r = cand_rec[b, k]
+                if cost_key(nc) == cuda.atomic.min(table, 2 * (base + d), INF_KEY) and cuda.atomic.max(table32, 4 * (base + d) + 3, rid) < rid:  # fmt: skip
+                    if w != 0:
+                        q = cuda.atomic.add(si, 3, 1)
+                        if q < rcap:
+                            rec_prev[b, q] = r
+                            rec_word[b, q] = w
+                            rec_frame[b, q] = frame
+                        else:
+                            si[9] = 1
+                        r = q
+                    j = table32[4 * (base + d) + 2]
+                    if j < 0:
+                        j = cuda.atomic.add(si, n_tok_slot, 1)
+                        if j >= cap:
+                            si[9] = 1
+                            continue
+                        tok_state[b, nb, j] = d
+                        table32[4 * (base + d) + 2] = j
+                    tok_cost[b, nb, j] = nc
+                    tok_rec[b, nb, j] = r
+                    f = cuda.atomic.add(si, 5, 1)
+                    frontier[b, 1 - fb, f] = j
+            cuda.syncthreads()
+            if tid == 0:
+                if si[n_tok_slot] > cap:
+                    si[n_tok_slot] = cap
+                si[4] = si[5]
+                si[2] = 0
+                si[5] = 0
+                si[10] += 1
+            fb = 1 - fb
+            cuda.syncthreads()
+        # ---- the new set becomes current; clean its table entries; its best cost
+        if tid == 0:
+            if n_tok_slot == 1:
+                si[0] = si[1]
+            sk[0] = INF_KEY
+            sk[1] = INF_KEY
+            si[11] = 0
+            si[12] = 0
+        cuda.syncthreads()
+        mine = INF_KEY
+        for i in range(tid, si[0], nth):
+            s = tok_state[b, nb, i]
+            mine = min(mine, cost_key(tok_cost[b, nb, i]))
+            table[2 * (base + s)] = INF_KEY
+            table32[4 * (base + s) + 2] = -1
+        if mine < INF_KEY:
+            cuda.atomic.min(sk, 1, mine)
+        cur = nb
+        cuda.syncthreads()
+        if si[9] != 0 or si[0] == 0:
+            break
+    # ---- best path (as ``kernel_arc``)
+    n = si[0]
+    if tid == 0:
+        sf[0] = inf
+        si[6] = INT32_MAX
+        si[7] = 0
+    cuda.syncthreads()
+    for i in range(tid, n, nth):
+        if final[tok_state[b, cur, i]] != inf:
+            si[7] = 1
+    cuda.syncthreads()
+    use_final = si[7] != 0
+    for i in range(tid, n, nth):
+        c = tok_cost[b, cur, i]
+        if use_final:
+            c = c + final[tok_state[b, cur, i]]
+        cuda.atomic.min(sf, 0, c)
+    cuda.syncthreads()
+    for i in range(tid, n, nth):
+        c = tok_cost[b, cur, i]
+        if use_final:
+            c = c + final[tok_state[b, cur, i]]
+        if c == sf[0]:
+            cuda.atomic.min(si, 6, i)
+    cuda.syncthreads()
+    if tid == 0:
+        status[b] = si[9]
+        out_nrec[b] = min(si[3], rcap)
+        out_final[b] = 1 if use_final else 0
+        if si[6] < n:
+            out_rec[b] = tok_rec[b, cur, si[6]]
+            out_cost[b] = sf[0]
+        else:
+            out_rec[b] = -1
+            out_cost[b] = inf
+
+
+# the same kernel with the shuffle scan: its code under globals where WARP_SCAN is true
+kernel_arc3 = cuda.jit(
+    types.FunctionType(kernel_arc2.py_func.__code__, dict(globals(), WARP_SCAN=True), "kernel_arc3")
+)

@@ -11,9 +11,12 @@ tensor search. Ties between equal costs go to whichever thread claims first (the
 takes the first candidate). Buffers have fixed capacities; an utterance that overflows one is
 reported and decoded again by the tensor search.
 
-Two variants (``VARIANTS``, ``OASR_WFST_FUSED_VARIANT``): "token" as above, a thread per token;
+Variants (``VARIANTS``, ``OASR_WFST_FUSED_VARIANT``): "token" as above, a thread per token;
 "arc", a thread per emitting arc (``_fused_kernel.kernel_arc``; docs/wfst_decoder_gpu.md says
-what else it changes). Same search, same results.
+what else it changes); "arc2", "arc" with fewer dependent memory round trips a frame
+(``_fused_kernel.kernel_arc2``: an interleaved state table, two emitting passes instead of
+three); "arc3", "arc2" with its block prefix sum by warp shuffles (two barriers instead of
+about log2(threads); not on numba's simulator). Same search, same results.
 
 Offline only (one call decodes whole utterances). Runs on CUDA, or on numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, for tests on a machine without a GPU).
@@ -31,7 +34,8 @@ INT32_MAX = 2**31 - 1
 #: more threads per block pay where 64 utterances leave half the SMs idle. H200 (5000-word graph,
 #: 64 x 30 s, beam 12, every setting 64/64 words equal to kaldi-decoder's): arc variant 0.0414 s at
 #: 256 threads, 0.0327 s at 512, 0.0322 s at 1024; token variant 0.0806 / 0.0787 / 0.0661 s. Above
-#: 512 threads the kernels are built with at most 64 registers a thread so that 1024 launches.
+#: 512 threads the kernels are built with at most 65536 / threads registers a thread (64 at 1024,
+#: 80 at 768) so that the block launches.
 #: ``OASR_WFST_FUSED_THREADS`` (<= 1024; a multiple of 32 on a GPU) and ``wfstbench
 #: --fused-threads`` to measure another GPU
 THREADS = 1024
@@ -39,7 +43,7 @@ THREADS = 1024
 #: thread per emitting arc, numbered by a block prefix sum; see ``_fused_kernel.kernel_arc``), the
 #: default: 2.0-2.4x faster than "token" on the H200 with the same words (figures above).
 #: ``OASR_WFST_FUSED_VARIANT`` (or ``variant=``) picks one (``wfstbench --fused-variants``)
-VARIANTS = ("token", "arc")
+VARIANTS = ("token", "arc", "arc2", "arc3")
 DEFAULT_VARIANT = "arc"
 _kernels: dict[tuple[str, int | None], object] = {}
 
@@ -115,14 +119,19 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     from numba import cuda
 
     sim = simulated()
+    if variant == "arc3" and (sim or threads % 32):
+        raise ValueError("the arc3 variant's warp shuffles need a GPU and whole warps (threads % 32 == 0)")
     # a block's registers must fit an SM's 65536: above 512 threads 64 a thread (ptxas, sm_90: the
     # token variant needs no more, the arc variant spills 24 bytes), at 512 the arc variant's 123
     # are capped at 128 so another compiler's few more cannot stop the launch
-    regs = None if sim else 64 if threads > 512 else 128 if variant == "arc" else None
+    # (768 threads: 80)
+    arc = variant.startswith("arc")
+    regs = None if sim else (65536 // threads) // 8 * 8 if threads > 512 else 128 if arc else None
     if (variant, regs) not in _kernels:
         from oasr_decoders_wfst import _fused_kernel
 
-        k = _fused_kernel.kernel if variant == "token" else _fused_kernel.kernel_arc
+        k = {"token": _fused_kernel.kernel, "arc": _fused_kernel.kernel_arc,
+             "arc2": _fused_kernel.kernel_arc2, "arc3": _fused_kernel.kernel_arc3}[variant]  # fmt: skip
         _kernels[variant, regs] = cuda.jit(max_registers=regs)(k.py_func) if regs else k
     kernel = _kernels[variant, regs]
     g = dec.graph
@@ -167,9 +176,16 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     tok_state = torch.empty(B, 2, cap, dtype=torch.int32, **z)
     tok_cost = torch.empty(B, 2, cap, dtype=torch.float64, **z)
     tok_rec = torch.empty(B, 2, cap, dtype=torch.int32, **z)
-    best = torch.full((B * S,), math.inf, dtype=torch.float64, **z)
-    slot = torch.full((B * S,), -1, dtype=torch.int32, **z)
-    claim = torch.full((B * S,), -1, dtype=torch.int32, **z)
+    if variant in ("arc2", "arc3"):
+        # a state's cost key (inf's), then its slot and claim (-1, -1: an int64 -1)
+        table = torch.full((B * S, 2), -1, dtype=torch.int64, **z)
+        table[:, 0] = torch.tensor(math.inf, dtype=torch.float64).view(torch.int64).item()
+        best = table.view(-1)
+        slot = claim = None
+    else:
+        best = torch.full((B * S,), math.inf, dtype=torch.float64, **z)
+        slot = torch.full((B * S,), -1, dtype=torch.int32, **z)
+        claim = torch.full((B * S,), -1, dtype=torch.int32, **z)
     frontier = torch.empty(B, 2, cap, dtype=torch.int32, **z)
     ccap = candidate_capacity or 4 * cap
     cand_src = torch.empty(B, ccap, dtype=torch.int32, **z)
@@ -188,18 +204,22 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
             float(o.beam_delta), tok_state, tok_cost, tok_rec, best, slot, claim, frontier,
             cand_src, cand_arc, cand_cost, cand_rec, rec_prev, rec_word, rec_frame, out_rec,
             out_cost, out_final, status, out_nrec]  # fmt: skip
-    if variant == "arc":
+    if arc:
         assert args[20] is best
         args[20] = best.view(torch.int64)  # its cost table holds order-preserving int64 keys
+        if variant in ("arc2", "arc3"):
+            args[20:23] = [best, best.view(torch.int32)]  # the table, its int32 view
         # each token's first arc number and first emitting arc where they overflow shared memory
         args.append(torch.empty(B, 2, cap, dtype=torch.int32, **z))
     if sim:
+        first_rec = next(i for i, a in enumerate(args) if a is rec_prev)
+        first_out = next(i for i, a in enumerate(args) if a is out_rec)
         args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
         kernel[B, threads](*args)
-        outs = args[31:36]  # out_rec, out_cost, out_final, status, out_nrec
+        outs = args[first_out : first_out + 5]  # out_rec, out_cost, out_final, status, out_nrec
         out = [torch.from_numpy(a) for a in outs[:4]]
         nrec = int(outs[4].max()) if B else 0
-        recs = tuple(torch.from_numpy(a)[:, :nrec].numpy() for a in args[28:31])
+        recs = tuple(torch.from_numpy(a)[:, :nrec].numpy() for a in args[first_rec : first_rec + 3])
     else:
         stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
         kernel[B, threads, stream](*args)

@@ -51,3 +51,32 @@ def test_gated_mlp_is_qwen2s():
         ours.down_proj.weight.copy_(ref.down_proj.weight)
     x = torch.randn(2, 3, 16)
     torch.testing.assert_close(ours(x), ref(x))
+
+
+def test_rotary_qk_is_qwen2s_on_a_fused_projection():
+    """rotary_qk over the q/k view of a fused q/k/v output: transformers' rotated queries and
+    keys (bf16: the same rounded products), the keys flat for the cache."""
+    from transformers import Qwen2Config
+
+    from oasr.layers.llm import rotary_qk, signed_rotary_sin
+
+    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    positions = torch.tensor([[0, 1, 2], [7, 40, 300]])
+    qkv = torch.randn(2, 3, (4 + 2 * 2) * 16).to(torch.bfloat16)
+    cos_r, sin_r = qwen2.Qwen2RotaryEmbedding(cfg)(qkv, positions)
+    q_ref, k_ref = qwen2.apply_rotary_pos_emb(qkv[..., :64].view(2, 3, 4, 16).transpose(1, 2),
+                                              qkv[..., 64:96].view(2, 3, 2, 16).transpose(1, 2), cos_r, sin_r)  # fmt: skip
+    cos, sin = L.RotaryEmbedding(16, 10000.0)(positions, torch.bfloat16)
+    q, k = rotary_qk(qkv[..., :96].view(2, 3, 6, 16), cos[:, :, None], signed_rotary_sin(sin)[:, :, None], 4)
+    assert "rotary_qk" in L.KNOWN_OPS and k.shape == (2, 3, 32)
+    torch.testing.assert_close(q.transpose(1, 2), q_ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(k.view(2, 3, 2, 16).transpose(1, 2), k_ref, atol=1e-2, rtol=1e-2)
+
+
+def test_silu_mul_is_the_gated_silu():
+    from oasr.layers.llm import silu_mul
+
+    x = torch.randn(3, 2, 10, dtype=torch.float64)
+    want = torch.nn.functional.silu(x[..., :5]) * x[..., 5:]
+    torch.testing.assert_close(silu_mul(x, 5), want, atol=0, rtol=0)
+    assert "silu_mul" in L.KNOWN_OPS

@@ -15,6 +15,8 @@ OPS = (
     "paged_prefill_attention",
     "add_norm",
     "rms_norm",
+    "rotary_qk",
+    "silu_mul",
     "bias_act",
     "glu_depthwise_conv1d",
     "log_mel_power",
@@ -38,13 +40,15 @@ def install(device_type: str = "cuda") -> list[str]:
         ) from exc
     from oasr.layers import register_override
     from oasr.tune import register_tunable
-    from oasr_kernels import fused, prefill_attention
+    from oasr_kernels import fused, llm_ops, prefill_attention
     from oasr_kernels.paged_attention import paged_decode_attention_cuda
 
     register_override("paged_decode_attention", "cuda", paged_decode_attention_cuda)
     register_override("paged_prefill_attention", "cuda", prefill_attention.paged_prefill_attention_cuda)
     register_override("add_norm", "cuda", fused.add_norm_cuda)
     register_override("rms_norm", "cuda", fused.rms_norm_cuda)
+    register_override("rotary_qk", "cuda", llm_ops.rotary_qk_cuda)
+    register_override("silu_mul", "cuda", llm_ops.silu_mul_cuda)
     register_override("bias_act", "cuda", fused.bias_act_cuda)
     register_override("glu_depthwise_conv1d", "cuda", fused.glu_depthwise_conv1d_cuda)
     register_override("log_mel_power", "cuda", fused.log_mel_power_cuda)

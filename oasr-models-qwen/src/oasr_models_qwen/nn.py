@@ -16,13 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasr.layers import Conv1d, Embedding, LayerNorm, Linear, MultiHeadAttention, gelu
-from oasr.layers.llm import (
-    RMSNorm,
-    RotaryEmbedding,
-    SiLUGatedMLP,
-    apply_rotary_signed,
-    signed_rotary_sin,
-)
+from oasr.layers.fused import add_norm
+from oasr.layers.llm import RMSNorm, RotaryEmbedding, SiLUGatedMLP, rotary_qk, signed_rotary_sin
 from oasr_models_qwen.config import AudioDims, QwenAudioConfig, TextDims
 
 __all__ = ["AudioEncoder", "Qwen2AudioNet", "Qwen2Decoder", "build_network", "encoder_lengths"]
@@ -122,22 +117,24 @@ class Qwen2Decoder(nn.Module):
         b, t, _ = x.shape
         cos, sin = self.rotary(positions, x.dtype)
         # rotary positions on the queries and keys together, in the projection's (B, T, heads,
-        # head_dim) layout, the sine's sign folded once per forward: four kernels per layer
-        # instead of eleven (and no copy of the keys for the cache)
+        # head_dim) layout, the sine's sign folded once per forward (rotary_qk: one kernel per
+        # layer on CUDA, four plus the keys' copy natively)
         cos, sin = cos[:, :, None], signed_rotary_sin(sin)[:, :, None]
-        for li, layer in enumerate(self.layers):
+        layers = list(self.layers)
+        # each residual add goes into the next norm (add_norm: one kernel on CUDA, the same
+        # values as the add then the norm)
+        h = layers[0].input_layernorm(x) if layers else self.norm(x)
+        for li, layer in enumerate(layers):
             att = layer.self_attn
-            h = layer.input_layernorm(x)
             qkv = att.qkv_proj(h)
-            nq, nqk = att.split[0], att.split[0] + att.split[1]
+            nqk = att.split[0] + att.split[1]
             qk = qkv[..., :nqk].view(b, t, att.heads + att.kv_heads, att.head_dim)
-            qk = apply_rotary_signed(qk, cos, sin)
-            q = qk[:, :, : att.heads].transpose(1, 2)
-            k = qk[:, :, att.heads :].reshape(b, t, nqk - nq)
-            out = attend(li, q, k, qkv[..., nqk:])
-            x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            q, k = rotary_qk(qk, cos, sin, att.heads)
+            out = attend(li, q.transpose(1, 2), k, qkv[..., nqk:])
+            x, h = add_norm(att.o_proj(out.transpose(1, 2).reshape(b, t, -1)), x, layer.post_attention_layernorm)
+            following = layers[li + 1].input_layernorm if li + 1 < len(layers) else self.norm
+            x, h = add_norm(layer.mlp(h), x, following)
+        return h
 
 
 class Qwen2AudioNet(nn.Module):

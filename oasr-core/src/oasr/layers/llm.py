@@ -2,7 +2,9 @@
 embeddings and the gated SiLU feed-forward block.
 
 ``RMSNorm`` is an overridable op (``"rms_norm"``); its native code is ``transformers``'
-(normalise in float32, cast back, then scale). Rotary embeddings take absolute positions as a
+(normalise in float32, cast back, then scale). ``rotary_qk`` (rotary positions on a fused
+projection's queries and keys) and ``silu_mul`` (the gated SiLU of a fused gate/up output) are
+overridable ops too (oasr-kernels runs each as one kernel on CUDA). Rotary embeddings take absolute positions as a
 tensor, so a decode step over a paged cache (positions differ per row) stays capturable in a
 CUDA graph: nothing is read back to the host.
 """
@@ -13,10 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oasr.layers._dispatch import declare_op
+from oasr.layers._dispatch import call_op, declare_op
 from oasr.layers.basic import Linear, Op
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "SiLUGatedMLP", "apply_rotary"]
+__all__ = ["RMSNorm", "RotaryEmbedding", "SiLUGatedMLP", "apply_rotary", "rotary_qk", "silu_mul"]
+
+_ROTARY_QK = declare_op("rotary_qk")
+_SILU_MUL = declare_op("silu_mul")
 
 
 class RMSNorm(Op):
@@ -69,6 +74,24 @@ def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
+def _rotary_qk_native(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                      heads: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    b, t = qk.shape[:2]
+    qk = apply_rotary_signed(qk, cos, signed_sin)
+    return qk[:, :, :heads], qk[:, :, heads:].reshape(b, t, -1)
+
+
+def rotary_qk(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+              heads: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Rotary positions on the queries and keys of one fused projection: ``qk`` (B, T,
+    heads + kv_heads, head_dim) (a view of the q/k/v output, any strides but the last),
+    ``cos`` / ``signed_sin`` (B, T, 1, head_dim) (:func:`signed_rotary_sin`; batch or token
+    axes of size 1 broadcast). Returns the queries (B, T, heads, head_dim) and the keys
+    (B, T, kv_heads * head_dim), ``apply_rotary_signed``'s values. Overridable op
+    ``"rotary_qk"`` (oasr-kernels: one kernel instead of four plus the keys' copy)."""
+    return call_op(_ROTARY_QK, qk.device.type, _rotary_qk_native, qk, cos, signed_sin, heads)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (B, H, T, D) by ``cos``/``sin`` (B, T, D) (halves rotated, as ``transformers``'
     ``rotate_half``)."""
@@ -89,5 +112,16 @@ class SiLUGatedMLP(nn.Module):
         self.down_proj = Linear(hidden, dim, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.hidden))
+
+
+def _silu_mul_native(x: torch.Tensor, hidden: int) -> torch.Tensor:
+    gate, up = x.split(hidden, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(x: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up projection's output ``x`` (..., 2 * hidden) (the
+    gate's columns first). Overridable op ``"silu_mul"`` (oasr-kernels: one pass over ``x``
+    instead of two kernels over its strided halves)."""
+    return call_op(_SILU_MUL, x.device.type, _silu_mul_native, x, hidden)

@@ -1,0 +1,111 @@
+// Rotary position embedding of the queries and keys of one fused q/k/v projection, in one pass.
+//
+//   x (B, T, H + H_kv, D): any batch, token and head strides, the last axis contiguous
+//   cos, ssin (B, T, D): cos and the signed sine (its first half negated), any batch and
+//   token strides (0: broadcast)
+//   y[j] = round(round(x[j] * cos[j]) + round(x[j ^ half] * ssin[j]))    (halves swapped)
+//
+// Each product and the sum are rounded to T as the native ops round them (a multiply, a
+// multiply and an add, each a kernel), so y is the native result bit for bit; __fmul_rn /
+// __fadd_rn keep the compiler from fusing them into an FMA. Heads h < H go to q (B, T, H, D),
+// the others to k (B, T, H_kv, D), both contiguous.
+//
+// One thread block per token; its threads walk the token's (head, j < half) pairs.
+
+namespace oasr_rope {
+
+template <typename T>
+__device__ __forceinline__ void rotary_qk(const T* __restrict__ x, long long xb, long long xt,
+                                          long long xh, const T* __restrict__ cosv, long long cb,
+                                          long long ct, const T* __restrict__ ssin, long long sb,
+                                          long long st, T* __restrict__ q, T* __restrict__ k,
+                                          int t_len, int heads, int kv_heads, int d) {
+  const long long tok = blockIdx.x;
+  const long long b = tok / t_len;
+  const long long t = tok % t_len;
+  const int half = d / 2;
+  const int pairs = (heads + kv_heads) * half;
+  const T* xr = x + b * xb + t * xt;
+  const T* cr = cosv + b * cb + t * ct;
+  const T* sr = ssin + b * sb + t * st;
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int h = p / half;
+    const int j = p - h * half;
+    const T* xh_ = xr + (long long)h * xh;
+    const float lo = oasr::to_float(xh_[j]);
+    const float hi = oasr::to_float(xh_[j + half]);
+    const float a_lo = oasr::round_to<T>(__fmul_rn(lo, oasr::to_float(cr[j])));
+    const float b_lo = oasr::round_to<T>(__fmul_rn(hi, oasr::to_float(sr[j])));
+    const float a_hi = oasr::round_to<T>(__fmul_rn(hi, oasr::to_float(cr[j + half])));
+    const float b_hi = oasr::round_to<T>(__fmul_rn(lo, oasr::to_float(sr[j + half])));
+    T* out = h < heads ? q + (tok * heads + h) * (long long)d
+                       : k + (tok * kv_heads + (h - heads)) * (long long)d;
+    out[j] = oasr::from_float<T>(__fadd_rn(a_lo, b_lo));
+    out[j + half] = oasr::from_float<T>(__fadd_rn(a_hi, b_hi));
+  }
+}
+
+}  // namespace oasr_rope
+
+#define OASR_ROTARY_QK(NAME, T)                                                                \
+  extern "C" __global__ void NAME(const T* x, long long xb, long long xt, long long xh,       \
+                                  const T* cosv, long long cb, long long ct, const T* ssin,    \
+                                  long long sb, long long st, T* q, T* k, int t_len,           \
+                                  int heads, int kv_heads, int d) {                            \
+    oasr_rope::rotary_qk<T>(x, xb, xt, xh, cosv, cb, ct, ssin, sb, st, q, k, t_len, heads,     \
+                            kv_heads, d);                                                      \
+  }
+
+OASR_ROTARY_QK(oasr_rotary_qk_f32, float)
+OASR_ROTARY_QK(oasr_rotary_qk_f16, oasr::f16)
+OASR_ROTARY_QK(oasr_rotary_qk_bf16, oasr::bf16)
+
+// Gated SiLU of a fused gate/up projection: x (rows, 2H) (gate, then up, per row; contiguous)
+//   out (rows, H) = round(silu(gate)) * up,   silu(g) = g / (1 + exp(-g))
+// rounded as the native ops round (silu, then the multiply). One thread block per row; VEC:
+// 16-byte loads and stores (H a whole number of vectors, 16-byte aligned rows).
+
+namespace oasr_swiglu {
+
+template <typename T>
+__device__ __forceinline__ float silu_mul1(float g, float u) {
+  const float s = oasr::round_to<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+  return __fmul_rn(s, u);
+}
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void silu_mul(const T* __restrict__ x, T* __restrict__ out, int h) {
+  const long long row = blockIdx.x;
+  const T* g = x + row * 2 * (long long)h;
+  const T* u = g + h;
+  T* o = out + row * (long long)h;
+  if (VEC) {
+    constexpr int N = oasr::VecTraits<T>::N;
+    for (int c = threadIdx.x * N; c < h; c += blockDim.x * N) {
+      float gv[N], uv[N], y[N];
+      oasr::load_vec<T>(g + c, gv);
+      oasr::load_vec<T>(u + c, uv);
+#pragma unroll
+      for (int i = 0; i < N; ++i) y[i] = silu_mul1<T>(gv[i], uv[i]);
+      oasr::store_vec<T>(o + c, y);
+    }
+  } else {
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+      o[c] = oasr::from_float<T>(silu_mul1<T>(oasr::to_float(g[c]), oasr::to_float(u[c])));
+    }
+  }
+}
+
+}  // namespace oasr_swiglu
+
+#define OASR_SILU_MUL(NAME, T, VEC)                                                            \
+  extern "C" __global__ void NAME(const T* x, T* out, int h) {                                 \
+    oasr_swiglu::silu_mul<T, VEC>(x, out, h);                                                  \
+  }
+
+OASR_SILU_MUL(oasr_silu_mul_f32, float, false)
+OASR_SILU_MUL(oasr_silu_mul_f16, oasr::f16, false)
+OASR_SILU_MUL(oasr_silu_mul_bf16, oasr::bf16, false)
+OASR_SILU_MUL(oasr_silu_mul_f32_v, float, true)
+OASR_SILU_MUL(oasr_silu_mul_f16_v, oasr::f16, true)
+OASR_SILU_MUL(oasr_silu_mul_bf16_v, oasr::bf16, true)

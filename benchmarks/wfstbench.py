@@ -178,9 +178,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - reported, the tensor search still runs
             variants["fused_error"] = repr(exc)
         # the other kernel variants (fused.VARIANTS), each also at the other block sizes
-        for variant in [None, *args.fused_variants]:
+        for entry in [None, *args.fused_variants]:
+            # "variant@threads": that one block size only, not each of --fused-threads
+            variant, _, only = (entry or "").partition("@")
+            variant = variant or None
             name = "fused" if variant is None else f"fused_{variant}"
-            for threads in [None, *args.fused_threads]:
+            for threads in [int(only)] if only else [None, *args.fused_threads]:
                 key = name if threads is None else f"{name}_{threads}_threads"
                 if key == "fused":
                     continue
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fused-threads", type=lambda v: [int(t) for t in v.split(",") if t], default=[],
                    help="with --fused: also time each kernel variant at these threads per block (e.g. 256,1024)")
     p.add_argument("--fused-variants", type=lambda v: [t for t in v.split(",") if t], default=[],
-                   help="with --fused: also time these kernel variants (token, arc), each as fused_<variant>")
+                   help="with --fused: also time these kernel variants (token, arc, arc2, arc3), each as "
+                        "fused_<variant>; <variant>@<threads> times that block size only")
     p.add_argument("--fused", action="store_true",
                    help="also time the fused CUDA kernel (not yet run on a GPU: run under timeout)")
     p.add_argument("--no-tensor", action="store_true", help="skip the tensor search")

@@ -2,8 +2,8 @@
 thread per arc, "arc2"), on numba's CUDA simulator: the same one-best (words, word frames, cost, final)
 as the tensor search: beam only, max-active binding, min-active binding; the arc variants also
 with too small a candidate buffer (its emitting candidates recomputed) and its token arc starts
-in global memory, and at an odd block size where both of its k-th cost selections run (ranking
-where the tokens fit the block, else quickselect).
+in global memory (arc2: its log-probs read in place), and at an odd block size where both of
+its k-th cost selections run (ranking where the tokens fit the block, else quickselect).
 Runs in a subprocess: the simulator must be chosen before numba.cuda is imported."""
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ SCRIPT = textwrap.dedent('''
         if seed == 1:  # frames here have up to 118 emitting candidates: most are recomputed
             from oasr_decoders_wfst import _fused_kernel
             _fused_kernel.SHARED_TOKENS = 3  # the simulator reads it at run time: arc starts in global memory
+            _fused_kernel.LP_SHARED = 2  # and arc2's log-probs read in place
             for variant in ("arc", "arc2"):
                 (prev, word, _), best, cost, _, overflowed = fused_decode(
                     dec, lp, lengths, threads=3, variant=variant, candidate_capacity=24)
@@ -61,6 +62,7 @@ SCRIPT = textwrap.dedent('''
                         r = int(prev[b, r])
                     assert (chain[::-1], float(cost[b])) == (h.word_ids, h.cost), (variant, chain, h)
             _fused_kernel.SHARED_TOKENS = 4096
+            _fused_kernel.LP_SHARED = 1024
     print("fused == tensor")
 ''')
 

@@ -812,6 +812,10 @@ else:
         return libdevice.longlong_as_double(u)
 
 
+#: kernel_arc2 keeps a frame's log-probs in shared memory up to this many tokens (one dependent
+#: global load fewer a candidate), else reads them in place
+LP_SHARED = 1024
+
 #: kernel_arc2's block prefix sum by warp shuffles (``kernel_arc3``); numba's simulator has no
 #: shuffles, so only a GPU runs that copy
 WARP_SCAN = False
@@ -873,6 +877,8 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
     arc0_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
     ranked = cuda.shared.array(1024, dtype=float64)
     warp_sums = cuda.shared.array(32, dtype=int32)
+    lp_row = cuda.shared.array(LP_SHARED, dtype=float32)  # the frame's log-probs
+    V = lp.shape[2]
     if tid == 0:
         tok_state[b, 0, 0] = start
         tok_cost[b, 0, 0] = 0.0
@@ -890,6 +896,9 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
         nb = cur if t < 0 else 1 - cur
         if t >= 0:
             n = si[0]
+            if V <= LP_SHARED:  # read by the first emitting pass, after the barriers below
+                for v in range(tid, V, nth):
+                    lp_row[v] = lp[b, t, v]
             aoff = aoff_shared if n <= SHARED_TOKENS else tok_aoff[b, 0]
             arc0 = arc0_shared if n <= SHARED_TOKENS else tok_aoff[b, 1]
             best_cost = key_cost(sk[1])  # from the last frame's clean-up pass
@@ -982,7 +991,9 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                 r = tok_rec[b, cur, o]
                 w = e_olab[a]
                 d = e_next[a]
-                nc = (tok_cost[b, cur, o] + e_w[a]) + float64(-lp[b, t, e_tok[a]])
+                u = e_tok[a]
+                x = lp_row[u] if V <= LP_SHARED else lp[b, t, u]
+                nc = (tok_cost[b, cur, o] + e_w[a]) + float64(-x)
                 if j < ccap:
                     cand_src[b, j] = r
                     cand_arc[b, j] = w

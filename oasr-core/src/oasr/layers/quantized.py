@@ -11,7 +11,8 @@ The math and its float64 reference are in :mod:`oasr.quantization.numerics`.
 GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every op):
 
 * int8, CPU: oneDNN's int8 matmul (``torch.ops.onednn.qlinear_pointwise``, AMX / VNNI), else
-  ``torch._int_mm``;
+  ``torch._int_mm``; on an x86 CPU without VNNI / AMX, float32 matmuls of the int8 values, and
+  for two-term layers FBGEMM's AVX2 kernels with 7-bit terms (:mod:`oasr.layers.int8_avx2`);
 * int8, CUDA: ``torch._int_mm`` (int8 x int8 -> int32). cuBLASLt wants more than 16 rows
   and K, N multiples of 8: fewer rows are padded to 17 (a decode step of a few rows); a layer
   whose K or N is not a multiple of 8 computes the same quantized values with a float32 matmul
@@ -38,7 +39,9 @@ from torch import nn
 
 from oasr.layers._dispatch import declare_op
 from oasr.layers.basic import Linear, Op
+from oasr.layers.int8_avx2 import avx2_int8_linear, fbgemm_int8_applies
 from oasr.quantization.numerics import (
+    AVX2_ACT_QMAX,
     FP8_DTYPE,
     dequantize_weight,
     quantize_activation_terms,
@@ -189,7 +192,7 @@ class QuantizedLinear(Op):
         shape = x.shape
         if x.dtype == torch.float64:
             return reference_linear(x, self.weight_q, self.weight_scale, self.bias, self.fmt, self.input_scale,
-                                    self.act_terms)  # fmt: skip
+                                    self.act_terms, self.act_qmax(x.device))  # fmt: skip
         x2 = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2 = (x2.float() / self.input_scale).to(x.dtype)
@@ -199,6 +202,15 @@ class QuantizedLinear(Op):
             y = self._fp8(x2)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def act_qmax(self, device: torch.device | str) -> float | None:
+        """The largest magnitude of this layer's int8 activation values on ``device``: 64 where
+        FBGEMM's AVX2 path runs it (:mod:`oasr.layers.int8_avx2`: a two-term int8 layer on an
+        x86 CPU without VNNI / AMX), else None (the format's 127). The float64 reference path
+        uses it, so ``layer(x.double())`` is the reference of what ``layer(x)`` computes here."""
+        if self.fmt == "int8" and self.act_terms == 2 and torch.device(device).type == "cpu":
+            return AVX2_ACT_QMAX if fbgemm_int8_applies() else None
+        return None
+
     def _dequantized(self, x2: torch.Tensor, why: str) -> torch.Tensor:
         """The same quantized math without a fused GEMM: activations quantized per token and
         dequantized, the weight dequantized, one float32 matmul (for shapes the GEMMs refuse)."""
@@ -206,7 +218,7 @@ class QuantizedLinear(Op):
             self._fallback_logged = True
             log.info("quantized_linear %dx%d (%s): %s; using a float32 matmul of the dequantized "
                      "values", self.out_features, self.in_features, self.method, why)  # fmt: skip
-        xq, sx = quantize_activation_terms(x2, self.fmt, self.act_terms)
+        xq, sx = quantize_activation_terms(x2, self.fmt, self.act_terms, self.act_qmax(x2.device))
         w = dequantize_weight(self.weight_q, self.weight_scale, torch.float32)
         bias = self.bias.float() if self.bias is not None else None
         y = F.linear(xq.float() * sx, w)
@@ -223,6 +235,10 @@ class QuantizedLinear(Op):
             return self._dequantized(x2, f"no int8 GEMM on {dev}")
         if dev == "cuda" and (k % 8 or n % 8):
             return self._dequantized(x2, "cuBLASLt's int8 GEMM needs K and N multiples of 8")
+        if dev == "cpu" and self.act_qmax(dev) is not None:
+            # an x86 CPU without VNNI / AMX: FBGEMM with 7-bit terms (int8_avx2), for two-term
+            # layers only (one 7-bit term cost tiny.en's WER 1.7 points)
+            return avx2_int8_linear(self, x2)
         # two terms: (2m, K) rows, the second m the first's rounding errors; one GEMM reads the
         # weight once for both
         if self.act_terms == 1 and dev == "cuda":

@@ -52,6 +52,12 @@ def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
 
 
+#: int8 activations' largest magnitude on FBGEMM's AVX2 path (an x86 CPU without VNNI / AMX):
+#: with zero point 64 they are bytes 0..128, and its 16-bit pair sums (``vpmaddubsw``) stay
+#: within 2 * 128 * 127 = 32512 < 2**15, so its integer products are exact (7-bit activations)
+AVX2_ACT_QMAX = 64
+
+
 def qmax(fmt: str) -> float:
     return INT8_MAX if fmt == "int8" else FP8_MAX
 
@@ -80,12 +86,16 @@ def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     return (qweight.to(torch.float32) * scale.float()[:, None]).to(dtype)
 
 
-def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_q (M, K), s_x (M, 1) float32)``: per-token dynamic quantization of a 2-D input. The
+def quantize_activations(
+    x: torch.Tensor, fmt: str, act_qmax: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q (M, K), s_x (M, 1) float32)``: per-token dynamic quantization of a 2-D input
+    (``act_qmax``: the largest magnitude of an int8 value, default 127; 64 on an AVX2 CPU's FBGEMM
+    path, :data:`AVX2_ACT_QMAX`). The
     scale and the division are float32 whatever the input's dtype (fp16 rows quantize the same
     on CPU and GPU). Few passes over ``x``: this runs before every quantized GEMM (on CUDA five
     kernels: the row maxima, two on the (M, 1) scales, the division, the cast)."""
-    q = qmax(fmt)
+    q = act_qmax or qmax(fmt)
     if x.is_cuda:
         # one reduction kernel; the fp16/bf16 -> float32 promotion happens inside the division
         amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
@@ -105,17 +115,19 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     return scaled.to(FP8_DTYPE), scale
 
 
-def quantize_activation_terms(x: torch.Tensor, fmt: str, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_terms(
+    x: torch.Tensor, fmt: str, terms: int = 1, act_qmax: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_activations` with ``terms`` int8 terms per row: for 2, the rounding error
     of the first, ``r = x - s1 q1`` (float32), quantized per token the same way, so that
     ``x ~ s1 q1 + s2 q2`` (about 14 bits per element instead of 8). Returns the terms stacked
     (``terms * M``, K) and their scales (``terms * M``, 1): a GEMM over the stack reads the weight
     once, and output rows ``m`` and ``M + m`` add up to row ``m``."""
-    xq, sx = quantize_activations(x, fmt)
+    xq, sx = quantize_activations(x, fmt, act_qmax)
     if terms == 1:
         return xq, sx
     rest = x.float() - xq.float() * sx
-    rq, rs = quantize_activations(rest, fmt)
+    rq, rs = quantize_activations(rest, fmt, act_qmax)
     return torch.cat([xq, rq]), torch.cat([sx, rs])
 
 
@@ -127,16 +139,18 @@ def reference_linear(
     fmt: str,
     input_scale: torch.Tensor | None = None,
     act_terms: int = 1,
+    act_qmax: float | None = None,
 ) -> torch.Tensor:
-    """The quantized linear in float64 (fake quantization): activations quantized per token with
-    scales computed in float64 (``act_terms`` 2: the rounding error quantized again, as
+    """The quantized linear in float64 (fake quantization): activations quantized per token
+    (int8 values of magnitude at most ``act_qmax``, default 127) with scales computed in
+    float64 (``act_terms`` 2: the rounding error quantized again, as
     :func:`quantize_activation_terms`), products of the quantized values summed in float64
     (exact for int8), scaled in float64. ``x`` (..., K) -> (..., N) float64."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).double()
     if input_scale is not None:
         x2 = x2 / input_scale.double()
-    q = qmax(fmt)
+    q = (act_qmax or qmax(fmt)) if fmt == "int8" else qmax(fmt)
     wq = qweight.double()
     y = torch.zeros(x2.shape[0], wq.shape[0], dtype=torch.float64, device=x2.device)
     for _ in range(act_terms):

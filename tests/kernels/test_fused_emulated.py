@@ -68,8 +68,7 @@ extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned gz, u
     cpp = work / "emulated.cpp"
     cpp.write_text(f'#include "{HERE / "cuda_host_emulation.h"}"\n' + body + launcher)
     lib = work / "libemulated.so"
-    # -O0: compiles in half the time of -O1 and runs as fast (the emulation's time is in its
-    # threads' barriers and warp shuffles, not in the kernels' arithmetic)
+    # -O0: compiles in half the time of -O1 (3 vs 5.5 s) and the whole file runs as fast
     proc = subprocess.run([cxx, "-std=c++20", "-O0", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-w",
                            "-o", str(lib), str(cpp), "-lpthread"], capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -235,13 +234,8 @@ def test_emulated_log_mel(emulated) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("d", "h", "hkv", "t", "lengths"), [(64, 2, 2, 9, (9, 30)), (128, 4, 2, 5, (5, 5)),
-                                                             (64, 3, 1, 16, (40, 47))])  # fmt: skip
+                                                             (64, 3, 1, 40, (40, 47))])  # fmt: skip
 def test_emulated_paged_prefill_attention(emulated, dtype, d, h, hkv, t, lengths) -> None:
-    """Rows with and without cached keys, partial query blocks, 1:1, 2:1 and 3:1 heads. The last
-    case has two key tiles per row (32 keys each) and, with 16 new tokens (queries at 24..39 and
-    31..46) and 4 or 8 queries per block, every tile case: a block that stops at its last query's
-    tile while its row has another (24..31), blocks that walk both, and a query (31) that skips a
-    tile its block walks; the same cases as 40 new tokens with 40% of the emulated work."""
     from oasr_kernels import prefill_attention
 
     g = torch.Generator().manual_seed(d + t)

@@ -25,14 +25,11 @@ for d in oasr-core oasr-*/ examples/oasr-plugin-example; do
   [[ " ${dists[*]} " == *" $d "* ]] || dists+=("$d")
 done
 
-mkdir -p "$OUT"
-n=0
-for d in "${dists[@]}"; do
-  n=$((n + 1))
-  echo "[$n/${#dists[@]}] building $d" >&2
-  had_build=0; [[ -e "$d/build" ]] && had_build=1
+build() {
+  local d="$1" had_build=0 had_info info
+  [[ -e "$d/build" ]] && had_build=1
   had_info=$(ls -d "$d"/src/*.egg-info 2>/dev/null || true)
-  "$PY" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir "$OUT" "./$d"
+  "$PY" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir "$OUT" "./$d" || return
   # setuptools builds in the source tree: leave no build/ behind (stale files would ship later)
   # and no new *.egg-info (it makes the source folder an installed distribution for every
   # process that puts src/ on sys.path: the example plugin would then register twice)
@@ -41,6 +38,29 @@ for d in "${dists[@]}"; do
     [[ -e "$info" && " $had_info " != *" $info "* ]] && rm -rf "$info"
   done
   true
+}
+
+# two builds at a time (each is one mostly single-threaded pip process, in its own folder);
+# plain `wait PID` per pair, so any bash (macOS's 3.2 too) runs it
+mkdir -p "$OUT"
+n=0
+failed=()
+pending=()
+for d in "${dists[@]}"; do
+  n=$((n + 1))
+  echo "[$n/${#dists[@]}] building $d" >&2
+  build "$d" &
+  pending+=("$!:$d")
+  if [[ ${#pending[@]} == 2 || $n == "${#dists[@]}" ]]; then
+    for job in "${pending[@]}"; do
+      wait "${job%%:*}" || failed+=("${job#*:}")
+    done
+    pending=()
+    if [[ ${#failed[@]} -gt 0 ]]; then  # stop at the first failing pair, as one at a time did
+      echo "building ${failed[*]} failed" >&2
+      exit 1
+    fi
+  fi
 done
 echo "wheels in $OUT:" >&2
 ls -1 "$OUT"/*.whl >&2

@@ -51,7 +51,10 @@ def test_wheels_install_and_transcribe_in_a_fresh_venv(tmp_path: Path) -> None:
     assert not list((REPO / "examples" / "oasr-plugin-example" / "src").glob("*.egg-info"))
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # no pip inside (ensurepip costs ~10 s CPU): this environment's pip installs into it below
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300
+    )
     py = venv / "bin" / "python"
     purelib = subprocess.run(
         [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -61,7 +64,8 @@ def test_wheels_install_and_transcribe_in_a_fresh_venv(tmp_path: Path) -> None:
     (Path(purelib) / "zz_third_party.pth").write_text(f"{deps}\n")
     # no index, no dependencies: the wheels alone
     install = subprocess.run(
-        [str(py), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--quiet", "--no-deps",
+         "--no-index",
          *map(str, dist.glob("oasr_core-*.whl")),
          *map(str, dist.glob("oasr_models_whisper-*.whl")),
          *map(str, dist.glob("oasr_vad_silero-*.whl"))],

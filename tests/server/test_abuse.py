@@ -31,29 +31,44 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-@pytest.mark.slow  # a real server process
-def test_hang_up_mid_upload_is_499_with_one_log_line(tmp_path: Path) -> None:
-    server = fault.Server(tmp_path, 0.0)
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory):
+    """One server with the default settings for the tests below that need nothing else: each
+    reads only counters and log lines that the other's requests do not touch (one start less)."""
+    server = fault.Server(tmp_path_factory.mktemp("default"), 0.0)
     try:
-        audio = fault._wav(2.0)
-        for _ in range(3):
-            asyncio.run(fault._rude_client(server.port, audio, mid_upload=True))
-        deadline = time.monotonic() + 10
-        route = "/v1/audio/transcriptions"
-        while True:
-            text = httpx.get(f"{server.base}/metrics").text
-            if _metric(text, "oasr_requests_total", route=route, status="499") >= 3:
-                break
-            assert time.monotonic() < deadline, re.findall(r"oasr_requests_total\{.*", text)
-            time.sleep(0.1)
-        assert _metric(text, "oasr_requests_total", route=route, status="500") == 0
-        assert _metric(text, "oasr_errors_total", code="client_closed_request") == 3
+        yield server
     finally:
         code = server.stop()
-    log = server.log_path.read_text()
     assert code == 0
-    assert "Traceback" not in log, log[-3000:]
-    assert len([ln for ln in log.splitlines() if "mid-upload" in ln]) == 3, log[-3000:]
+    assert "Traceback" not in server.log_path.read_text(), server.log_path.read_text()[-3000:]
+
+
+def _mid_upload_lines(server) -> int:
+    return len([ln for ln in server.log_path.read_text().splitlines() if "mid-upload" in ln])
+
+
+@pytest.mark.slow  # a real server process
+def test_hang_up_mid_upload_is_499_with_one_log_line(default_server) -> None:
+    server = default_server
+    audio = fault._wav(2.0)
+    for _ in range(3):
+        asyncio.run(fault._rude_client(server.port, audio, mid_upload=True))
+    deadline = time.monotonic() + 10
+    route = "/v1/audio/transcriptions"
+    while True:
+        text = httpx.get(f"{server.base}/metrics").text
+        if _metric(text, "oasr_requests_total", route=route, status="499") >= 3:
+            break
+        assert time.monotonic() < deadline, re.findall(r"oasr_requests_total\{.*", text)
+        time.sleep(0.1)
+    assert _metric(text, "oasr_requests_total", route=route, status="500") == 0
+    assert _metric(text, "oasr_errors_total", code="client_closed_request") == 3
+    # the log is flushed per line (logging's stream handler); the server's exit code and the
+    # absence of tracebacks are checked when the module's server stops
+    while _mid_upload_lines(server) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _mid_upload_lines(server) == 3, server.log_path.read_text()[-3000:]
 
 
 def _ws_events(ws, until: str, timeout: float = 10) -> list[dict]:
@@ -68,49 +83,44 @@ def _ws_events(ws, until: str, timeout: float = 10) -> list[dict]:
 
 
 @pytest.mark.slow  # a real server process
-def test_deep_json_is_a_400_and_an_error_event(tmp_path: Path) -> None:
+def test_deep_json_is_a_400_and_an_error_event(default_server) -> None:
     from websockets.sync.client import connect
 
-    server = fault.Server(tmp_path, 0.0)
-    try:
-        deep = '{"a": ' * 1000 + "1" + "}" * 1000
-        r = httpx.post(
-            f"{server.base}/v1/audio/transcriptions",
-            files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
-            data={"chunking_strategy": deep},
-        )
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "chunking_strategy"
-        assert "nested deeper" in r.json()["error"]["message"]
-        with connect(f"ws://127.0.0.1:{server.port}/v1/realtime", open_timeout=10) as ws:
-            _ws_events(ws, "session.created")
-            for depth in (40, 2000, 100_000):
-                ws.send('{"type": "session.update", "session": ' + "[" * depth + "]" * depth + "}")
-                (err,) = _ws_events(ws, "error")
-                assert err["error"]["code"] == "invalid_json", err
-            # include=logprobs is refused here too, not silently dropped
-            include = {"include": ["item.input_audio_transcription.logprobs"]}
-            ws.send(json.dumps({"type": "session.update", "session": include}))
+    server = default_server
+    deep = '{"a": ' * 1000 + "1" + "}" * 1000
+    r = httpx.post(
+        f"{server.base}/v1/audio/transcriptions",
+        files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
+        data={"chunking_strategy": deep},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chunking_strategy"
+    assert "nested deeper" in r.json()["error"]["message"]
+    with connect(f"ws://127.0.0.1:{server.port}/v1/realtime", open_timeout=10) as ws:
+        _ws_events(ws, "session.created")
+        for depth in (40, 2000, 100_000):
+            ws.send('{"type": "session.update", "session": ' + "[" * depth + "]" * depth + "}")
             (err,) = _ws_events(ws, "error")
-            assert err["error"]["param"] == "session.include", err
-            # the session is still open and answers
-            ws.send(json.dumps({"type": "session.update", "session": {}}))
-            _ws_events(ws, "session.updated")
-        text = httpx.get(f"{server.base}/metrics").text
-        assert _metric(text, "oasr_requests_total", status="500") == 0
-        # default origins: same origin only (and clients that send none)
-        _expect_origin_refused(server.port, "https://evil.example")
-        with connect(
-            f"ws://127.0.0.1:{server.port}/v1/realtime",
-            additional_headers={"Origin": f"http://127.0.0.1:{server.port}"},
-        ) as ws:
-            _ws_events(ws, "session.created")
-        r = httpx.get(f"{server.base}/v1/models", headers={"Origin": "https://evil.example"})
-        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
-    finally:
-        code = server.stop()
-    assert code == 0
-    assert "Traceback" not in server.log_path.read_text()
+            assert err["error"]["code"] == "invalid_json", err
+        # include=logprobs is refused here too, not silently dropped
+        include = {"include": ["item.input_audio_transcription.logprobs"]}
+        ws.send(json.dumps({"type": "session.update", "session": include}))
+        (err,) = _ws_events(ws, "error")
+        assert err["error"]["param"] == "session.include", err
+        # the session is still open and answers
+        ws.send(json.dumps({"type": "session.update", "session": {}}))
+        _ws_events(ws, "session.updated")
+    text = httpx.get(f"{server.base}/metrics").text
+    assert _metric(text, "oasr_requests_total", status="500") == 0
+    # default origins: same origin only (and clients that send none)
+    _expect_origin_refused(server.port, "https://evil.example")
+    with connect(
+        f"ws://127.0.0.1:{server.port}/v1/realtime",
+        additional_headers={"Origin": f"http://127.0.0.1:{server.port}"},
+    ) as ws:
+        _ws_events(ws, "session.created")
+    r = httpx.get(f"{server.base}/v1/models", headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
 
 
 def _expect_origin_refused(port: int, origin: str) -> None:
@@ -125,47 +135,61 @@ def _expect_origin_refused(port: int, origin: str) -> None:
         assert closed.value.rcvd.code == 1008
 
 
-@pytest.mark.slow  # a real server process
-def test_allowed_origins_and_cors(tmp_path: Path) -> None:
-    from websockets.sync.client import connect
-
-    server = fault.Server(tmp_path, 0.0, "--allowed-origin", "https://app.example/")
+@pytest.fixture(scope="module")
+def limited_server(tmp_path_factory: pytest.TempPathFactory):
+    """One server for the origin and the upload-bound tests (one start less): the allowed origin
+    and the upload bounds are independent settings; neither test's requests reach the other's
+    bounds (its uploads are 32 KB, sent at once; raw uploads send no Origin, which is allowed)."""
+    server = fault.Server(
+        tmp_path_factory.mktemp("limited"), 0.0,
+        "--allowed-origin", "https://app.example/",
+        "--upload-idle-timeout", "1", "--upload-min-rate", "2000",
+        "--max-receiving-bytes", "3000000", "--max-upload-bytes", "25000000",
+    )  # fmt: skip
     try:
-        _expect_origin_refused(server.port, "https://evil.example")
-        _expect_origin_refused(server.port, "null")
-        with connect(
-            f"ws://127.0.0.1:{server.port}/v1/realtime",
-            additional_headers={"Origin": "https://app.example"},
-        ) as ws:
-            _ws_events(ws, "session.created")
-        ok = httpx.get(f"{server.base}/v1/models", headers={"Origin": "https://app.example"})
-        assert ok.status_code == 200
-        assert ok.headers["access-control-allow-origin"] == "https://app.example"
-        preflight = {
-            "Origin": "https://app.example",
-            "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization",
-        }
-        pre = httpx.options(f"{server.base}/v1/audio/transcriptions", headers=preflight)
-        assert pre.status_code == 200, pre.text
-        assert "POST" in pre.headers["access-control-allow-methods"]
-        bad = httpx.options(
-            f"{server.base}/v1/audio/transcriptions",
-            headers={**preflight, "Origin": "https://evil.example"},
-        )
-        assert bad.status_code in (400, 403)
-        evil = httpx.post(
-            f"{server.base}/v1/audio/transcriptions",
-            files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
-            headers={"Origin": "https://evil.example"},
-        )
-        assert evil.status_code == 403
-        assert (
-            httpx.get(f"{server.base}/healthz", headers={"Origin": "https://x"}).status_code == 200
-        )
+        yield server
     finally:
         code = server.stop()
     assert code == 0
+
+
+@pytest.mark.slow  # a real server process
+def test_allowed_origins_and_cors(limited_server) -> None:
+    from websockets.sync.client import connect
+
+    server = limited_server
+    _expect_origin_refused(server.port, "https://evil.example")
+    _expect_origin_refused(server.port, "null")
+    with connect(
+        f"ws://127.0.0.1:{server.port}/v1/realtime",
+        additional_headers={"Origin": "https://app.example"},
+    ) as ws:
+        _ws_events(ws, "session.created")
+    ok = httpx.get(f"{server.base}/v1/models", headers={"Origin": "https://app.example"})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "https://app.example"
+    preflight = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization",
+    }
+    pre = httpx.options(f"{server.base}/v1/audio/transcriptions", headers=preflight)
+    assert pre.status_code == 200, pre.text
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    bad = httpx.options(
+        f"{server.base}/v1/audio/transcriptions",
+        headers={**preflight, "Origin": "https://evil.example"},
+    )
+    assert bad.status_code in (400, 403)
+    evil = httpx.post(
+        f"{server.base}/v1/audio/transcriptions",
+        files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
+        headers={"Origin": "https://evil.example"},
+    )
+    assert evil.status_code == 403
+    assert (
+        httpx.get(f"{server.base}/healthz", headers={"Origin": "https://x"}).status_code == 200
+    )
 
 
 @pytest.mark.slow  # a real server process
@@ -325,39 +349,31 @@ async def _raw_upload(port: int, head_len: int, declared: int, drip: float | Non
 
 
 @pytest.mark.slow  # a real server process, RSS measured
-def test_stalled_and_slow_uploads_are_bounded(tmp_path: Path) -> None:
-    server = fault.Server(
-        tmp_path, 0.0,
-        "--upload-idle-timeout", "1", "--upload-min-rate", "2000",
-        "--max-receiving-bytes", "3000000", "--max-upload-bytes", "25000000",
-    )  # fmt: skip
-    try:
-        base = _rss_mb(server.proc.pid)
+def test_stalled_and_slow_uploads_are_bounded(limited_server) -> None:
+    server = limited_server
+    base = _rss_mb(server.proc.pid)
 
-        async def go():
-            stalled = _raw_upload(server.port, 10, 100_000)
-            drip = _raw_upload(server.port, 10, 100_000, drip=0.2)
-            # 40 uploads declaring 24 MB: past the 3 MB being received, refused before reading
-            big = [_raw_upload(server.port, 1_000_000, 24_000_000) for _ in range(40)]
-            return await asyncio.gather(stalled, drip, *big)
+    async def go():
+        stalled = _raw_upload(server.port, 10, 100_000)
+        drip = _raw_upload(server.port, 10, 100_000, drip=0.2)
+        # 40 uploads declaring 24 MB: past the 3 MB being received, refused before reading
+        big = [_raw_upload(server.port, 1_000_000, 24_000_000) for _ in range(40)]
+        return await asyncio.gather(stalled, drip, *big)
 
-        (stalled, stalled_s), (drip, drip_s), *big = asyncio.run(go())
-        assert stalled == "HTTP/1.1 408 Request Timeout" and stalled_s < 5, (stalled, stalled_s)
-        assert drip == "HTTP/1.1 408 Request Timeout" and drip_s < 6, (drip, drip_s)
-        assert {line for line, _ in big} == {"HTTP/1.1 503 Service Unavailable"}, big
-        peak = _rss_mb(server.proc.pid) - base
-        assert peak < 50, peak
-        text = httpx.get(f"{server.base}/metrics").text
-        assert _metric(text, "oasr_errors_total", code="upload_timeout") == 2
-        # nothing is left reserved: a normal upload still goes through
-        ok = httpx.post(
-            f"{server.base}/v1/audio/transcriptions",
-            files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
-        )
-        assert ok.status_code == 200, ok.text
-    finally:
-        code = server.stop()
-    assert code == 0
+    (stalled, stalled_s), (drip, drip_s), *big = asyncio.run(go())
+    assert stalled == "HTTP/1.1 408 Request Timeout" and stalled_s < 5, (stalled, stalled_s)
+    assert drip == "HTTP/1.1 408 Request Timeout" and drip_s < 6, (drip, drip_s)
+    assert {line for line, _ in big} == {"HTTP/1.1 503 Service Unavailable"}, big
+    peak = _rss_mb(server.proc.pid) - base
+    assert peak < 50, peak
+    text = httpx.get(f"{server.base}/metrics").text
+    assert _metric(text, "oasr_errors_total", code="upload_timeout") == 2
+    # nothing is left reserved: a normal upload still goes through
+    ok = httpx.post(
+        f"{server.base}/v1/audio/transcriptions",
+        files={"file": ("a.wav", fault._wav(1.0), "audio/wav")},
+    )
+    assert ok.status_code == 200, ok.text
 
 
 def _silent_flac(seconds: float) -> bytes:

@@ -18,6 +18,23 @@ def _tokens(t):
     return [tok for s in t.segments for tok in s.tokens]
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_en, clips):
+    """The model's own answer for one clip decoded alone, computed once per (clip, options) in
+    this module: several tests compare against the same references (the model is deterministic
+    and holds no state between calls)."""
+    cache = {}
+
+    def ref(audio, opts=None):
+        opts = DecodingOptions() if opts is None else opts
+        key = (next(i for i, c in enumerate(clips) if c is audio), repr(opts))
+        if key not in cache:
+            cache[key] = tiny_en.transcribe([audio], opts)[0]
+        return cache[key]
+
+    return ref
+
+
 def _engine(model, **kw):
     sc = SchedulerConfig(**{"max_batch_size": 3, **kw})
     return ASREngine(EngineConfig(max_batch_size=sc.max_batch_size), model=model, scheduler_config=sc)
@@ -28,7 +45,7 @@ def _engine(model, **kw):
     DecodingOptions(),
     DecodingOptions.build(without_timestamps=True, condition_on_previous_text=False),
 ], ids=["timestamps", "no_timestamps"])  # fmt: skip
-def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
+def test_continuous_batching_matches_transcribe(tiny_en, clips, reference, opts):
     eng = _engine(tiny_en)  # 3 rows for 5 inputs: rows are refilled as windows finish
     outs = eng.transcribe_outputs(clips, decoding=opts)
     ex = eng.scheduler.executor
@@ -37,7 +54,7 @@ def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
     assert ex.stats["max_rows"] == 3
     for audio, out in zip(clips, outs, strict=True):
         assert out.ok, out.error
-        ref = tiny_en.transcribe([audio], opts)[0]
+        ref = reference(audio, opts)
         assert _tokens(out.transcript) == _tokens(ref)
         assert out.transcript.text == ref.text
         assert [(s.start, s.end) for s in out.transcript.segments] == [
@@ -47,7 +64,7 @@ def test_continuous_batching_matches_transcribe(tiny_en, clips, opts):
 
 
 @pytest.mark.slow  # parity with the per-batch path
-def test_encoder_lookahead_matches_transcribe(tiny_en, clips):
+def test_encoder_lookahead_matches_transcribe(tiny_en, clips, reference):
     """Windows encoded ahead of a free row (on the CPU: in the same stream, earlier) wait with
     their features and decode to the same tokens; the executor holds more requests than rows."""
     eng = _engine(tiny_en, max_batch_size=2, encoder_lookahead=2, min_admit_group=1)
@@ -58,21 +75,22 @@ def test_encoder_lookahead_matches_transcribe(tiny_en, clips):
     assert ex.stats["max_rows"] == 2
     for audio, out in zip(clips, outs, strict=True):
         assert out.ok, out.error
-        assert _tokens(out.transcript) == _tokens(tiny_en.transcribe([audio], DecodingOptions())[0])
+        assert _tokens(out.transcript) == _tokens(reference(audio))
 
 
-def test_small_memory_budget_queues_a_flood(tiny_en, clips):
+def test_small_memory_budget_queues_a_flood(tiny_en, clips, reference):
     from oasr_models_whisper.engine_adapter import make_executor
 
     probe = make_executor(tiny_en, SchedulerConfig(max_batch_size=8))
     per_row = probe.memory_bytes // 8  # cross K/V + a full context of blocks, one row
     eng = _engine(tiny_en, max_batch_size=8, kv_cache_bytes=int(per_row * 1.5))
     short = clips[0]
-    futs = [eng.submit(short) for _ in range(10)]
+    # 4 at once already queue 3 behind the one row the budget allows (10 only waited longer)
+    futs = [eng.submit(short) for _ in range(4)]
     texts = {f.result(timeout=240).text for f in futs}
     ex = eng.scheduler.executor
     assert ex.max_rows == 1 and ex.stats["max_rows"] == 1
-    assert texts == {tiny_en.transcribe([short], DecodingOptions())[0].text}
+    assert texts == {reference(short).text}
     eng.shutdown()
 
 
@@ -91,9 +109,10 @@ def test_errors_are_isolated(tiny_en, clips):
     eng.shutdown()
 
 
-def test_threads_submit_together(tiny_en, clips):
+def test_threads_submit_together(tiny_en, clips, reference):
     eng = _engine(tiny_en, max_batch_size=4)
-    refs = [o.transcript.text for o in eng.transcribe_outputs(clips[:3])]
+    # each clip decoded alone (shared with the parity tests), instead of an extra engine run
+    refs = [reference(c).text for c in clips[:3]]
     results: dict[tuple[int, int], str] = {}
 
     def worker(t):
@@ -118,7 +137,7 @@ def test_beam_search_runs_on_the_batch_path(tiny_en, clips):
     assert out.transcript.text == tiny_en.transcribe([clips[0]], opts)[0].text
 
 
-def test_service_modes_are_typed(tiny_en, clips):
+def test_service_modes_are_typed(tiny_en, clips, reference):
     eng = _engine(tiny_en)
     for call in (lambda: eng.add_streaming_request(), lambda: eng.feed_chunk("s1", clips[0]),
                  lambda: eng.step(), lambda: eng.run(),
@@ -128,7 +147,7 @@ def test_service_modes_are_typed(tiny_en, clips):
     with pytest.raises(UnsupportedOptionError):  # tiny.en cannot stream
         ASREngine(EngineConfig(service_mode="streaming"), model=tiny_en)
     # the existing direct API is unchanged
-    assert eng.transcribe_arrays([clips[0]])[0].text == tiny_en.transcribe([clips[0]], DecodingOptions())[0].text
+    assert eng.transcribe_arrays([clips[0]])[0].text == reference(clips[0]).text
 
 
 def test_word_timestamps_and_prompt_match(tiny_en, clips):
@@ -163,7 +182,7 @@ def test_abort_a_running_request(tiny_en, clips):
 
 
 @pytest.mark.slow  # parity with each input decoded alone
-def test_offline_batches_through_the_scheduler(tiny_en, clips):
+def test_offline_batches_through_the_scheduler(tiny_en, clips, reference):
     """transcribe_arrays goes through the engine's scheduler (the one batching layer): results
     in input order, equal to the model's own answer for each input, progress up to the total."""
     eng = _engine(tiny_en)
@@ -171,7 +190,7 @@ def test_offline_batches_through_the_scheduler(tiny_en, clips):
     outs = eng.transcribe_arrays(clips, progress=lambda d, t: seen.append((d, t)))
     assert eng.scheduler.step_count > 0 and eng.scheduler.stats["max_running"] > 1
     for audio, out in zip(clips, outs, strict=True):
-        assert _tokens(out) == _tokens(tiny_en.transcribe([audio], DecodingOptions())[0])
+        assert _tokens(out) == _tokens(reference(audio))
     total = sum(len(a) for a in clips) / 16000
     assert seen[-1][0] == pytest.approx(total) == seen[-1][1]
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:], strict=False))  # never goes back

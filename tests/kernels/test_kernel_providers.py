@@ -167,17 +167,3 @@ def test_imports_stay_light() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
-
-
-def test_kernels_not_yet_run_on_a_gpu_decline_unless_opted_in(monkeypatch) -> None:
-    """An override in UNVERIFIED_ON_GPU runs only with OASR_KERNELS_UNVERIFIED=1; else the
-    dispatcher gets NotImplemented and runs the native op."""
-    from oasr_kernels import provider
-
-    calls: list[int] = []
-    override = provider._opt_in(lambda x: calls.append(x) or x + 1)
-    monkeypatch.delenv("OASR_KERNELS_UNVERIFIED", raising=False)
-    assert override(1) is NotImplemented and calls == []
-    monkeypatch.setenv("OASR_KERNELS_UNVERIFIED", "1")
-    assert override(1) == 2 and calls == [1]
-    assert set(provider.UNVERIFIED_ON_GPU) <= set(provider.OPS)

@@ -67,7 +67,6 @@ def test_fused_decode_step_matches_the_unfused_path(monkeypatch):
     from oasr.quantization.apply import quantize_module
     from oasr_models_whisper.engine_adapter import WhisperStepModel
 
-    monkeypatch.setenv("OASR_KERNELS_UNVERIFIED", "1")  # the quantize_activations kernel too
     install_kernel_providers("cuda")
     net = whisper_net(seed=2, d=256).cuda().half()
     quantize_module(net, "fp8_w8a8")

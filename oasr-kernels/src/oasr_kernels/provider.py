@@ -7,12 +7,10 @@ Also registers the kernels' search spaces with :mod:`oasr.tune` (for ``oasr.tune
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OPS", "UNVERIFIED_ON_GPU", "install", "register_shipped_entries"]
+__all__ = ["OPS", "install", "register_shipped_entries"]
 
 #: the oasr.layers ops this provider overrides on "cuda"
 OPS = (
@@ -31,30 +29,11 @@ OPS = (
     "ctc_prefix_beam_frames",
 )
 
-#: ops whose CUDA kernels passed every check a machine without a GPU can make (host emulation or a
-#: numpy model of their rounding, the NVRTC compile, the native op's parity tests) but have not run
-#: on a GPU yet: their overrides decline (the native op runs) unless OASR_KERNELS_UNVERIFIED=1.
-#: An op leaves this set once its GPU tests pass on a device (tests/kernels/test_llm_ops_gpu.py,
-#: tests/quantization/test_fused_quant_gpu.py; scripts/gpu_pending/ has the runs to make).
-UNVERIFIED_ON_GPU = frozenset({"rotary_qk", "silu_mul", "quantize_activations"})
-
-
-def _opt_in(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as an override that runs only with OASR_KERNELS_UNVERIFIED=1 (else NotImplemented)."""
-
-    @functools.wraps(fn)
-    def override(*args: Any, **kwargs: Any) -> Any:
-        if os.environ.get("OASR_KERNELS_UNVERIFIED") != "1":
-            return NotImplemented
-        return fn(*args, **kwargs)
-
-    return override
-
 
 def _register(op: str, fn: Callable[..., Any]) -> None:
     from oasr.layers import register_override
 
-    register_override(op, "cuda", _opt_in(fn) if op in UNVERIFIED_ON_GPU else fn)
+    register_override(op, "cuda", fn)
 
 
 def install(device_type: str = "cuda") -> list[str]:

@@ -17,8 +17,9 @@ from qhelpers import rel_err  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 #: the kernel computes in float32 and rounds once; the native op dequantizes to the query's
-#: dtype first (one rounding per element) and runs SDPA in it
-_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+#: dtype first (one rounding per element) and runs SDPA in it. float32: the two only differ in
+#: summation order and exp's rounding; a peaked softmax (keys x3) over 301 keys reached 1e-5
+_TOL = {"float32": 5e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
 def _inputs(b: int, heads: int, kv_heads: int, frames: int, d: int, dtype: torch.dtype, seed: int = 0):
@@ -72,7 +73,10 @@ def test_cross_fp8_kernel_matches_native(dtype, head_dim, heads, kv_heads, frame
     assert got.shape == want.shape == (5, heads, 1, head_dim) and got.dtype == dt
     assert rel_err(got, want) < _TOL[dtype]
     # a query viewed from (B, T, H * D), as a step model's projection gives it
-    q2 = torch.randn(5, 1, heads * head_dim, device="cuda", dtype=dt).view(5, 1, heads, head_dim).transpose(1, 2)
+    # not the global RNG: the same query in any test order
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q2 = torch.randn(5, 1, heads * head_dim, device="cuda", generator=g, dtype=dt)
+    q2 = q2.view(5, 1, heads, head_dim).transpose(1, 2)
     assert rel_err(cross_attention_fp8(q2, *args[1:]), _native(q2, *args[1:])) < _TOL[dtype]
 
 

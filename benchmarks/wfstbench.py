@@ -273,10 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fused-threads", type=lambda v: [int(t) for t in v.split(",") if t], default=[],
                    help="with --fused: also time each kernel variant at these threads per block (e.g. 256,1024)")
     p.add_argument("--fused-variants", type=lambda v: [t for t in v.split(",") if t], default=[],
-                   help="with --fused: also time these kernel variants (token, arc, arc2, arc3), each as "
-                        "fused_<variant>; <variant>@<threads> times that block size only")
+                   help="with --fused: also time these kernel variants (oasr_decoders_wfst.fused.VARIANTS), "
+                        "each as fused_<variant>; <variant>@<threads> times that block size only")
     p.add_argument("--fused", action="store_true",
-                   help="also time the fused CUDA kernel (not yet run on a GPU: run under timeout)")
+                   help="also time the fused CUDA kernel (the default variant, as \"fused\")")
     p.add_argument("--no-tensor", action="store_true", help="skip the tensor search")
     p.add_argument("--quick", action="store_true", help="CPU, 300 words, batch 4 of 4 s: a check")
     args = p.parse_args(argv)

@@ -16,6 +16,7 @@ INT32_MAX = 2**31 - 1
 
 inf = math.inf
 
+
 @cuda.jit(device=True)
 def kth_cost(tok_cost, b, cur, n, k, si, sf):
     """The k-th smallest (0-based) of tok_cost[b, cur, :n], by the whole block."""
@@ -77,301 +78,31 @@ def kth_cost(tok_cost, b, cur, n, k, si, sf):
     cuda.syncthreads()
     return kval
 
-@cuda.jit
-def kernel(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start,
-           lp, lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec,
-           best, slot, claim, frontier, cand_src, cand_arc, cand_cost, cand_rec, rec_prev,
-           rec_word, rec_frame, out_rec, out_cost, out_final, status, out_nrec):  # fmt: skip
-    b = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nth = cuda.blockDim.x
-    S = final.shape[0]
-    cap = tok_state.shape[2]
-    ccap = cand_src.shape[1]
-    rcap = rec_prev.shape[1]
-    base = b * S
-    # shared scalars: ints [0 n_cur, 1 n_new, 2 n_cand, 3 n_rec, 4 n_front, 5 n_front_next,
-    # 6 pivot index, 7 count less, 8 count equal, 9 status, 10 round id]; floats [0 best,
-    # 1 best new, 2 cutoff, 3 adaptive, 4 lo, 5 hi, 6 pivot]
-    si = cuda.shared.array(16, dtype=int32)
-    sf = cuda.shared.array(8, dtype=float64)
-    if tid == 0:
-        tok_state[b, 0, 0] = start
-        tok_cost[b, 0, 0] = 0.0
-        tok_rec[b, 0, 0] = -1
-        si[0] = 1
-        si[3] = 0
-        si[9] = 0
-        si[10] = 0
-        best[base + start] = 0.0
-        slot[base + start] = 0
-    cuda.syncthreads()
-    cur = 0
-    n_frames = lens[b]
-    for t in range(-1, n_frames):
-        nb = cur if t < 0 else 1 - cur
-        if t >= 0:
-            n = si[0]
-            # ---- cutoff (GetCutoff) over the current tokens
-            if tid == 0:
-                sf[0] = inf
-                sf[1] = inf
-            cuda.syncthreads()
-            mine = inf
-            for i in range(tid, n, nth):
-                mine = min(mine, tok_cost[b, cur, i])
-            if mine < inf:
-                cuda.atomic.min(sf, 0, mine)
-            cuda.syncthreads()
-            best_cost = sf[0]
-            beam_cut = best_cost + beam
-            cutoff = beam_cut
-            adaptive = float64(beam)
-            if not (max_active == INT32_MAX and min_active == 0):
-                # how many tokens are under / at the beam cutoff decides whether a k-th cost
-                # can bind at all (the k-th is below the beam cutoff iff more than k are, and
-                # above it iff at most k are at or below it, infinite if there is none): select
-                # only then
-                if tid == 0:
-                    si[11] = 0
-                    si[12] = 0
-                cuda.syncthreads()
-                m_lt = 0
-                m_le = 0
-                for i in range(tid, n, nth):
-                    c = tok_cost[b, cur, i]
-                    if c < beam_cut:
-                        m_lt += 1
-                    if c <= beam_cut:
-                        m_le += 1
-                cuda.atomic.add(si, 11, m_lt)
-                cuda.atomic.add(si, 12, m_le)
-                cuda.syncthreads()
-                n_lt = si[11]
-                n_le = si[12]
-                cuda.syncthreads()
-                if n > max_active and n_lt > max_active:
-                    kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
-                    cutoff = kval
-                    adaptive = float64(float32(kval - best_cost + beam_delta))
-                elif min_active > 0 and n_le <= min_active:
-                    # Kaldi: with at most min_active tokens the min-active cutoff is infinite
-                    kval = inf
-                    if n > min_active:
-                        kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
-                    cutoff = kval
-                    adaptive = float64(float32(kval - best_cost + beam_delta))
-            # ---- emitting arcs: best new cost
-            mine = inf
-            for i in range(tid, n, nth):
-                c = tok_cost[b, cur, i]
-                if c < cutoff:
-                    s = tok_state[b, cur, i]
-                    for a in range(e_off[s], e_off[s + 1]):
-                        nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
-                        mine = min(mine, nc)
-            if mine < inf:
-                cuda.atomic.min(sf, 1, mine)
-            if tid == 0:
-                si[1] = 0
-            cuda.syncthreads()
-            next_cutoff = sf[1] + adaptive
-            for i in range(tid, n, nth):
-                c = tok_cost[b, cur, i]
-                if c < cutoff:
-                    s = tok_state[b, cur, i]
-                    for a in range(e_off[s], e_off[s + 1]):
-                        nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
-                        if nc < next_cutoff:
-                            cuda.atomic.min(best, base + e_next[a], nc)
-            cuda.syncthreads()
-            for i in range(tid, n, nth):
-                c = tok_cost[b, cur, i]
-                if c < cutoff:
-                    s = tok_state[b, cur, i]
-                    for a in range(e_off[s], e_off[s + 1]):
-                        nc = (c + e_w[a]) + float64(-lp[b, t, e_tok[a]])
-                        d = e_next[a]
-                        # the table was lowered by atomics: read it with one (no stale L1 line)
-                        if nc < next_cutoff and nc == cuda.atomic.min(best, base + d, inf):
-                            if cuda.atomic.cas(slot, base + d, -1, -2) == -1:
-                                j = cuda.atomic.add(si, 1, 1)
-                                if j < cap:
-                                    r = tok_rec[b, cur, i]
-                                    if e_olab[a] != 0:
-                                        q = cuda.atomic.add(si, 3, 1)
-                                        if q < rcap:
-                                            rec_prev[b, q] = r
-                                            rec_word[b, q] = e_olab[a]
-                                            rec_frame[b, q] = t
-                                        else:
-                                            si[9] = 1
-                                        r = q
-                                    tok_state[b, nb, j] = d
-                                    tok_cost[b, nb, j] = nc
-                                    tok_rec[b, nb, j] = r
-                                    slot[base + d] = j
-                                else:
-                                    si[9] = 1
-            cuda.syncthreads()
-            if tid == 0:
-                if si[1] > cap:
-                    si[1] = cap
-                sf[2] = next_cutoff
-            cuda.syncthreads()
-            # the current tokens' table entries were reset after their own closure
-            n_tok_slot = 1
-        else:
-            n_tok_slot = 0
-            if tid == 0:
-                sf[2] = inf
-            cuda.syncthreads()
-        # ---- epsilon closure over buffer nb (its count in si[n_tok_slot])
-        ccut = sf[2]
-        frame = t if t >= 0 else 0
-        if tid == 0:
-            si[4] = 0
-        cuda.syncthreads()
-        for i in range(tid, si[n_tok_slot], nth):
-            if tok_cost[b, nb, i] <= ccut:
-                f = cuda.atomic.add(si, 4, 1)
-                frontier[b, 0, f] = i
-        cuda.syncthreads()
-        fb = 0
-        rounds = 0
-        while si[4] > 0:
-            rounds += 1
-            if rounds > 10000:  # an epsilon cycle that keeps improving: give the row up
-                if tid == 0:
-                    si[9] = 1
-                break
-            if tid == 0:
-                si[2] = 0
-                si[5] = 0
-                si[10] += 1
-            cuda.syncthreads()
-            nf = si[4]
-            rid = si[10]
-            for fi in range(tid, nf, nth):
-                i = frontier[b, fb, fi]
-                c = tok_cost[b, nb, i]
-                s = tok_state[b, nb, i]
-                for a in range(p_off[s], p_off[s + 1]):
-                    nc = c + p_w[a]
-                    d = p_next[a]
-                    if nc <= ccut and nc < best[base + d]:
-                        cuda.atomic.min(best, base + d, nc)
-                        k = cuda.atomic.add(si, 2, 1)
-                        if k < ccap:
-                            cand_src[b, k] = i
-                            cand_arc[b, k] = a
-                            cand_cost[b, k] = nc
-                            cand_rec[b, k] = tok_rec[b, nb, i]
-                        else:
-                            si[9] = 1
-            cuda.syncthreads()
-            ncand = min(si[2], ccap)
-            for k in range(tid, ncand, nth):
-                a = cand_arc[b, k]
-                d = p_next[a]
-                nc = cand_cost[b, k]
-                if nc == cuda.atomic.min(best, base + d, inf) and cuda.atomic.max(claim, base + d, rid) < rid:
-                    r = cand_rec[b, k]
-                    if p_olab[a] != 0:
-                        q = cuda.atomic.add(si, 3, 1)
-                        if q < rcap:
-                            rec_prev[b, q] = r
-                            rec_word[b, q] = p_olab[a]
-                            rec_frame[b, q] = frame
-                        else:
-                            si[9] = 1
-                        r = q
-                    j = slot[base + d]
-                    if j < 0:
-                        j = cuda.atomic.add(si, n_tok_slot, 1)
-                        if j >= cap:
-                            si[9] = 1
-                            continue
-                        tok_state[b, nb, j] = d
-                        slot[base + d] = j
-                    tok_cost[b, nb, j] = nc
-                    tok_rec[b, nb, j] = r
-                    f = cuda.atomic.add(si, 5, 1)
-                    frontier[b, 1 - fb, f] = j
-            cuda.syncthreads()
-            if tid == 0:
-                if si[n_tok_slot] > cap:
-                    si[n_tok_slot] = cap
-                si[4] = si[5]
-            fb = 1 - fb
-            cuda.syncthreads()
-        # ---- the new set becomes current; clean its table entries
-        if tid == 0 and n_tok_slot == 1:
-            si[0] = si[1]
-        cuda.syncthreads()
-        for i in range(tid, si[0], nth):
-            s = tok_state[b, nb, i]
-            best[base + s] = inf
-            slot[base + s] = -1
-        cur = nb
-        cuda.syncthreads()
-        if si[9] != 0 or si[0] == 0:
-            break
-    # ---- best path
-    n = si[0]
-    if tid == 0:
-        sf[0] = inf
-        si[6] = INT32_MAX
-        si[7] = 0
-    cuda.syncthreads()
-    for i in range(tid, n, nth):
-        if final[tok_state[b, cur, i]] != inf:
-            si[7] = 1
-    cuda.syncthreads()
-    use_final = si[7] != 0
-    for i in range(tid, n, nth):
-        c = tok_cost[b, cur, i]
-        if use_final:
-            c = c + final[tok_state[b, cur, i]]
-        cuda.atomic.min(sf, 0, c)
-    cuda.syncthreads()
-    for i in range(tid, n, nth):
-        c = tok_cost[b, cur, i]
-        if use_final:
-            c = c + final[tok_state[b, cur, i]]
-        if c == sf[0]:
-            cuda.atomic.min(si, 6, i)
-    cuda.syncthreads()
-    if tid == 0:
-        status[b] = si[9]
-        out_nrec[b] = min(si[3], rcap)
-        out_final[b] = 1 if use_final else 0
-        if si[6] < n:
-            out_rec[b] = tok_rec[b, cur, si[6]]
-            out_cost[b] = sf[0]
-        else:
-            out_rec[b] = -1
-            out_cost[b] = inf
-
-
-
-
 
 # ---------------------------------------------------------------------------------------------
-# The "arc" variant: a thread per emitting arc instead of a thread per token. On the 5000-word
-# graph a frame has ~190 tokens and ~1500 emitting arcs, but almost every frame has a token with
-# ~37 (the state after a word, CTC's blank / next-phone fan-out): a thread per token walks those
-# serially in each of the three emitting passes while the others wait at the barrier. Here the
-# arcs of the tokens under the cutoff are numbered by a block prefix sum over per-token arc
-# counts, and each thread takes every nth arc (its token found by binary search over the token
-# starts); the first pass stores each candidate (cost, destination, arc, token) so the other two
-# read it back instead of walking the graph again. Same search, same results.
+# The search kernel: one block per utterance, a thread per emitting arc (not per token: on the
+# 5000-word graph a frame has ~190 tokens and ~1500 emitting arcs, but almost every frame has one
+# token with ~37, which a thread per token walks serially while the block waits). The arcs of the
+# tokens under the cutoff are numbered by a block prefix sum over per-thread arc counts; thread
+# tid takes arcs tid, tid + threads, ... (its token found by binary search over the token starts).
+# The frame loop is bound by chains of dependent memory round trips, so:
+# - the per-state table interleaves each state's cost key, token slot and epsilon claim in 16
+#   bytes (``table``: int64 [2 * state] the key; its int32 view ``table32`` [4 * state + 2] the
+#   slot, [+ 3] the claim): the slot / claim after a cost atomic is in the same 32-byte sector;
+# - two emitting passes: every candidate lowers its state's key (and is stored), then the claim
+#   pass keeps those under the next cutoff (the minimum over all candidates is under the cutoff
+#   iff the minimum over those under it is, and then they are the same); a state whose minimum
+#   is not under it is reset there by its candidates;
+# - stored candidates carry destination, cost, word and their token's record: the claim passes
+#   load nothing after their atomics;
+# - the block's best costs are int64 keys in shared memory (a native 64-bit atomic min, not
+#   numba's float64 compare-and-swap loop, which 1024 threads on one word retry).
 
 #: token arc numbers and first arcs live in shared memory up to this many tokens (else in global
 #: scratch)
 SHARED_TOKENS = 2048
 
-# The arc variant keeps the per-state cost table as int64 keys that order as the float64 costs
+# The per-state cost table holds as int64 keys that order as the float64 costs
 # (non-negative: the bits; negative: all bits but the sign flipped), so lowering an entry is one
 # native 64-bit atomic min the thread need not wait for, not numba's float64 atomic min (a load,
 # then a compare-and-swap loop: two waits). inf's key is its bits.
@@ -446,355 +177,6 @@ def arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t):
     return o, a, nc
 
 
-@cuda.jit
-def kernel_arc(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start,
-               lp, lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec,
-               best, slot, claim, frontier, cand_src, cand_arc, cand_cost, cand_rec, rec_prev,
-               rec_word, rec_frame, out_rec, out_cost, out_final, status, out_nrec, tok_aoff):  # fmt: skip
-    b = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nth = cuda.blockDim.x
-    S = final.shape[0]
-    cap = tok_state.shape[2]
-    ccap = cand_src.shape[1]
-    rcap = rec_prev.shape[1]
-    base = b * S
-    # shared scalars as in ``kernel``, plus ints [11 count < beam cutoff, 12 count <= it] and
-    # floats [7 the best cost of the tokens the last frame left]
-    si = cuda.shared.array(16, dtype=int32)
-    sf = cuda.shared.array(8, dtype=float64)
-    scan = cuda.shared.array((2, 1024), dtype=int32)
-    aoff_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
-    arc0_shared = cuda.shared.array(SHARED_TOKENS, dtype=int32)
-    ranked = cuda.shared.array(1024, dtype=float64)  # kth_cost_ranked's copy of the costs
-    if tid == 0:
-        tok_state[b, 0, 0] = start
-        tok_cost[b, 0, 0] = 0.0
-        tok_rec[b, 0, 0] = -1
-        si[0] = 1
-        si[3] = 0
-        si[9] = 0
-        si[10] = 0
-        best[base + start] = 0  # the key of 0.0
-        slot[base + start] = 0
-    cuda.syncthreads()
-    cur = 0
-    n_frames = lens[b]
-    for t in range(-1, n_frames):
-        nb = cur if t < 0 else 1 - cur
-        if t >= 0:
-            n = si[0]
-            aoff = aoff_shared if n <= SHARED_TOKENS else tok_aoff[b, 0]
-            arc0 = arc0_shared if n <= SHARED_TOKENS else tok_aoff[b, 1]
-            best_cost = sf[7]  # from the last frame's clean-up pass
-            beam_cut = best_cost + beam
-            cutoff = beam_cut
-            adaptive = float64(beam)
-            # ---- each thread: a contiguous run of tokens; their counts under / at the beam
-            # cutoff (GetCutoff) and their emitting arc counts (under it), in one pass
-            per = (n + nth - 1) // nth
-            lo_i = tid * per
-            hi_i = min(n, lo_i + per)
-            active = (n + per - 1) // per  # threads that own tokens
-            m_lt = 0
-            m_le = 0
-            tot = 0
-            for i in range(lo_i, hi_i):
-                c = tok_cost[b, cur, i]
-                k = 0
-                if c < beam_cut:
-                    m_lt += 1
-                    s = tok_state[b, cur, i]
-                    a0 = e_off[s]
-                    k = int32(e_off[s + 1] - a0)
-                    arc0[i] = a0
-                if c <= beam_cut:
-                    m_le += 1
-                aoff[i] = k
-                tot += k
-            if not (max_active == INT32_MAX and min_active == 0):
-                if m_lt:
-                    cuda.atomic.add(si, 11, m_lt)
-                if m_le:
-                    cuda.atomic.add(si, 12, m_le)
-                cuda.syncthreads()
-                n_lt = si[11]  # reset at the end of the frame: no barrier needed after the read
-                n_le = si[12]
-                if n > max_active and n_lt > max_active:
-                    if n <= nth:
-                        kval = kth_cost_ranked(tok_cost, b, cur, n, max_active, sf, ranked)
-                    else:
-                        kval = kth_cost(tok_cost, b, cur, n, max_active, si, sf)
-                    cutoff = kval
-                    adaptive = float64(float32(kval - best_cost + beam_delta))
-                elif min_active > 0 and n_le <= min_active:
-                    kval = inf
-                    if n > min_active:
-                        if n <= nth:
-                            kval = kth_cost_ranked(tok_cost, b, cur, n, min_active, sf, ranked)
-                        else:
-                            kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
-                    cutoff = kval
-                    adaptive = float64(float32(kval - best_cost + beam_delta))
-                if cutoff != beam_cut:  # the k-th cost decided: count the arcs again
-                    tot = 0
-                    for i in range(lo_i, hi_i):
-                        k = 0
-                        if tok_cost[b, cur, i] < cutoff:
-                            s = tok_state[b, cur, i]
-                            a0 = e_off[s]
-                            k = int32(e_off[s + 1] - a0)
-                            arc0[i] = a0
-                        aoff[i] = k
-                        tot += k
-            # ---- block prefix sum of the per-thread arc counts (Hillis-Steele, shared memory)
-            scan[0, tid] = tot
-            cuda.syncthreads()
-            src = 0
-            step = 1
-            while step < active:
-                v = scan[src, tid]
-                if tid >= step:
-                    v += scan[src, tid - step]
-                scan[1 - src, tid] = v
-                src = 1 - src
-                step *= 2
-                cuda.syncthreads()
-            total = scan[src, active - 1]
-            run = scan[src, tid] - tot
-            for i in range(lo_i, hi_i):  # each token's first arc number
-                k = aoff[i]
-                aoff[i] = run
-                run += k
-            cuda.syncthreads()
-            # ---- emitting arcs: best new cost; each candidate stored for the next two passes
-            mine = inf
-            for j in range(tid, total, nth):
-                o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
-                if j < ccap:
-                    cand_src[b, j] = o
-                    cand_arc[b, j] = a
-                    cand_cost[b, j] = nc
-                    cand_rec[b, j] = e_next[a]
-                mine = min(mine, nc)
-            if mine < inf:
-                cuda.atomic.min(sf, 1, mine)
-            if tid == 0:
-                si[1] = 0
-            cuda.syncthreads()
-            next_cutoff = sf[1] + adaptive
-            for j in range(tid, total, nth):
-                if j < ccap:
-                    nc = cand_cost[b, j]
-                    d = cand_rec[b, j]
-                else:
-                    o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
-                    d = e_next[a]
-                if nc < next_cutoff:
-                    cuda.atomic.min(best, base + d, cost_key(nc))
-            cuda.syncthreads()
-            for j in range(tid, total, nth):
-                if j < ccap:  # all four loads at once: no second wait for a winner's token
-                    nc = cand_cost[b, j]
-                    d = cand_rec[b, j]
-                    o = cand_src[b, j]
-                    a = cand_arc[b, j]
-                else:
-                    o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
-                    d = e_next[a]
-                # the table was lowered by atomics: read it with one (no stale L1 line)
-                if nc < next_cutoff and cost_key(nc) == cuda.atomic.min(best, base + d, INF_KEY):
-                    if cuda.atomic.cas(slot, base + d, -1, -2) == -1:
-                        jj = cuda.atomic.add(si, 1, 1)
-                        if jj < cap:
-                            r = tok_rec[b, cur, o]
-                            if e_olab[a] != 0:
-                                q = cuda.atomic.add(si, 3, 1)
-                                if q < rcap:
-                                    rec_prev[b, q] = r
-                                    rec_word[b, q] = e_olab[a]
-                                    rec_frame[b, q] = t
-                                else:
-                                    si[9] = 1
-                                r = q
-                            tok_state[b, nb, jj] = d
-                            tok_cost[b, nb, jj] = nc
-                            tok_rec[b, nb, jj] = r
-                            slot[base + d] = jj
-                        else:
-                            si[9] = 1
-            cuda.syncthreads()
-            if tid == 0:
-                if si[1] > cap:
-                    si[1] = cap
-                sf[2] = next_cutoff
-            n_tok_slot = 1
-        else:
-            n_tok_slot = 0
-            if tid == 0:
-                sf[2] = inf
-        # ---- epsilon closure over buffer nb (its count in si[n_tok_slot]); the first round's
-        # frontier is every token at or under the cutoff, read in place (no frontier list)
-        if tid == 0:
-            si[4] = si[n_tok_slot]
-            si[2] = 0
-            si[5] = 0
-            si[10] += 1
-        cuda.syncthreads()
-        ccut = sf[2]
-        frame = t if t >= 0 else 0
-        fb = 0
-        rounds = 0
-        while si[4] > 0:
-            rounds += 1
-            if rounds > 10000:  # an epsilon cycle that keeps improving: give the row up
-                if tid == 0:
-                    si[9] = 1
-                break
-            nf = si[4]
-            rid = si[10]
-            for fi in range(tid, nf, nth):
-                if rounds == 1:
-                    i = fi
-                    if tok_cost[b, nb, i] > ccut:
-                        continue
-                else:
-                    i = frontier[b, fb, fi]
-                c = tok_cost[b, nb, i]
-                s = tok_state[b, nb, i]
-                for a in range(p_off[s], p_off[s + 1]):
-                    nc = c + p_w[a]
-                    d = p_next[a]
-                    key = cost_key(nc)
-                    if nc <= ccut and key < best[base + d]:
-                        cuda.atomic.min(best, base + d, key)
-                        k = cuda.atomic.add(si, 2, 1)
-                        if k < ccap:
-                            cand_src[b, k] = d  # the destination: one dependent load fewer below
-                            cand_arc[b, k] = a
-                            cand_cost[b, k] = nc
-                            cand_rec[b, k] = tok_rec[b, nb, i]
-                        else:
-                            si[9] = 1
-            cuda.syncthreads()
-            if si[2] == 0:  # nothing improved: done (the counters are reset before the next closure)
-                break
-            ncand = min(si[2], ccap)
-            for k in range(tid, ncand, nth):
-                a = cand_arc[b, k]
-                d = cand_src[b, k]
-                nc = cand_cost[b, k]
-                if cost_key(nc) == cuda.atomic.min(best, base + d, INF_KEY) and cuda.atomic.max(claim, base + d, rid) < rid:
-                    r = cand_rec[b, k]
-                    if p_olab[a] != 0:
-                        q = cuda.atomic.add(si, 3, 1)
-                        if q < rcap:
-                            rec_prev[b, q] = r
-                            rec_word[b, q] = p_olab[a]
-                            rec_frame[b, q] = frame
-                        else:
-                            si[9] = 1
-                        r = q
-                    j = slot[base + d]
-                    if j < 0:
-                        j = cuda.atomic.add(si, n_tok_slot, 1)
-                        if j >= cap:
-                            si[9] = 1
-                            continue
-                        tok_state[b, nb, j] = d
-                        slot[base + d] = j
-                    tok_cost[b, nb, j] = nc
-                    tok_rec[b, nb, j] = r
-                    f = cuda.atomic.add(si, 5, 1)
-                    frontier[b, 1 - fb, f] = j
-            cuda.syncthreads()
-            if tid == 0:
-                if si[n_tok_slot] > cap:
-                    si[n_tok_slot] = cap
-                si[4] = si[5]
-                si[2] = 0
-                si[5] = 0
-                si[10] += 1
-            fb = 1 - fb
-            cuda.syncthreads()
-        # ---- the new set becomes current; clean its table entries; its best cost (the next
-        # frame's GetCutoff starts from it)
-        if tid == 0:
-            if n_tok_slot == 1:
-                si[0] = si[1]
-            sf[1] = inf
-            sf[7] = inf
-            si[11] = 0
-            si[12] = 0
-        cuda.syncthreads()
-        mine = inf
-        for i in range(tid, si[0], nth):
-            s = tok_state[b, nb, i]
-            mine = min(mine, tok_cost[b, nb, i])
-            best[base + s] = INF_KEY
-            slot[base + s] = -1
-        if mine < inf:
-            cuda.atomic.min(sf, 7, mine)
-        cur = nb
-        cuda.syncthreads()
-        if si[9] != 0 or si[0] == 0:
-            break
-    # ---- best path
-    n = si[0]
-    if tid == 0:
-        sf[0] = inf
-        si[6] = INT32_MAX
-        si[7] = 0
-    cuda.syncthreads()
-    for i in range(tid, n, nth):
-        if final[tok_state[b, cur, i]] != inf:
-            si[7] = 1
-    cuda.syncthreads()
-    use_final = si[7] != 0
-    for i in range(tid, n, nth):
-        c = tok_cost[b, cur, i]
-        if use_final:
-            c = c + final[tok_state[b, cur, i]]
-        cuda.atomic.min(sf, 0, c)
-    cuda.syncthreads()
-    for i in range(tid, n, nth):
-        c = tok_cost[b, cur, i]
-        if use_final:
-            c = c + final[tok_state[b, cur, i]]
-        if c == sf[0]:
-            cuda.atomic.min(si, 6, i)
-    cuda.syncthreads()
-    if tid == 0:
-        status[b] = si[9]
-        out_nrec[b] = min(si[3], rcap)
-        out_final[b] = 1 if use_final else 0
-        if si[6] < n:
-            out_rec[b] = tok_rec[b, cur, si[6]]
-            out_cost[b] = sf[0]
-        else:
-            out_rec[b] = -1
-            out_cost[b] = inf
-
-
-# ---------------------------------------------------------------------------------------------
-# The "arc2" variant: ``kernel_arc`` with a shorter chain of dependent memory round trips a
-# frame (the frame loop is latency-bound: ~1500 arcs a frame are about one per thread). Same
-# search, same results:
-# - the per-state table interleaves each state's cost key, token slot and epsilon claim in 16
-#   bytes (``table``: int64 [2 * state] the key; its int32 view ``table32`` [4 * state + 2] the
-#   slot, [+ 3] the claim), so the slot / claim after a cost atomic is in the same 32-byte sector
-#   (an L2 hit, not a second DRAM miss);
-# - the emitting passes "best new cost" and "lower the table" are one: every candidate lowers
-#   its state's key, and the claim pass keeps only those under the next cutoff (the minimum over
-#   all candidates is under the cutoff iff the minimum over those under it is, and then they are
-#   the same); a state whose minimum is not under it is reset there by its candidates (one
-#   barrier and one pass over the candidates fewer a frame);
-# - the first pass also stores each candidate's word (the arc's output label) and its token's
-#   record, the epsilon expansion the arc's output label: the claim passes load nothing after
-#   their atomics;
-# - the block's best costs are int64 keys in shared memory (a native 64-bit atomic min, not
-#   numba's float64 compare-and-swap loop, which 1024 threads on one word retry).
-
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 
     @cuda.jit(device=True)
@@ -812,12 +194,13 @@ else:
         return libdevice.longlong_as_double(u)
 
 
-#: kernel_arc2 keeps a frame's log-probs in shared memory up to this many tokens (one dependent
-#: global load fewer a candidate), else reads them in place
+#: a frame's log-probs are copied to shared memory up to this many tokens in the vocabulary (one
+#: dependent global load fewer a candidate), else read in place
 LP_SHARED = 1024
 
-#: kernel_arc2's block prefix sum by warp shuffles (``kernel_arc3``); numba's simulator has no
-#: shuffles, so only a GPU runs that copy
+#: the block prefix sum by warp shuffles (two barriers) instead of Hillis-Steele in shared memory
+#: (about log2(threads) barriers). A constant of the compiled kernel (``build_kernel``): numba's
+#: simulator has no shuffles, so it runs the kernel with this false
 WARP_SCAN = False
 
 
@@ -854,21 +237,23 @@ def warp_scan(x, warp_sums):
     return warp_sums[nwarps - 1], before + v - x
 
 
-@cuda.jit
-def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start,
-                lp, lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec,
-                table, table32, frontier, cand_src, cand_arc, cand_cost, cand_rec, rec_prev,
-                rec_word, rec_frame, out_rec, out_cost, out_final, status, out_nrec, tok_aoff):  # fmt: skip
+def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final, start, lp,
+           lens, beam, max_active, min_active, beam_delta, tok_state, tok_cost, tok_rec, table,
+           table32, frontier, cand_dest, cand_word, cand_cost, cand_rec, rec_prev, rec_word,
+           rec_frame, out_rec, out_cost, out_final, status, out_nrec, tok_aoff):  # fmt: skip
+    """The kernel's body (``build_kernel`` compiles it): decodes utterance ``blockIdx.x``."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
     S = final.shape[0]
     cap = tok_state.shape[2]
-    ccap = cand_src.shape[1]
+    ccap = cand_dest.shape[1]
     rcap = rec_prev.shape[1]
     base = b * S
-    # shared scalars as in ``kernel_arc``; sk: int64 keys [0 best new cost, 1 best cost of the
-    # tokens the last frame left]
+    # shared scalars: ints [0 n_cur, 1 n_new, 2 n_cand, 3 n_rec, 4 n_front, 5 n_front_next,
+    # 6 pivot index, 7 count less, 8 count equal, 9 status, 10 round id, 11 count < beam cutoff,
+    # 12 count <= it]; floats [0 best, 2 cutoff, 4 lo, 5 hi, 6 k-th cost]; sk: int64 keys [0 best
+    # new cost, 1 best cost of the tokens the last frame left]
     si = cuda.shared.array(16, dtype=int32)
     sf = cuda.shared.array(8, dtype=float64)
     sk = cuda.shared.array(2, dtype=int64)
@@ -905,10 +290,12 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
             beam_cut = best_cost + beam
             cutoff = beam_cut
             adaptive = float64(beam)
+            # ---- cutoff (GetCutoff) and arc counts: each thread a contiguous run of tokens, their
+            # counts under / at the beam cutoff and their emitting arc counts (under it), one pass
             per = (n + nth - 1) // nth
             lo_i = tid * per
             hi_i = min(n, lo_i + per)
-            active = (n + per - 1) // per
+            active = (n + per - 1) // per  # threads that own tokens
             m_lt = 0
             m_le = 0
             tot = 0
@@ -931,7 +318,7 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                 if m_le:
                     cuda.atomic.add(si, 12, m_le)
                 cuda.syncthreads()
-                n_lt = si[11]
+                n_lt = si[11]  # reset at the end of the frame: no barrier needed after the read
                 n_le = si[12]
                 if n > max_active and n_lt > max_active:
                     if n <= nth:
@@ -941,7 +328,7 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                     cutoff = kval
                     adaptive = float64(float32(kval - best_cost + beam_delta))
                 elif min_active > 0 and n_le <= min_active:
-                    kval = inf
+                    kval = inf  # Kaldi: with at most min_active tokens the min-active cutoff is infinite
                     if n > min_active:
                         if n <= nth:
                             kval = kth_cost_ranked(tok_cost, b, cur, n, min_active, sf, ranked)
@@ -949,7 +336,7 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                             kval = kth_cost(tok_cost, b, cur, n, min_active, si, sf)
                     cutoff = kval
                     adaptive = float64(float32(kval - best_cost + beam_delta))
-                if cutoff != beam_cut:
+                if cutoff != beam_cut:  # the k-th cost decided: count the arcs again
                     tot = 0
                     for i in range(lo_i, hi_i):
                         k = 0
@@ -960,7 +347,8 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                             arc0[i] = a0
                         aoff[i] = k
                         tot += k
-            if WARP_SCAN:  # "arc3": shuffles within warps, two barriers
+            # ---- block prefix sum of the per-thread arc counts: each token's first arc number
+            if WARP_SCAN:
                 total, run = warp_scan(tot, warp_sums)
             else:
                 scan[0, tid] = tot
@@ -995,10 +383,10 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                 x = lp_row[u] if V <= LP_SHARED else lp[b, t, u]
                 nc = (tok_cost[b, cur, o] + e_w[a]) + float64(-x)
                 if j < ccap:
-                    cand_src[b, j] = r
-                    cand_arc[b, j] = w
+                    cand_dest[b, j] = d
+                    cand_word[b, j] = w
                     cand_cost[b, j] = nc
-                    cand_rec[b, j] = d
+                    cand_rec[b, j] = r
                 key = cost_key(nc)
                 cuda.atomic.min(table, 2 * (base + d), key)
                 mine = min(mine, key)
@@ -1011,9 +399,9 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
             for j in range(tid, total, nth):
                 if j < ccap:  # all four loads at once
                     nc = cand_cost[b, j]
-                    d = cand_rec[b, j]
-                    r = cand_src[b, j]
-                    w = cand_arc[b, j]
+                    d = cand_dest[b, j]
+                    r = cand_rec[b, j]
+                    w = cand_word[b, j]
                 else:
                     o, a, nc = arc_candidate(aoff, arc0, n, j, tok_cost, b, cur, e_w, e_tok, lp, t)  # fmt: skip
                     d = e_next[a]
@@ -1054,7 +442,11 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
             n_tok_slot = 0
             if tid == 0:
                 sf[2] = inf
-        # ---- epsilon closure as in ``kernel_arc``; candidates keep the arc's word
+        # ---- epsilon closure over buffer nb (its count in si[n_tok_slot]) in rounds over a
+        # frontier: candidates at or under the cutoff that beat their state's key lower it and are
+        # stored; after a barrier the one at the minimum claims the state for the round (atomic
+        # max of a round id), updates its token in place or appends one, and joins the next
+        # frontier. The first round's frontier is every token at or under the cutoff, read in place
         if tid == 0:
             si[4] = si[n_tok_slot]
             si[2] = 0
@@ -1067,7 +459,7 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
         rounds = 0
         while si[4] > 0:
             rounds += 1
-            if rounds > 10000:
+            if rounds > 10000:  # an epsilon cycle that keeps improving: give the row up
                 if tid == 0:
                     si[9] = 1
                 break
@@ -1092,19 +484,19 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                         cuda.atomic.min(table, 2 * (base + d), key)
                         k = cuda.atomic.add(si, 2, 1)
                         if k < ccap:
-                            cand_src[b, k] = d
-                            cand_arc[b, k] = w
+                            cand_dest[b, k] = d
+                            cand_word[b, k] = w
                             cand_cost[b, k] = nc
                             cand_rec[b, k] = r
                         else:
                             si[9] = 1
             cuda.syncthreads()
-            if si[2] == 0:
+            if si[2] == 0:  # nothing improved: done (counters reset before the next closure)
                 break
             ncand = min(si[2], ccap)
             for k in range(tid, ncand, nth):
-                d = cand_src[b, k]
-                w = cand_arc[b, k]
+                d = cand_dest[b, k]
+                w = cand_word[b, k]
                 nc = cand_cost[b, k]
                 r = cand_rec[b, k]
                 if cost_key(nc) == cuda.atomic.min(table, 2 * (base + d), INF_KEY) and cuda.atomic.max(table32, 4 * (base + d) + 3, rid) < rid:  # fmt: skip
@@ -1139,7 +531,8 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
                 si[10] += 1
             fb = 1 - fb
             cuda.syncthreads()
-        # ---- the new set becomes current; clean its table entries; its best cost
+        # ---- the new set becomes current; clean its table entries; its best cost (the next
+        # frame's GetCutoff starts from it)
         if tid == 0:
             if n_tok_slot == 1:
                 si[0] = si[1]
@@ -1160,7 +553,7 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
         cuda.syncthreads()
         if si[9] != 0 or si[0] == 0:
             break
-    # ---- best path (as ``kernel_arc``)
+    # ---- best path: the cheapest token with its final cost where any is final, else the cheapest
     n = si[0]
     if tid == 0:
         sf[0] = inf
@@ -1197,7 +590,9 @@ def kernel_arc2(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, f
             out_cost[b] = inf
 
 
-# the same kernel with the shuffle scan: its code under globals where WARP_SCAN is true
-kernel_arc3 = cuda.jit(
-    types.FunctionType(kernel_arc2.py_func.__code__, dict(globals(), WARP_SCAN=True), "kernel_arc3")
-)
+def build_kernel(warp_scan: bool = False, max_registers: int | None = None):
+    """``search`` compiled as a kernel, with ``WARP_SCAN = warp_scan`` and this module's other
+    globals as they are now (a copy: setting one later changes no kernel already built), at most
+    ``max_registers`` registers a thread."""
+    fn = types.FunctionType(search.__code__, dict(globals(), WARP_SCAN=warp_scan), "search_kernel")
+    return cuda.jit(max_registers=max_registers)(fn) if max_registers else cuda.jit(fn)

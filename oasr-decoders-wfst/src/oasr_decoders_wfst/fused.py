@@ -2,21 +2,20 @@
 frame loop, with no kernel launch or host synchronisation per frame.
 
 Same steps as :class:`~oasr_decoders_wfst.decoder.WfstDecoder` (Kaldi's FasterDecoder), done by
-the block's threads with atomics: the cutoff's k-th best cost by in-block quickselect; emitting
-arcs in three passes (best new cost; per-state atomic min into a dense table; the candidate at
-the minimum claims the state and becomes a token); the epsilon closure in rounds over a
-frontier (candidates that beat a state's cost lower it by atomic min, the one at the minimum
-claims the state, updating its token in place or appending one). Word records as in the
-tensor search. Ties between equal costs go to whichever thread claims first (the tensor search
-takes the first candidate). Buffers have fixed capacities; an utterance that overflows one is
-reported and decoded again by the tensor search.
+the block's threads with atomics (``_fused_kernel.search``; docs/wfst_decoder_gpu.md): a thread
+per emitting arc, numbered by a block prefix sum over the tokens under the cutoff; the cutoff's
+k-th best cost by ranking (tokens that fit the block) or quickselect; emitting arcs in two passes
+(every candidate lowers its state's cost key in a dense per-state table; the candidate at the
+minimum under the next cutoff claims the state and becomes a token); the epsilon closure in
+rounds over a frontier (candidates that beat a state's cost lower it by atomic min, the one at
+the minimum claims the state, updating its token in place or appending one). Word records as in
+the tensor search. Ties between equal costs go to whichever thread claims first (the tensor
+search takes the first candidate). Buffers have fixed capacities; an utterance that overflows
+one is reported and decoded again by the tensor search.
 
-Variants (``VARIANTS``, ``OASR_WFST_FUSED_VARIANT``): "token" as above, a thread per token;
-"arc", a thread per emitting arc (``_fused_kernel.kernel_arc``; docs/wfst_decoder_gpu.md says
-what else it changes); "arc2", "arc" with fewer dependent memory round trips a frame
-(``_fused_kernel.kernel_arc2``: an interleaved state table, two emitting passes instead of
-three); "arc3", "arc2" with its block prefix sum by warp shuffles (two barriers instead of
-about log2(threads); not on numba's simulator). Same search, same results.
+On a GPU, with whole warps, the block prefix sum is done by warp shuffles; numba's simulator has
+none, so there (and for a block size that is not a multiple of 32) the same kernel is compiled
+with the shared-memory prefix sum (``_fused_kernel.build_kernel``).
 
 Offline only (one call decodes whole utterances). Runs on CUDA, or on numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, for tests on a machine without a GPU).
@@ -32,20 +31,17 @@ import numpy as np
 INT32_MAX = 2**31 - 1
 #: threads per block (one block per utterance). Each thread walks a share of the frame's work, so
 #: more threads per block pay where 64 utterances leave half the SMs idle. H200 (5000-word graph,
-#: 64 x 30 s, beam 12, every setting 64/64 words equal to kaldi-decoder's): arc variant 0.0414 s at
-#: 256 threads, 0.0327 s at 512, 0.0322 s at 1024; token variant 0.0806 / 0.0787 / 0.0661 s. Above
-#: 512 threads the kernels are built with at most 65536 / threads registers a thread (64 at 1024,
-#: 80 at 768) so that the block launches.
-#: ``OASR_WFST_FUSED_THREADS`` (<= 1024; a multiple of 32 on a GPU) and ``wfstbench
-#: --fused-threads`` to measure another GPU
+#: 64 x 30 s, beam 12, every setting 64/64 words equal to kaldi-decoder's): 0.0272 s at 1024
+#: threads (8.84x kaldi-decoder on 16 processes, 0.2407 s, in that call); the barrier-scan build
+#: 0.0296 s at 1024, 0.0299 s at 768. Above 512 threads the kernel is built with at most
+#: 65536 / threads registers a thread (64 at 1024, 80 at 768) so that the block launches.
+#: ``OASR_WFST_FUSED_THREADS`` (<= 1024) and ``wfstbench --fused-threads`` to measure another GPU
 THREADS = 1024
-#: kernel variants: "token" (a thread per token walks its arcs: the first kernel) and "arc" (a
-#: thread per emitting arc, numbered by a block prefix sum; see ``_fused_kernel.kernel_arc``), the
-#: default: 2.0-2.4x faster than "token" on the H200 with the same words (figures above).
-#: ``OASR_WFST_FUSED_VARIANT`` (or ``variant=``) picks one (``wfstbench --fused-variants``)
-VARIANTS = ("token", "arc", "arc2", "arc3")
+#: kernel variants (``OASR_WFST_FUSED_VARIANT``, ``variant=``, ``wfstbench --fused-variants``):
+#: "arc", the one kernel (``_fused_kernel.search``), the default
+VARIANTS = ("arc",)
 DEFAULT_VARIANT = "arc"
-_kernels: dict[tuple[str, int | None], object] = {}
+_kernels: dict[tuple[str, bool, int | None], object] = {}
 
 
 def _threads(threads: int | None) -> int:
@@ -107,7 +103,7 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     """Decode with the fused kernel: ``dec`` is a :class:`WfstDecoder` (its graph, options and
     device). Returns (records per utterance, best record, cost, reached final, overflowed).
     ``candidate_capacity`` (default 4 x tokens) per utterance: epsilon candidates of a round
-    beyond it overflow; the "arc" variant's emitting candidates beyond it are recomputed."""
+    beyond it overflow; emitting candidates beyond it are recomputed."""
     import torch
 
     threads = _threads(threads)
@@ -119,21 +115,16 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     from numba import cuda
 
     sim = simulated()
-    if variant == "arc3" and (sim or threads % 32):
-        raise ValueError("the arc3 variant's warp shuffles need a GPU and whole warps (threads % 32 == 0)")
-    # a block's registers must fit an SM's 65536: above 512 threads 64 a thread (ptxas, sm_90: the
-    # token variant needs no more, the arc variant spills 24 bytes), at 512 the arc variant's 123
-    # are capped at 128 so another compiler's few more cannot stop the launch
-    # (768 threads: 80)
-    arc = variant.startswith("arc")
-    regs = None if sim else (65536 // threads) // 8 * 8 if threads > 512 else 128 if arc else None
-    if (variant, regs) not in _kernels:
+    warp_scan = not sim and threads % 32 == 0
+    # a block's registers must fit an SM's 65536: above 512 threads 65536 / threads (64 at 1024,
+    # 80 at 768); at 512 the kernel's ~121 are capped at 128 so another compiler's few more
+    # cannot stop the launch
+    regs = None if sim else (65536 // threads) // 8 * 8 if threads > 512 else 128
+    if (variant, warp_scan, regs) not in _kernels:
         from oasr_decoders_wfst import _fused_kernel
 
-        k = {"token": _fused_kernel.kernel, "arc": _fused_kernel.kernel_arc,
-             "arc2": _fused_kernel.kernel_arc2, "arc3": _fused_kernel.kernel_arc3}[variant]  # fmt: skip
-        _kernels[variant, regs] = cuda.jit(max_registers=regs)(k.py_func) if regs else k
-    kernel = _kernels[variant, regs]
+        _kernels[variant, warp_scan, regs] = _fused_kernel.build_kernel(warp_scan, regs)
+    kernel = _kernels[variant, warp_scan, regs]
     g = dec.graph
     o = dec.options
     B, T, V = log_probs.shape
@@ -176,20 +167,14 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     tok_state = torch.empty(B, 2, cap, dtype=torch.int32, **z)
     tok_cost = torch.empty(B, 2, cap, dtype=torch.float64, **z)
     tok_rec = torch.empty(B, 2, cap, dtype=torch.int32, **z)
-    if variant in ("arc2", "arc3"):
-        # a state's cost key (inf's), then its slot and claim (-1, -1: an int64 -1)
-        table = torch.full((B * S, 2), -1, dtype=torch.int64, **z)
-        table[:, 0] = torch.tensor(math.inf, dtype=torch.float64).view(torch.int64).item()
-        best = table.view(-1)
-        slot = claim = None
-    else:
-        best = torch.full((B * S,), math.inf, dtype=torch.float64, **z)
-        slot = torch.full((B * S,), -1, dtype=torch.int32, **z)
-        claim = torch.full((B * S,), -1, dtype=torch.int32, **z)
+    # per state: its cost key (inf's), then its token slot and epsilon claim (-1, -1: an int64 -1)
+    table = torch.full((B * S, 2), -1, dtype=torch.int64, **z)
+    table[:, 0] = torch.tensor(math.inf, dtype=torch.float64).view(torch.int64).item()
+    table = table.view(-1)
     frontier = torch.empty(B, 2, cap, dtype=torch.int32, **z)
     ccap = candidate_capacity or 4 * cap
-    cand_src = torch.empty(B, ccap, dtype=torch.int32, **z)
-    cand_arc = torch.empty(B, ccap, dtype=torch.int32, **z)
+    cand_dest = torch.empty(B, ccap, dtype=torch.int32, **z)
+    cand_word = torch.empty(B, ccap, dtype=torch.int32, **z)
     cand_cost = torch.empty(B, ccap, dtype=torch.float64, **z)
     cand_rec = torch.empty(B, ccap, dtype=torch.int32, **z)
     rec_prev = torch.empty(B, record_capacity, dtype=torch.int32, **z)
@@ -200,17 +185,12 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     out_final = torch.empty(B, dtype=torch.int32, **z)
     status = torch.empty(B, dtype=torch.int32, **z)
     out_nrec = torch.empty(B, dtype=torch.int32, **z)
+    # each token's first arc number and first emitting arc where they overflow shared memory
+    tok_aoff = torch.empty(B, 2, cap, dtype=torch.int32, **z)
     args = [*graph_arrays, g.start, lp, lens, float(o.beam), int(o.max_active), int(o.min_active),
-            float(o.beam_delta), tok_state, tok_cost, tok_rec, best, slot, claim, frontier,
-            cand_src, cand_arc, cand_cost, cand_rec, rec_prev, rec_word, rec_frame, out_rec,
-            out_cost, out_final, status, out_nrec]  # fmt: skip
-    if arc:
-        assert args[20] is best
-        args[20] = best.view(torch.int64)  # its cost table holds order-preserving int64 keys
-        if variant in ("arc2", "arc3"):
-            args[20:23] = [best, best.view(torch.int32)]  # the table, its int32 view
-        # each token's first arc number and first emitting arc where they overflow shared memory
-        args.append(torch.empty(B, 2, cap, dtype=torch.int32, **z))
+            float(o.beam_delta), tok_state, tok_cost, tok_rec, table, table.view(torch.int32),
+            frontier, cand_dest, cand_word, cand_cost, cand_rec, rec_prev, rec_word, rec_frame,
+            out_rec, out_cost, out_final, status, out_nrec, tok_aoff]  # fmt: skip
     if sim:
         first_rec = next(i for i, a in enumerate(args) if a is rec_prev)
         first_out = next(i for i, a in enumerate(args) if a is out_rec)

@@ -42,13 +42,13 @@ def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
     body = emulated_common(csrc) + "\n" + INTRINSICS + (csrc / "llm_ops.cu").read_text()
     table = ",\n".join(f'{{"{n}", [](void** a) {{ emu_call({n}, a); }}}}' for n in NAMES)
     launcher = f"""
-extern "C" int launch(const char* name, unsigned gx, unsigned threads, void** args) {{
+extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned threads, void** args) {{
   struct Entry {{ const char* n; void (*run)(void**); }};
   static const Entry entries[] = {{ {table} }};
   for (const Entry& e : entries)
     if (std::strcmp(e.n, name) == 0) {{
       auto run = e.run;
-      emu_launch3(gx, 1, 1, threads, 0, [=] {{ run(args); }});
+      emu_launch3(gx, gy, 1, threads, 0, [=] {{ run(args); }});
       return 0;
     }}
   return 1;
@@ -61,7 +61,13 @@ extern "C" int launch(const char* name, unsigned gx, unsigned threads, void** ar
                            "-lpthread"], capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     dll = ctypes.CDLL(str(lib))
-    dll.launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p]
+    dll.launch.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_void_p,
+    ]
     return dll
 
 
@@ -73,11 +79,12 @@ def launched(emulator, monkeypatch):
     names: list[str] = []
 
     def launch(name, grid, block, args, device, shared_mem=0):
-        assert len(grid) == 1 and block[0] % 32 == 0 and block[0] <= 1024 and shared_mem == 0
+        assert len(grid) in (1, 2) and block[0] % 32 == 0 and block[0] <= 1024 and shared_mem == 0
         values = [np.array(a) for a in args]  # alive during the call
         assert all(v.dtype.itemsize in (4, 8) for v in values)
         argv = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
-        assert emulator.launch(name.encode(), grid[0], block[0], argv) == 0, name
+        gy = grid[1] if len(grid) == 2 else 1
+        assert emulator.launch(name.encode(), grid[0], gy, block[0], argv) == 0, name
         names.append(name)
         return True
 
@@ -102,8 +109,14 @@ ULP = {torch.float32: {"atol": 1e-6, "rtol": 1e-6}, torch.float16: {"atol": 1e-3
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch_cos", [True, False])  # per-row positions, or one table broadcast
-def test_rotary_qk_kernel_equals_native(launched, dtype, batch_cos) -> None:
+@pytest.mark.parametrize("group_pairs", [256, 20])  # one block per token; three, the last partial
+def test_rotary_qk_kernel_equals_native(
+    launched, dtype, batch_cos, group_pairs, monkeypatch
+) -> None:
+    from oasr_kernels import llm_ops
     from oasr_kernels.llm_ops import rotary_qk_cuda
+
+    monkeypatch.setattr(llm_ops, "_ROTARY_GROUP_PAIRS", group_pairs)
 
     g = torch.Generator().manual_seed(0)
     b, t, heads, kv, d = 2, 3, 4, 2, 16

@@ -22,6 +22,8 @@ __all__ = ["MODULE", "rotary_qk_cuda", "silu_mul_cuda"]
 
 MODULE = KernelModule("llm_ops.cu")
 _THREADS = 256
+#: (head, j) pairs per rotary_qk block: 256 threads, a pair each (two heads of D = 256, four of 128)
+_ROTARY_GROUP_PAIRS = 256
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -53,13 +55,19 @@ def rotary_qk_cuda(
         return q, k
     if b * t > 2**31 - 1:
         return NotImplemented
-    threads = min(_THREADS, -(-(n * d // 2) // 32) * 32)
+    # a block per (token, group of _ROTARY_GROUP_PAIRS pairs): enough blocks for a decode step
+    pairs = n * d // 2
+    threads = min(_THREADS, -(-min(pairs, _ROTARY_GROUP_PAIRS) // 32) * 32)
+    groups = -(-pairs // _ROTARY_GROUP_PAIRS)
+    if groups > 65535:
+        return NotImplemented
     args = (_ptr(qk), np.int64(qk.stride(0)), np.int64(qk.stride(1)), np.int64(qk.stride(2)),
             _ptr(cos), np.int64(cos.stride(0)), np.int64(cos.stride(1)),
             _ptr(signed_sin), np.int64(signed_sin.stride(0)), np.int64(signed_sin.stride(1)),
-            _ptr(q), _ptr(k), np.int32(t), np.int32(heads), np.int32(n - heads), np.int32(d))  # fmt: skip
+            _ptr(q), _ptr(k), np.int32(t), np.int32(heads), np.int32(n - heads), np.int32(d),
+            np.int32(_ROTARY_GROUP_PAIRS))  # fmt: skip
     if not MODULE.launch(
-        f"oasr_rotary_qk_{DTYPE_TAGS[qk.dtype]}", (b * t,), (threads,), args, qk.device
+        f"oasr_rotary_qk_{DTYPE_TAGS[qk.dtype]}", (b * t, groups), (threads,), args, qk.device
     ):
         return NotImplemented
     return q, k

@@ -55,11 +55,8 @@ def _native(fn: Callable[[], Any]) -> Callable[[], Any]:
     import oasr.layers as L
 
     def run() -> Any:
-        old = L.set_overrides_enabled(False)
-        try:
+        with L.native_ops():
             return fn()
-        finally:
-            L.set_overrides_enabled(old)
 
     return run
 

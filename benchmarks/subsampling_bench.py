@@ -52,11 +52,8 @@ def measure(d: int, dev: str = "cuda", dt: torch.dtype = torch.float16) -> dict:
     valid[1:, 600:] = False
 
     def native_ops(fn):
-        old = L.set_overrides_enabled(False)
-        try:
+        with L.native_ops():
             return fn()
-        finally:
-            L.set_overrides_enabled(old)
 
     res[f"conv_module_d{d}_fold_kernel_ms"] = timeit(lambda: m(x, valid))
     res[f"conv_module_d{d}_fold_native_ms"] = native_ops(lambda: timeit(lambda: m(x, valid)))

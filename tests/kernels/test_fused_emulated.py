@@ -101,11 +101,8 @@ def emulated(emulator, monkeypatch):
 
 
 def native(fn, *args):
-    old = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         return fn(*args)
-    finally:
-        L.set_overrides_enabled(old)
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

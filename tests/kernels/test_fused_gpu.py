@@ -58,11 +58,8 @@ def kernels(monkeypatch):
 
 
 def native(fn, *args):
-    old = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         return fn(*args)
-    finally:
-        L.set_overrides_enabled(old)
 
 
 def gen(seed=0):

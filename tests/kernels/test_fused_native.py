@@ -64,11 +64,8 @@ def test_fused_ops_dispatch_to_overrides_and_fall_back() -> None:
         torch.testing.assert_close(L.bias_act(x, None, "gelu"), F.gelu(x), atol=0, rtol=0)
     assert calls == [3, 3]
     with L.override("bias_act", "cpu", fake):
-        old = L.set_overrides_enabled(False)
-        try:
+        with L.native_ops():
             assert torch.equal(L.bias_act(x, None, "silu"), F.silu(x))
-        finally:
-            L.set_overrides_enabled(old)
     assert calls == [3, 3]
 
 

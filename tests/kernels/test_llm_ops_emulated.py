@@ -94,11 +94,8 @@ def launched(emulator, monkeypatch):
 
 
 def _native(op, *args):
-    old = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         return op(*args)
-    finally:
-        L.set_overrides_enabled(old)
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

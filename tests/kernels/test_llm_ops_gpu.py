@@ -21,11 +21,8 @@ pytestmark = [
 
 
 def _native(op, *args):
-    old = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         return op(*args)
-    finally:
-        L.set_overrides_enabled(old)
 
 
 def _inputs(b, t, heads, kv, d, dtype, start=0):

@@ -56,11 +56,8 @@ def kernel():
 
 
 def native(*args):
-    with_overrides = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         return L.paged_decode_attention(*args)
-    finally:
-        L.set_overrides_enabled(with_overrides)
 
 
 def make(b, h, d, dtype, *, bs=16, nb=8, num_blocks=None, seed=0, strided_q=True):

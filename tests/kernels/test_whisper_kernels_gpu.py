@@ -95,11 +95,8 @@ def test_whisper_network_kernels_on_vs_off(kernels, dtype) -> None:
         return feats, net.decode(tokens, cache)
 
     feats_k, logits_k = run()
-    old = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         feats_n, logits_n = run()
-    finally:
-        L.set_overrides_enabled(old)
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
     torch.testing.assert_close(feats_k.float(), feats_n.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(logits_k, logits_n, atol=tol * 5, rtol=tol)

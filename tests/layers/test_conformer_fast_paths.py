@@ -201,11 +201,8 @@ def test_gpu_glu_dwconv_frames_major_kernel(channels, kernel, padding, act, dtyp
     torch.manual_seed(0)
     conv = DepthwiseConv1d(channels, kernel, padding=padding).to("cuda", dtype)
     x = torch.randn(3, 203, 2 * channels, device="cuda", dtype=dtype).transpose(1, 2)
-    old = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         ref = L.glu_depthwise_conv1d(x, conv, act)
-    finally:
-        L.set_overrides_enabled(old)
     out = fused.launch_glu_dwconv_btc(x, conv.weight, conv.bias, padding, act is not None)
     assert out is not None, "the kernel did not run"
     assert out.shape == ref.shape and out.stride(1) == 1

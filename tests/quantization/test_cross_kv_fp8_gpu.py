@@ -41,11 +41,8 @@ def _native(*args):
     import oasr.layers as L
     from oasr.layers.quantized import cross_attention_fp8
 
-    old = L.set_overrides_enabled(False)
-    try:
+    with L.native_ops():
         return cross_attention_fp8(*args)
-    finally:
-        L.set_overrides_enabled(old)
 
 
 def _kernel_installed():

@@ -46,11 +46,8 @@ def _without_overrides(fn):
     import oasr.layers as L
 
     def run():
-        old = L.set_overrides_enabled(False)
-        try:
+        with L.native_ops():
             return fn()
-        finally:
-            L.set_overrides_enabled(old)
 
     return run
 

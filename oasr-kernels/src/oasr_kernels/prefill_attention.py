@@ -148,11 +148,8 @@ def _native(shape: dict, dtype: torch.dtype, device: torch.device):
     q, k, v, tables, lengths = _tuning_inputs(shape, dtype, device)
 
     def run():
-        old = L.set_overrides_enabled(False)
-        try:
+        with L.native_ops():
             return L.paged_prefill_attention(q, k, v, tables, lengths)
-        finally:
-            L.set_overrides_enabled(old)
 
     return run
 

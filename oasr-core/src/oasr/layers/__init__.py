@@ -31,7 +31,7 @@ Op overrides (for kernel providers)
     ``fn`` may return ``NotImplemented`` to fall back to native code for inputs it does not
     handle. :func:`override` scopes one to a ``with`` block; :func:`unregister_override`
     removes one; ``OASR_DISABLE_OVERRIDES=1`` or :func:`set_overrides_enabled(False)
-    <set_overrides_enabled>` disables all of them (reference runs). Kernel providers registered
+    <set_overrides_enabled>` disables all of them (reference runs), :func:`native_ops` for a ``with`` block. Kernel providers registered
     by plugins are installed by :func:`install_kernel_providers` (``oasr.checkpoint.load_model``
     calls it for the model's device). See ``docs/layers.md``.
 
@@ -46,6 +46,7 @@ from oasr.layers._dispatch import (
     call_op,
     get_override,
     list_overrides,
+    native_ops,
     override,
     register_override,
     set_overrides_enabled,
@@ -97,6 +98,7 @@ __all__ = [
     "gelu",
     "get_override",
     "list_overrides",
+    "native_ops",
     "install_kernel_providers",
     "override",
     "paged_decode_attention",

@@ -81,6 +81,17 @@ def set_overrides_enabled(enabled: bool) -> bool:
 
 
 @contextlib.contextmanager
+def native_ops() -> Iterator[None]:
+    """Every overridable op runs its native code inside the ``with`` block (a reference run, or
+    the other side of a kernel's A/B), whatever overrides are registered; restored after."""
+    old = set_overrides_enabled(False)
+    try:
+        yield
+    finally:
+        set_overrides_enabled(old)
+
+
+@contextlib.contextmanager
 def override(op_name: str, device_type: str, fn: OverrideFn) -> Iterator[None]:
     """Register ``fn`` for the duration of a ``with`` block, then restore what was there."""
     previous = register_override(op_name, device_type, fn)

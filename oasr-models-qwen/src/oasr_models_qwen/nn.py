@@ -64,7 +64,9 @@ class AudioEncoder(nn.Module):
         """``frames`` None: every frame of every input is valid (no padding mask, so the
         attention runs unmasked: the flash / cuDNN kernels)."""
         x = gelu(self.conv1(mel))
-        x = gelu(self.conv2(x)).transpose(1, 2)
+        # contiguous (B, T, C): a transposed view made every residual add in the layers below
+        # a strided elementwise kernel and every projection input a copy
+        x = gelu(self.conv2(x)).transpose(1, 2).contiguous()
         if self.dims.scale_embedding:
             x = x * self.dims.d_model**0.5
         x = x + self.embed_positions.weight[: x.shape[1]]

@@ -54,8 +54,8 @@ from oasr.layers import (
     paged_prefill_attention,
 )
 from oasr.layers.attention import fixed_shape_attention
-from oasr.layers.quantized import cross_attention_fp8, paged_decode_attention_fp8
-from oasr.quantization.numerics import dequantize_kv, quantize_kv
+from oasr.layers.quantized import cross_attention_fp8, paged_decode_attention_fp8, quantize_kv_into
+from oasr.quantization.numerics import dequantize_kv
 from oasr.stream_cache import CAPTURE_LOCK
 
 if TYPE_CHECKING:
@@ -339,6 +339,9 @@ class _Graph:
         self.tables = torch.zeros(b, nb, dtype=torch.long, device=device)
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
+        #: the rows (uids) whose block tables ``tables`` holds: a row's blocks are reserved when
+        #: it starts and never change, so the same rows need no new copy
+        self.table_rows: tuple[int, ...] | None = None
 
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -707,9 +710,9 @@ class AutoregressiveExecutor:
             return
         n, frames, width = k.shape
         for pool, scales, x in ((self.cross_k, self.cross_k_scale, k), (self.cross_v, self.cross_v_scale, v)):
-            q, s = quantize_kv(x.reshape(n * frames, self.cross_heads, width // self.cross_heads))
-            pool[layer][rows].copy_(q.view(n, frames, self.cross_heads, -1).transpose(1, 2))
-            scales[layer][rows].copy_(s.view(n, frames, self.cross_heads).transpose(1, 2))
+            # (n, frames, heads, d) quantized straight into the (rows, heads, frames, d) pool
+            quantize_kv_into(x.reshape(n, frames, self.cross_heads, width // self.cross_heads),
+                             pool[layer][rows].transpose(1, 2), scales[layer][rows].transpose(1, 2))  # fmt: skip
 
     def _prompt_embeds(self, rows: list[Row], t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The windows' given embeddings as (flat indices into the (B, T) prefill, vectors)."""
@@ -814,15 +817,19 @@ class AutoregressiveExecutor:
         n = len(rows)
         g = self._graph_for(n, need)
         bs = self.block_size
-        tab = [(r.blocks + [0] * g.nb)[: g.nb] for r in rows] + [[0] * g.nb] * (g.b - n)
-        pos = positions + [0] * (g.b - n)
-        slots = [tab[i][pos[i] // bs] * bs + pos[i] % bs for i in range(g.b)]
-        host = torch.tensor([tokens + [0] * (g.b - n), pos, slots], dtype=torch.long)
+        pad = g.b - n
+        # padding rows: position 0 of the scratch block 0
+        slots = [r.blocks[p // bs] * bs + p % bs for r, p in zip(rows, positions, strict=True)] + [0] * pad
+        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots], dtype=torch.long)
         dev = host.to(self.device, non_blocking=True)
         g.tokens.copy_(dev[0])
         g.positions.copy_(dev[1])
         g.slots.copy_(dev[2])
-        g.tables.copy_(torch.tensor(tab, dtype=torch.long).to(self.device, non_blocking=True))
+        uids = tuple(r.uid for r in rows)
+        if g.table_rows != uids:  # most steps decode the same rows as the last one
+            tab = [(r.blocks + [0] * g.nb)[: g.nb] for r in rows] + [[0] * g.nb] * pad
+            g.tables.copy_(torch.tensor(tab, dtype=torch.long).to(self.device, non_blocking=True))
+            g.table_rows = uids
         g.graph.replay()
         self.stats["graph_replays"] += 1
         assert g.logits is not None

@@ -134,12 +134,12 @@ class PagedKVCache:
         """Store ``k``/``v`` (N, heads, head_dim) at flat slot indices ``slots`` (N,)
         (``block_id * block_size + offset``); quantized per (slot, head) in an fp8 cache."""
         if self.fp8:
-            from oasr.quantization.numerics import quantize_kv
+            from oasr.layers.quantized import quantize_kv_into
 
+            # quantized and scattered to the slots in one op (one kernel per tensor on CUDA)
             for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                q, s = quantize_kv(x)
-                pool[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, q)
-                scales[layer].view(-1, self.num_heads).index_copy_(0, slots, s)
+                quantize_kv_into(x.unsqueeze(1), pool[layer].view(-1, 1, self.num_heads, self.head_dim),
+                                 scales[layer].view(-1, 1, self.num_heads), slots)  # fmt: skip
             return
         self.k[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, k)
         self.v[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, v)

@@ -26,6 +26,8 @@ OPS = (
     "paged_decode_attention_fp8",
     "cross_attention_fp8",
     "quantize_activations",
+    "quantize_kv_into",
+    "dequantize_kv",
     "ctc_prefix_beam_frames",
 )
 
@@ -67,9 +69,15 @@ def install(device_type: str = "cuda") -> list[str]:
     from oasr_kernels.cross_attention_fp8 import cross_attention_fp8_cuda
 
     _register("cross_attention_fp8", cross_attention_fp8_cuda)
-    from oasr_kernels.quantize_act import quantize_activations_cuda
+    from oasr_kernels.quantize_act import (
+        dequantize_kv_cuda,
+        quantize_activations_cuda,
+        quantize_kv_into_cuda,
+    )
 
     _register("quantize_activations", quantize_activations_cuda)
+    _register("quantize_kv_into", quantize_kv_into_cuda)
+    _register("dequantize_kv", dequantize_kv_cuda)
     from oasr.decoders.ctc_gpu import FRAMES_OP
     from oasr.layers._dispatch import declare_op
     from oasr_kernels.ctc_beam import ctc_prefix_beam_frames_cuda

@@ -17,7 +17,7 @@ import torch
 
 from oasr_kernels.jit import DTYPE_TAGS, KernelModule
 
-__all__ = ["quantize_activations_cuda"]
+__all__ = ["dequantize_kv_cuda", "quantize_activations_cuda", "quantize_kv_into_cuda"]
 
 MODULE = KernelModule("quantize_act.cu")
 _QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -50,3 +50,97 @@ def quantize_activations_cuda(x: torch.Tensor, fmt: str) -> Any:
         if not MODULE.launch(name, (m,), (threads,), args, x.device):
             return NotImplemented
     return (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q.view(torch.int8)), scale
+
+
+_KV_THREADS = 256
+#: blocks at most per KV launch (the kernels loop): enough to fill any GPU many times over
+_KV_MAX_BLOCKS = 16384
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def quantize_kv_into_cuda(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor,
+                          index: torch.Tensor | None = None) -> Any:  # fmt: skip
+    """:func:`oasr.layers.quantized.quantize_kv_into` in one launch: ``x`` (R, I, H, D) fp32 /
+    fp16 / bf16 with a contiguous last axis, ``q_out`` (R', I, H, D) uint8 and ``s_out`` (R', I, H)
+    float32 with any strides (``q_out``'s last axis contiguous), ``index`` (R,) int64 rows of the
+    outputs (None: R' == R, row r). Returns None, or ``NotImplemented`` for other inputs."""
+    if (x.dim() != 4 or q_out.dim() != 4 or s_out.dim() != 3 or x.dtype not in DTYPE_TAGS
+            or q_out.dtype != torch.uint8 or s_out.dtype != torch.float32 or x.stride(-1) != 1
+            or q_out.stride(-1) != 1 or not (x.is_cuda and q_out.is_cuda and s_out.is_cuda)):  # fmt: skip
+        return NotImplemented
+    rows, inner, heads, d = x.shape
+    if q_out.shape[1:] != x.shape[1:] or s_out.shape != q_out.shape[:3]:
+        return NotImplemented
+    if index is None:
+        if q_out.shape[0] != rows:
+            return NotImplemented
+        index_ptr = 0
+    else:
+        if index.dtype != torch.long or index.shape != (rows,) or not index.is_cuda:
+            return NotImplemented
+        index = index.contiguous()
+        index_ptr = index.data_ptr()
+    total = rows * inner * heads
+    if total == 0 or d == 0:
+        return None
+    if max(rows, inner, heads, d) > 2**31 - 1:
+        return NotImplemented
+    n = 16 // x.element_size()
+    esize = x.element_size()
+    # whole 16-byte loads of x and n-byte stores of q: every vector's start aligned
+    vec = (d % n == 0 and x.data_ptr() % 16 == 0 and all(st * esize % 16 == 0 for st in x.stride()[:3])
+           and q_out.data_ptr() % n == 0 and all(st % n == 0 for st in q_out.stride()[:3]))  # fmt: skip
+    group = min(32, _pow2_at_least(-(-d // n) if vec else d))
+    blocks = min(_KV_MAX_BLOCKS, -(-total * group // _KV_THREADS))
+    xs, qs, ss = x.stride(), q_out.stride(), s_out.stride()
+    args = (
+        np.uint64(x.data_ptr()),
+        np.uint64(q_out.data_ptr()),
+        np.uint64(s_out.data_ptr()),
+        np.uint64(index_ptr),
+        np.int32(rows),
+        np.int32(inner),
+        np.int32(heads),
+        np.int32(d),
+        *(np.int64(v) for v in (xs[0], xs[1], xs[2], qs[0], qs[1], qs[2], ss[0], ss[1], ss[2])),
+        np.int32(group),
+        np.int32(vec),
+        np.float32(1.0) / np.float32(_QMAX["fp8"]),
+    )
+    name = f"oasr_quantize_kv_{DTYPE_TAGS[x.dtype]}"
+    if not MODULE.launch(name, (blocks,), (_KV_THREADS,), args, x.device):
+        return NotImplemented
+    return None
+
+
+def dequantize_kv_cuda(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Any:
+    """:func:`oasr.quantization.numerics.dequantize_kv` in one launch (contiguous ``q`` (..., H, D)
+    uint8 and ``scale`` (..., H) float32; fp32 / fp16 / bf16 out): the same values as the native
+    ops (an exact e4m3 decode, one float32 multiply, one rounding). ``NotImplemented`` otherwise."""
+    if (not q.is_cuda or q.dtype != torch.uint8 or scale.dtype != torch.float32 or dtype not in DTYPE_TAGS
+            or q.dim() < 1 or scale.shape != q.shape[:-1] or not q.is_contiguous()
+            or not scale.is_contiguous()):  # fmt: skip
+        return NotImplemented
+    d = q.shape[-1]
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    n = scale.numel()
+    if n == 0 or d == 0:
+        return out
+    vec = d % 8 == 0 and q.data_ptr() % 8 == 0
+    work = n * (d // 8) if vec else n * d
+    blocks = min(_KV_MAX_BLOCKS, -(-work // _KV_THREADS))
+    args = (
+        np.uint64(q.data_ptr()),
+        np.uint64(scale.data_ptr()),
+        np.uint64(out.data_ptr()),
+        np.int64(n),
+        np.int32(d),
+        np.int32(vec),
+    )
+    name = f"oasr_dequantize_kv_{DTYPE_TAGS[dtype]}"
+    if not MODULE.launch(name, (blocks,), (_KV_THREADS,), args, q.device):
+        return NotImplemented
+    return out

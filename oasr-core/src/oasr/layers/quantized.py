@@ -47,10 +47,19 @@ from oasr.quantization.numerics import (
     quantize_activation_terms,
     quantize_activations,
     quantize_weight,
+    reference_dense_linear,
     reference_linear,
 )
 
-__all__ = ["FORMATS", "QuantizedLinear", "prepack_in_background"]
+__all__ = [
+    "FORMATS",
+    "QuantizedLinear",
+    "dense_rows_limit",
+    "dequantize_kv_op",
+    "keep_dense_weights",
+    "prepack_in_background",
+    "quantize_kv_into",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +111,10 @@ class QuantizedLinear(Op):
         else:
             self.input_scale: torch.Tensor | None = None
         self._compute_dtype = dtype or torch.float32
+        #: the dequantized weight in the compute dtype, for calls of at most ``dense_rows`` rows
+        #: (:meth:`keep_dense_weight`; not saved with the state dict)
+        self.register_buffer("dense_weight", None, persistent=False)
+        self.dense_rows = 0
         self._fallback_logged = False
         #: the CPU's int8 GEMM is ~1.6x faster with the weight as a row-major (K, N) matrix:
         #: a transposed copy, made on first use and remade when ``qweight`` changes or moves
@@ -173,6 +186,24 @@ class QuantizedLinear(Op):
     def compute_dtype(self) -> torch.dtype:
         return self.bias.dtype if self.bias is not None else self._compute_dtype
 
+    def keep_dense_weight(self, rows: int | None = None) -> int:
+        """Keep the dequantized weight (:attr:`weight`: compute dtype, smoothing undone) for calls
+        of at most ``rows`` rows (default :func:`dense_rows_limit`: 256, ``OASR_FP8_DENSE_ROWS``),
+        which then run one GEMM in the compute dtype (the weight quantized, the activations not:
+        W8A16) instead of the quantization kernel and the fp8 GEMM. For fp8 layers whose calls
+        are mostly a decode step's few rows: on the H200 cuBLASLt's fp8 GEMM with row-wise scales
+        is 1.4-2x slower than fp16 there (docs/quantization.md), before the quantization
+        kernel's launch. Costs the weight again in the compute dtype. Returns the bytes added (0
+        when the limit is 0, for an int8 layer, or when the copy exists)."""
+        rows = dense_rows_limit() if rows is None else rows
+        if self.fmt != "fp8" or rows <= 0 or self.qweight.device.type == "meta":
+            return 0
+        self.dense_rows = rows
+        if self.dense_weight is not None:
+            return 0
+        self.dense_weight = self.weight.contiguous()
+        return self.dense_weight.numel() * self.dense_weight.element_size()
+
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
         # scales stay float32 through a model-wide .half() (rounding them would change every
         # output); float64 (the reference copy) is exact and allowed
@@ -190,9 +221,14 @@ class QuantizedLinear(Op):
     # -- forward -------------------------------------------------------------------------------
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        dense = self.dense_weight is not None and x.numel() <= self.dense_rows * self.in_features
         if x.dtype == torch.float64:
+            if dense:  # the reference of the dense path: the quantized weight, x unquantized
+                return reference_dense_linear(x, self.weight_q, self.weight_scale, self.bias, self.input_scale)
             return reference_linear(x, self.weight_q, self.weight_scale, self.bias, self.fmt, self.input_scale,
                                     self.act_terms, self.act_qmax(x.device))  # fmt: skip
+        if dense and x.dtype == self.dense_weight.dtype:
+            return F.linear(x, self.dense_weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2 = (x2.float() / self.input_scale).to(x.dtype)
@@ -519,6 +555,32 @@ def _int_mm_is_slow() -> bool:
     return bool(exact)
 
 
+#: the environment variable that sets :func:`dense_rows_limit`
+DENSE_ROWS_ENV = "OASR_FP8_DENSE_ROWS"
+_DENSE_ROWS_DEFAULT = 256
+
+
+def dense_rows_limit() -> int:
+    """Rows up to which an fp8 layer with a dense copy (:meth:`QuantizedLinear.keep_dense_weight`)
+    uses it: ``OASR_FP8_DENSE_ROWS``, default 256 (a decode step of up to 256 rows, a prefill
+    of 64 rows x 4 prompt tokens); 0 makes no copies (every call on the fp8 GEMM, the path
+    before, and the fp8 weights' memory only)."""
+    value = os.environ.get(DENSE_ROWS_ENV, "").strip()
+    if not value:
+        return _DENSE_ROWS_DEFAULT
+    try:
+        return max(0, int(value))
+    except ValueError:
+        log.warning("%s=%r is not an integer; using %d", DENSE_ROWS_ENV, value, _DENSE_ROWS_DEFAULT)
+        return _DENSE_ROWS_DEFAULT
+
+
+def keep_dense_weights(modules: Iterable[nn.Module], rows: int | None = None) -> int:
+    """:meth:`QuantizedLinear.keep_dense_weight` on each fp8 :class:`QuantizedLinear` among
+    ``modules`` (others are skipped). Returns the bytes added."""
+    return sum(m.keep_dense_weight(rows) for m in modules if isinstance(m, QuantizedLinear))
+
+
 _QUANT_ACT = declare_op("quantize_activations")
 
 
@@ -588,6 +650,44 @@ def _scaled_mm_out_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------- fp8 KV cache
+_QUANT_KV_INTO = declare_op("quantize_kv_into")
+_DEQUANT_KV = declare_op("dequantize_kv")
+
+
+def quantize_kv_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor,
+                     index: torch.Tensor | None = None) -> None:  # fmt: skip
+    """:func:`~oasr.quantization.numerics.quantize_kv` of ``x`` (R, I, H, D), one scale per
+    (row, i, head) vector, stored into ``q_out`` (R', I, H, D) uint8 (e4m3 bytes) and ``s_out``
+    (R', I, H) float32, which may be strided views (a pool's transposed layout): row ``r`` goes
+    to ``index[r]`` (the paged cache's slots), or to row ``r`` when ``index`` is None.
+    Overridable op ``"quantize_kv_into"``: on CUDA oasr-kernels does it in one launch with the
+    same bytes and scales (the native path is five kernels and a copy or scatter per tensor)."""
+    call_op(_QUANT_KV_INTO, x.device.type, _quantize_kv_into_native, x, q_out, s_out, index)
+
+
+def _quantize_kv_into_native(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor,
+                             index: torch.Tensor | None) -> None:  # fmt: skip
+    from oasr.quantization.numerics import quantize_kv
+
+    r, i, h, d = x.shape
+    q, s = quantize_kv(x.reshape(r * i, h, d))
+    q, s = q.view(r, i, h, d), s.view(r, i, h)
+    if index is None:
+        q_out.copy_(q)
+        s_out.copy_(s)
+    else:
+        q_out.index_copy_(0, index, q)
+        s_out.index_copy_(0, index, s)
+
+
+def dequantize_kv_op(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`~oasr.quantization.numerics.dequantize_kv` as an overridable op (``"dequantize_kv"``):
+    on CUDA one launch with the same values (the native path: three kernels and a float32 copy)."""
+    from oasr.quantization.numerics import dequantize_kv
+
+    return call_op(_DEQUANT_KV, q.device.type, dequantize_kv, q, scale, dtype)
+
+
 _PAGED_DECODE_FP8 = declare_op("paged_decode_attention_fp8")
 
 
@@ -616,12 +716,11 @@ def _paged_decode_fp8_native(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
                              k_scale: torch.Tensor, v_scale: torch.Tensor, block_tables: torch.Tensor,
                              lengths: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
     from oasr.layers.attention import paged_decode_attention
-    from oasr.quantization.numerics import dequantize_kv
 
     b, n = block_tables.shape
     flat = block_tables.reshape(-1)
-    k = dequantize_kv(k_pool.index_select(0, flat), k_scale.index_select(0, flat), q.dtype)
-    v = dequantize_kv(v_pool.index_select(0, flat), v_scale.index_select(0, flat), q.dtype)
+    k = dequantize_kv_op(k_pool.index_select(0, flat), k_scale.index_select(0, flat), q.dtype)
+    v = dequantize_kv_op(v_pool.index_select(0, flat), v_scale.index_select(0, flat), q.dtype)
     tables = torch.arange(b * n, device=block_tables.device, dtype=block_tables.dtype).view(b, n)
     return paged_decode_attention(q, k, v, tables, lengths, scale)
 
@@ -652,10 +751,10 @@ def cross_attention_fp8(
 def _cross_fp8_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                       v_scale: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
     from oasr.layers.attention import attention
-    from oasr.quantization.numerics import dequantize_kv
 
-    kd = dequantize_kv(k, k_scale, q.dtype)
-    vd = dequantize_kv(v, v_scale, q.dtype)
+    # a prefill's queries (the kernel takes decode steps): the pools dequantized in one launch each
+    kd = dequantize_kv_op(k, k_scale, q.dtype)
+    vd = dequantize_kv_op(v, v_scale, q.dtype)
     h, hkv = q.shape[1], k.shape[1]
     if hkv != h:  # grouped heads: each key/value head serves H / H_kv query heads
         kd = kd.repeat_interleave(h // hkv, dim=1)

@@ -31,6 +31,7 @@ __all__ = [
     "quantize_activation_terms",
     "quantize_activations",
     "quantize_weight",
+    "reference_dense_linear",
     "reference_linear",
 ]
 
@@ -164,6 +165,23 @@ def reference_linear(
     if bias is not None:
         y = y + bias.double()
     return y.reshape(*shape[:-1], wq.shape[0])
+
+
+def reference_dense_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A quantized layer's dense path (``QuantizedLinear.keep_dense_weight``) in float64: the
+    quantized weight dequantized (smoothing undone), the activations unquantized,
+    ``x (W_q s_w / input_scale)^T + b``. ``x`` (..., K) -> (..., N) float64."""
+    w = qweight.double() * weight_scale.double()[:, None]
+    if input_scale is not None:
+        w = w / input_scale.double()[None, :]
+    y = x.double() @ w.t()
+    return y if bias is None else y + bias.double()
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

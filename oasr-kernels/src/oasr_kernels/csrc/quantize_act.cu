@@ -94,3 +94,136 @@ __device__ __forceinline__ void quantize_row(const T* __restrict__ x, unsigned c
 OASR_QACT(f32, float)
 OASR_QACT(f16, oasr::f16)
 OASR_QACT(bf16, oasr::bf16)
+
+// ------------------------------------------------------------------------------------ fp8 KV
+// numerics.quantize_kv written straight into its destination (oasr.layers.quantized.
+// quantize_kv_into): x (rows, inner, heads, d), one scale per (row, inner, head) vector of d
+// elements: amax -> scale = max(amax * (1 / 448), 1e-12) -> e4m3 bytes of x / scale, the same
+// float32 operations as the native ops (so the same bytes and scales). The bytes and the scale
+// go to q / s at (index[row] or row, inner, head) through their strides: the paged cache's slot
+// scatter and the cross-attention pools' (rows, heads, frames, d) layout need no second copy.
+// `group` lanes (a power of two dividing 32) share a vector; a warp takes 32 / group vectors.
+
+namespace oasr_qkv {
+
+template <typename T>
+__device__ __forceinline__ void quantize_kv_rows(
+    const T* __restrict__ x, unsigned char* __restrict__ q, float* __restrict__ s,
+    const long long* __restrict__ index, int rows, int inner, int heads, int d, long long xr,
+    long long xi, long long xh, long long qr, long long qi, long long qh, long long sr, long long si,
+    long long sh, int group, int vec, float inv_qmax) {
+  constexpr int N = oasr::VecTraits<T>::N;
+  const long long total = (long long)rows * inner * heads;
+  const int lane = threadIdx.x & 31;
+  const int sub = lane & (group - 1);
+  const long long per_warp = 32 / group;
+  const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+  // warp-uniform loop: every lane reaches the shuffles, lanes past the end hold 0
+  for (long long base = warp * per_warp; base < total; base += warps * per_warp) {
+    const long long v = base + lane / group;
+    const bool ok = v < total;
+    const T* xv = x;
+    long long r = 0, i = 0, h = 0;
+    if (ok) {
+      h = v % heads;
+      const long long t = v / heads;
+      i = t % inner;
+      r = t / inner;
+      xv = x + r * xr + i * xi + h * xh;
+    }
+    float m = 0.f;
+    float f[N];
+    if (ok) {
+      if (vec) {
+        for (int c = sub * N; c < d; c += group * N) {
+          oasr::load_vec<T>(xv + c, f);
+#pragma unroll
+          for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(f[j]));
+        }
+      } else {
+        for (int c = sub; c < d; c += group) m = fmaxf(m, fabsf(oasr::to_float(xv[c])));
+      }
+    }
+    for (int off = group >> 1; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(OASR_FULL_MASK, m, off));
+    if (!ok) continue;
+    const float sc = fmaxf(m * inv_qmax, 1e-12f);
+    const long long dr = index ? index[r] : r;
+    unsigned char* qv = q + dr * qr + i * qi + h * qh;
+    if (sub == 0) s[dr * sr + i * si + h * sh] = sc;
+    if (vec) {
+      for (int c = sub * N; c < d; c += group * N) {
+        oasr::load_vec<T>(xv + c, f);
+        unsigned long long packed = 0;
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+          packed |= (unsigned long long)oasr_qact::e4m3_from_float(__fdiv_rn(f[j], sc)) << (8 * j);
+        if (N == 8) {
+          *reinterpret_cast<unsigned long long*>(qv + c) = packed;
+        } else {
+          *reinterpret_cast<unsigned int*>(qv + c) = (unsigned int)packed;
+        }
+      }
+    } else {
+      for (int c = sub; c < d; c += group)
+        qv[c] = oasr_qact::e4m3_from_float(__fdiv_rn(oasr::to_float(xv[c]), sc));
+    }
+  }
+}
+
+// e4m3fn byte -> float, exact (0x7f / 0xff, NaN, never written by the quantizers: read as 480)
+__device__ __forceinline__ float e4m3_to_float(unsigned int b) {
+  const unsigned int e = (b >> 3) & 15u, m = b & 7u;
+  const float a = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+  return (b & 0x80u) ? -a : a;
+}
+
+// numerics.dequantize_kv: out = (float(q) * scale) rounded to T, one scale per d elements;
+// contiguous q (n * d bytes), scale (n), out (n * d). vec: d % 8 == 0, 8 elements per step.
+template <typename T>
+__device__ __forceinline__ void dequantize_kv_rows(const unsigned char* __restrict__ q,
+                                                   const float* __restrict__ scale, T* __restrict__ out,
+                                                   long long n, int d, int vec) {
+  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  if (vec) {
+    const long long chunks = n * (d / 8);
+    for (long long c = tid; c < chunks; c += stride) {
+      const long long e = c * 8;
+      const float sc = scale[e / d];
+      const unsigned long long b = *reinterpret_cast<const unsigned long long*>(q + e);
+      float f[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = __fmul_rn(e4m3_to_float((unsigned int)(b >> (8 * j)) & 0xffu), sc);
+      if (oasr::VecTraits<T>::N == 8) {
+        oasr::store_vec<T>(out + e, f);
+      } else {
+        oasr::store_vec<T>(out + e, f);
+        oasr::store_vec<T>(out + e + 4, f + 4);
+      }
+    }
+  } else {
+    const long long total = n * d;
+    for (long long e = tid; e < total; e += stride)
+      out[e] = oasr::from_float<T>(__fmul_rn(e4m3_to_float(q[e]), scale[e / d]));
+  }
+}
+
+}  // namespace oasr_qkv
+
+#define OASR_QKV(TAG, T)                                                                              \
+  extern "C" __global__ void oasr_quantize_kv_##TAG(                                                \
+      const T* x, unsigned char* q, float* s, const long long* index, int rows, int inner, int heads, \
+      int d, long long xr, long long xi, long long xh, long long qr, long long qi, long long qh,     \
+      long long sr, long long si, long long sh, int group, int vec, float inv_qmax) {               \
+    oasr_qkv::quantize_kv_rows<T>(x, q, s, index, rows, inner, heads, d, xr, xi, xh, qr, qi, qh, sr, \
+                                  si, sh, group, vec, inv_qmax);                                     \
+  }                                                                                                   \
+  extern "C" __global__ void oasr_dequantize_kv_##TAG(const unsigned char* q, const float* scale,   \
+                                                      T* out, long long n, int d, int vec) {        \
+    oasr_qkv::dequantize_kv_rows<T>(q, scale, out, n, d, vec);                                      \
+  }
+
+OASR_QKV(f32, float)
+OASR_QKV(f16, oasr::f16)
+OASR_QKV(bf16, oasr::bf16)

@@ -196,8 +196,8 @@ class WhisperStepModel:
         rows (:meth:`~oasr.layers.quantized.QuantizedLinear.keep_dense_weight`): a step's six
         GEMMs per layer in fp16 instead of six quantization kernels and six row-scaled fp8
         GEMMs, about half the time on the H200. Not the cross-attention K/V projections (1500
-        frames per window: the fp8 GEMM's shape). Returns the bytes added to the network's
-        layers (the fused q/k/v layers' copies are among their buffers, counted with them)."""
+        frames per window: the fp8 GEMM's shape). Returns the bytes of the network's layers'
+        copies (the fused q/k/v layers' copies are among their buffers, counted with them)."""
         from oasr.layers.quantized import keep_dense_weights
 
         keep_dense_weights(self._fused_qkv_quant or ())

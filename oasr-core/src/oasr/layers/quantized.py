@@ -193,15 +193,14 @@ class QuantizedLinear(Op):
         W8A16) instead of the quantization kernel and the fp8 GEMM. For fp8 layers whose calls
         are mostly a decode step's few rows: on the H200 cuBLASLt's fp8 GEMM with row-wise scales
         is 1.4-2x slower than fp16 there (docs/quantization.md), before the quantization
-        kernel's launch. Costs the weight again in the compute dtype. Returns the bytes added (0
-        when the limit is 0, for an int8 layer, or when the copy exists)."""
+        kernel's launch. Costs the weight again in the compute dtype. Returns the copy's bytes
+        (made once; 0 when the limit is 0 or for an int8 layer)."""
         rows = dense_rows_limit() if rows is None else rows
         if self.fmt != "fp8" or rows <= 0 or self.qweight.device.type == "meta":
             return 0
         self.dense_rows = rows
-        if self.dense_weight is not None:
-            return 0
-        self.dense_weight = self.weight.contiguous()
+        if self.dense_weight is None:
+            self.dense_weight = self.weight.contiguous()
         return self.dense_weight.numel() * self.dense_weight.element_size()
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
@@ -577,7 +576,7 @@ def dense_rows_limit() -> int:
 
 def keep_dense_weights(modules: Iterable[nn.Module], rows: int | None = None) -> int:
     """:meth:`QuantizedLinear.keep_dense_weight` on each fp8 :class:`QuantizedLinear` among
-    ``modules`` (others are skipped). Returns the bytes added."""
+    ``modules`` (others are skipped). Returns the copies' bytes."""
     return sum(m.keep_dense_weight(rows) for m in modules if isinstance(m, QuantizedLinear))
 
 

@@ -20,7 +20,12 @@ GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every 
 * fp8, CUDA (compute capability >= 8.9) and CPU: ``torch._scaled_mm`` with row-wise scales
   (the per-token and per-channel scales applied inside the GEMM); K and N must be multiples of
   16, else the float32 matmul of the quantized values (logged once);
-* float64 inputs: :func:`~oasr.quantization.numerics.reference_linear` (the parity reference).
+* fp8, a layer that keeps a dense copy (:meth:`QuantizedLinear.keep_dense_weight`; Whisper's
+  step model on CUDA for the decode step's linears): calls of at most 256 rows are one GEMM in
+  the compute dtype over the dequantized weight (faster than quantizing and the row-scaled fp8
+  GEMM at a decode step's few rows);
+* float64 inputs: :func:`~oasr.quantization.numerics.reference_linear` (the parity reference;
+  :func:`~oasr.quantization.numerics.reference_dense_linear` for the dense copy's rows).
 """
 
 from __future__ import annotations

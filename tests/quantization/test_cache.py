@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from qhelpers import whisper_logits, whisper_net  # noqa: E402
 
 from oasr.layers import quantized  # noqa: E402
+from oasr.layers.int8_avx2 import fbgemm_int8_applies  # noqa: E402
 from oasr.layers.quantized import QuantizedLinear  # noqa: E402
 from oasr.quantization import cache  # noqa: E402
 from oasr.quantization.apply import PREPACK_ENV, TIED_ENV, networks, quantize_model  # noqa: E402
@@ -130,13 +131,19 @@ def test_background_packing_matches_inline(ckpt, monkeypatch):
         assert torch.equal(whisper_logits(model.network, mel, tokens), whisper_logits(inline.network, mel, tokens))
 
 
-def test_no_packing_thread_without_int8_dot_product(ckpt, monkeypatch):
-    """On an x86 CPU without VNNI / AMX (an AVX2 EPYC) oneDNN's int8 linear saturates: no thread
-    packs for it, the forward pass never packs, and its outputs are the reference's."""
+def test_no_onednn_packing_without_int8_dot_product(ckpt, monkeypatch):
+    """On an x86 CPU without VNNI / AMX (an AVX2 EPYC) oneDNN's int8 linear saturates: nothing
+    packs for it (the thread packs only FBGEMM's form of the two-term layers: the tied
+    projection), the forward pass never packs for it, and its outputs are the reference's."""
     monkeypatch.setattr(quantized, "_ONEDNN_INT8", [])
     monkeypatch.setattr(quantized, "_NO_INT8_DOT", [True])
     model = _model()
-    assert quantize_model(model, "int8_w8a8").prepack is None
+    report = quantize_model(model, "int8_w8a8")
+    two_term = [m for m in model.network.modules() if isinstance(m, QuantizedLinear) and m.act_terms == 2]
+    assert two_term and report.prepack is not None
+    report.prepack.join(30)
+    assert all((getattr(m, "_fbgemm_packed", None) is not None) == fbgemm_int8_applies() for m in two_term)
+    assert quantized._ONEDNN_INT8 == []  # the thread never asked for oneDNN's int8 linear
     torch.manual_seed(2)
     mel, tokens = torch.randn(1, 80, 3000), torch.randint(0, 96, (1, 6))
     with torch.no_grad():

@@ -91,3 +91,35 @@ def test_chosen_only_without_int8_dot(monkeypatch):
     monkeypatch.delenv("OASR_INT8_AVX2_FBGEMM")
     _fbgemm_or_skip()
     assert A._check() is True
+
+
+def test_background_packing_matches_inline(monkeypatch):
+    """Without VNNI / AMX, ``prepack_in_background`` makes FBGEMM's packed weights of the
+    two-term layers only (none for oneDNN), the forward pass then uses what it made, and the
+    outputs equal a layer packed inline; nothing is packed where FBGEMM is switched off."""
+    _fbgemm_or_skip()
+    monkeypatch.setattr(Q, "_NO_INT8_DOT", [True])
+    monkeypatch.setattr(A, "_APPLIES", [])
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(200, 64, generator=g), torch.randn(200, generator=g)
+    one = QuantizedLinear.from_weight(w, b, "int8_w8a8")
+    two = QuantizedLinear.from_weight(w, b, "int8_w8a8", act_terms=2)
+    inline = QuantizedLinear.from_weight(w, b, "int8_w8a8", act_terms=2)
+    assert Q.prepack_in_background([one]) is None  # no two-term layer: nothing to pack
+    thread = Q.prepack_in_background([one, two])
+    assert thread is not None
+    thread.join(30)
+    packed = two._fbgemm_packed[1]
+    assert getattr(one, "_fbgemm_packed", None) is None and one._onednn is None
+    x = torch.randn(5, 64, generator=g)
+    got = A.avx2_int8_linear(two, x)
+    assert two._fbgemm_packed[1] is packed  # made once, by the thread
+    assert torch.equal(got, A.avx2_int8_linear(inline, x))
+
+    monkeypatch.setattr(A, "_APPLIES", [])
+    monkeypatch.setenv("OASR_INT8_AVX2_FBGEMM", "0")
+    off = QuantizedLinear.from_weight(w, b, "int8_w8a8", act_terms=2)
+    thread = Q.prepack_in_background([off])
+    if thread is not None:
+        thread.join(30)
+    assert getattr(off, "_fbgemm_packed", None) is None

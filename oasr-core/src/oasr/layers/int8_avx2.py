@@ -32,7 +32,7 @@ from oasr.quantization.numerics import AVX2_ACT_QMAX, quantize_activation_terms
 
 log = logging.getLogger(__name__)
 
-__all__ = ["avx2_int8_linear", "fbgemm_int8_applies"]
+__all__ = ["avx2_int8_linear", "fbgemm_int8_applies", "fbgemm_packed"]
 
 #: whether this path is used here (decided once)
 _APPLIES: list[bool] = []
@@ -98,12 +98,21 @@ def _gemm(xq_float: torch.Tensor, packed: Any) -> torch.Tensor:
     )
 
 
-def _packed(module: Any) -> Any:
+def fbgemm_packed(module: Any) -> Any:
+    """FBGEMM's packed form of ``module``'s int8 weight (remade when the weight or its scales
+    change). A :func:`oasr.layers.quantized.prepack_in_background` thread may be making it: one
+    lock per layer, so it is packed once."""
+    from oasr.layers.quantized import _pack_lock
+
     key = (module.qweight._version, module.qweight.data_ptr(), module.weight_scale._version)
     got = getattr(module, "_fbgemm_packed", None)
-    if got is None or got[0] != key:
-        got = (key, _prepack(module.qweight, module.weight_scale))
-        module._fbgemm_packed = got
+    if got is not None and got[0] == key:
+        return got[1]
+    with _pack_lock(module):
+        got = getattr(module, "_fbgemm_packed", None)
+        if got is None or got[0] != key:
+            got = (key, _prepack(module.qweight, module.weight_scale))
+            module._fbgemm_packed = got
     return got[1]
 
 
@@ -112,7 +121,7 @@ def avx2_int8_linear(module: Any, x2: torch.Tensor) -> torch.Tensor:
     FBGEMM: 7-bit per-token activations (``act_terms`` of them), bias added, in ``x2``'s dtype."""
     m = x2.shape[0]
     xq, sx = quantize_activation_terms(x2, "int8", module.act_terms, AVX2_ACT_QMAX)
-    y = _gemm(xq.to(torch.float32), _packed(module)).mul_(sx)
+    y = _gemm(xq.to(torch.float32), fbgemm_packed(module)).mul_(sx)
     if module.act_terms == 2:
         y = y[:m].add_(y[m:])
     if module.bias is not None:

@@ -370,28 +370,46 @@ def _pack_lock(module: QuantizedLinear) -> threading.Lock:
 def prepack_in_background(modules: Iterable[QuantizedLinear]) -> threading.Thread | None:
     """Make oneDNN's packed weights of the CPU int8 layers among ``modules`` (in their order) on
     a daemon thread, so that the first forward pass finds them made; None when there is none to
-    make or oneDNN's int8 linear is known not to be used here (an x86 CPU without VNNI / AMX,
-    :func:`_x86_without_int8_dot`, or its one-time check already failed). Packing is a
-    single-threaded reorder (tiny.en: about 0.25 s, half of it the 51 864-row tied output
-    projection) that the first pass would otherwise do inline while the other cores wait; torch
-    releases the GIL inside it, so the thread overlaps with what the process does next (engine
-    start, audio decoding, features, the first layers). The same packed weights either way: only
-    when they are made differs."""
+    make or oneDNN's int8 linear is known not to be used here (its one-time check already
+    failed). Packing is a single-threaded reorder (tiny.en: about 0.25 s, half of it the 51
+    864-row tied output projection) that the first pass would otherwise do inline while the
+    other cores wait; torch releases the GIL inside it, so the thread overlaps with what the
+    process does next (engine start, audio decoding, features, the first layers). The same
+    packed weights either way: only when they are made differs.
+
+    On an x86 CPU without VNNI / AMX (:func:`_x86_without_int8_dot`), where oneDNN's int8 linear
+    is not used, the same for FBGEMM's packed weights of the two-term layers
+    (:mod:`oasr.layers.int8_avx2`; Whisper's tied output projection: 0.25 to 0.5 s on a 2-core
+    AVX2 EPYC, done inline in the first decode step before)."""
+    from oasr.layers.int8_avx2 import fbgemm_packed
+
     todo = [m for m in modules if isinstance(m, QuantizedLinear) and m.fmt == "int8"
             and m.qweight.device.type == "cpu"]  # fmt: skip
-    if not todo or (_ONEDNN_INT8 and not _ONEDNN_INT8[0]) or _x86_without_int8_dot():
+    fbgemm = _x86_without_int8_dot()
+    if fbgemm:  # oneDNN's int8 linear saturates here; FBGEMM runs the two-term layers
+        todo = [m for m in todo if m.act_terms == 2]
+    elif _ONEDNN_INT8 and not _ONEDNN_INT8[0]:
         return None  # oneDNN's int8 linear is known not to be used here: nothing to pack
+    if not todo:
+        return None
 
     def run() -> None:
         try:
-            if not _ONEDNN_INT8:
-                _ONEDNN_INT8.append(_onednn_int8_works())
-            if not _ONEDNN_INT8[0]:
-                return
+            if fbgemm:
+                if not fbgemm_int8_applies():
+                    return
+            else:
+                if not _ONEDNN_INT8:
+                    _ONEDNN_INT8.append(_onednn_int8_works())
+                if not _ONEDNN_INT8[0]:
+                    return
             for m in todo:
                 if _PREPACK_STOP.is_set():
                     return
-                m._packed()
+                if fbgemm:
+                    fbgemm_packed(m)
+                else:
+                    m._packed()
         except Exception as exc:  # noqa: BLE001 - the forward pass packs (and reports) itself
             log.info("background int8 weight packing stopped (%s: %s); layers pack on first use",
                      type(exc).__name__, exc)  # fmt: skip

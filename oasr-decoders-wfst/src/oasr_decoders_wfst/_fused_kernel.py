@@ -203,14 +203,6 @@ LP_SHARED = 1024
 #: simulator has no shuffles, so it runs the kernel with this false
 WARP_SCAN = False
 
-#: the "lean" variant's frame loop (``fused.VARIANTS``): six barriers fewer a frame of four epsilon
-#: rounds. The rounds count candidates and the next frontier in counters alternating by round (no
-#: bookkeeping step and barrier a round); the closure's cutoff is a local (no set-up barrier); the
-#: best cost of the new tokens is taken as they are written (a shared atomic min) and their table
-#: entries are reset at the start of the next frame, before its first barrier (no clean-up pass
-#: and its two barriers). A constant of the compiled kernel, as ``WARP_SCAN``
-LEAN = False
-
 
 @cuda.jit(device=True)
 def warp_scan(x, warp_sums):
@@ -271,11 +263,6 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
     ranked = cuda.shared.array(1024, dtype=float64)
     warp_sums = cuda.shared.array(32, dtype=int32)
     lp_row = cuda.shared.array(LP_SHARED, dtype=float32)  # the frame's log-probs
-    # LEAN: lk int64 keys [nb: best new cost of the frame writing buffer nb, 2 + nb: best cost of
-    # buffer nb's tokens]; rc the epsilon rounds' counters [round parity: candidates, 2 + round
-    # parity: frontier]; si[11 + 2 nb], si[12 + 2 nb] the counts under / at the beam cutoff
-    lk = cuda.shared.array(4, dtype=int64)
-    rc = cuda.shared.array(4, dtype=int32)
     V = lp.shape[2]
     if tid == 0:
         tok_state[b, 0, 0] = start
@@ -287,42 +274,19 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
         si[10] = 0
         table[2 * (base + start)] = 0  # the key of 0.0
         table32[4 * (base + start) + 2] = 0
-        for i in range(11, 15):
-            si[i] = 0
-        for i in range(4):
-            rc[i] = 0
-        lk[0] = INF_KEY
-        lk[1] = INF_KEY
-        lk[2] = 0  # the start token's cost
-        lk[3] = INF_KEY
     cuda.syncthreads()
     cur = 0
-    n_cur = 1  # LEAN: the current token count
-    rid = 0  # LEAN: the epsilon round id (as si[10])
-    gave_up = False
     n_frames = lens[b]
     for t in range(-1, n_frames):
         nb = cur if t < 0 else 1 - cur
         if t >= 0:
-            n = n_cur if LEAN else si[0]
-            if LEAN and tid == 0:  # each last read a frame ago
-                lk[nb] = INF_KEY
-                lk[2 + nb] = INF_KEY
-                si[11 + 2 * cur] = 0
-                si[12 + 2 * cur] = 0
-            if LEAN:  # the last frame's table entries (read no more); a loop of its own: fewer
-                # registers live than in the counting pass below (spills at 64)
-                for i in range(tid, n, nth):
-                    s = tok_state[b, cur, i]
-                    table[2 * (base + s)] = INF_KEY
-                    table32[4 * (base + s) + 2] = -1
+            n = si[0]
             if V <= LP_SHARED:  # read by the first emitting pass, after the barriers below
                 for v in range(tid, V, nth):
                     lp_row[v] = lp[b, t, v]
             aoff = aoff_shared if n <= SHARED_TOKENS else tok_aoff[b, 0]
             arc0 = arc0_shared if n <= SHARED_TOKENS else tok_aoff[b, 1]
-            # from the last frame's clean-up pass (LEAN: from its token writes)
-            best_cost = key_cost(lk[2 + cur] if LEAN else sk[1])
+            best_cost = key_cost(sk[1])  # from the last frame's clean-up pass
             beam_cut = best_cost + beam
             cutoff = beam_cut
             adaptive = float64(beam)
@@ -349,14 +313,13 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                 aoff[i] = k
                 tot += k
             if not (max_active == INT32_MAX and min_active == 0):
-                c_lt = 11 + 2 * nb if LEAN else 11
                 if m_lt:
-                    cuda.atomic.add(si, c_lt, m_lt)
+                    cuda.atomic.add(si, 11, m_lt)
                 if m_le:
-                    cuda.atomic.add(si, c_lt + 1, m_le)
+                    cuda.atomic.add(si, 12, m_le)
                 cuda.syncthreads()
-                n_lt = si[c_lt]  # reset by the next frames: no barrier needed after the read
-                n_le = si[c_lt + 1]
+                n_lt = si[11]  # reset at the end of the frame: no barrier needed after the read
+                n_le = si[12]
                 if n > max_active and n_lt > max_active:
                     if n <= nth:
                         kval = kth_cost_ranked(tok_cost, b, cur, n, max_active, sf, ranked)
@@ -428,14 +391,11 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                 cuda.atomic.min(table, 2 * (base + d), key)
                 mine = min(mine, key)
             if mine < INF_KEY:
-                if LEAN:
-                    cuda.atomic.min(lk, nb, mine)
-                else:
-                    cuda.atomic.min(sk, 0, mine)
+                cuda.atomic.min(sk, 0, mine)
             if tid == 0:
                 si[1] = 0
             cuda.syncthreads()
-            next_cutoff = key_cost(lk[nb] if LEAN else sk[0]) + adaptive
+            next_cutoff = key_cost(sk[0]) + adaptive
             for j in range(tid, total, nth):
                 if j < ccap:  # all four loads at once
                     nc = cand_cost[b, j]
@@ -466,8 +426,6 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                             tok_cost[b, nb, jj] = nc
                             tok_rec[b, nb, jj] = r
                             table32[4 * (base + d) + 2] = jj
-                            if LEAN:  # the best cost of the new tokens, as they are written
-                                cuda.atomic.min(lk, 2 + nb, low)
                         else:
                             si[9] = 1
                 elif not (key_cost(low) < next_cutoff):
@@ -475,58 +433,38 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                     # (every candidate of the state writes the same)
                     table[2 * (base + d)] = INF_KEY
             cuda.syncthreads()
-            if not LEAN and tid == 0:
+            if tid == 0:
                 if si[1] > cap:
                     si[1] = cap
                 sf[2] = next_cutoff
             n_tok_slot = 1
-            ccut = next_cutoff
         else:
             n_tok_slot = 0
-            if not LEAN and tid == 0:
+            if tid == 0:
                 sf[2] = inf
-            ccut = inf
         # ---- epsilon closure over buffer nb (its count in si[n_tok_slot]) in rounds over a
         # frontier: candidates at or under the cutoff that beat their state's key lower it and are
         # stored; after a barrier the one at the minimum claims the state for the round (atomic
         # max of a round id), updates its token in place or appends one, and joins the next
         # frontier. The first round's frontier is every token at or under the cutoff, read in place
-        # (LEAN: counters rc alternating by round: a round reads its frontier's count, counts its
-        # candidates and the next frontier in slots last read a round ago, which its thread 0
-        # clears first; no bookkeeping step)
-        if LEAN:
-            n_toks = min(si[n_tok_slot], cap)
-        else:
-            if tid == 0:
-                si[4] = si[n_tok_slot]
-                si[2] = 0
-                si[5] = 0
-                si[10] += 1
-            cuda.syncthreads()
-            ccut = sf[2]
+        if tid == 0:
+            si[4] = si[n_tok_slot]
+            si[2] = 0
+            si[5] = 0
+            si[10] += 1
+        cuda.syncthreads()
+        ccut = sf[2]
         frame = t if t >= 0 else 0
         fb = 0
         rounds = 0
-        while True:
+        while si[4] > 0:
             rounds += 1
-            if LEAN:
-                rid += 1
-                kc = rid & 1
-                fc = 3 - kc
-                if tid == 0:
-                    rc[1 - kc] = 0  # the next round's candidates
-                    rc[fc] = 0
-                nf = n_toks if rounds == 1 else rc[2 + kc]
-            else:
-                nf = si[4]
-                rid = si[10]
-            if nf == 0:
-                break
             if rounds > 10000:  # an epsilon cycle that keeps improving: give the row up
-                gave_up = True
                 if tid == 0:
                     si[9] = 1
                 break
+            nf = si[4]
+            rid = si[10]
             for fi in range(tid, nf, nth):
                 if rounds == 1:
                     i = fi
@@ -544,10 +482,7 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                     key = cost_key(nc)
                     if nc <= ccut and key < table[2 * (base + d)]:
                         cuda.atomic.min(table, 2 * (base + d), key)
-                        if LEAN:
-                            k = cuda.atomic.add(rc, kc, 1)
-                        else:
-                            k = cuda.atomic.add(si, 2, 1)
+                        k = cuda.atomic.add(si, 2, 1)
                         if k < ccap:
                             cand_dest[b, k] = d
                             cand_word[b, k] = w
@@ -556,10 +491,9 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                         else:
                             si[9] = 1
             cuda.syncthreads()
-            ncand = rc[kc] if LEAN else si[2]
-            if ncand == 0:  # nothing improved: done (counters reset before the next closure)
+            if si[2] == 0:  # nothing improved: done (counters reset before the next closure)
                 break
-            ncand = min(ncand, ccap)
+            ncand = min(si[2], ccap)
             for k in range(tid, ncand, nth):
                 d = cand_dest[b, k]
                 w = cand_word[b, k]
@@ -585,30 +519,18 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
                         table32[4 * (base + d) + 2] = j
                     tok_cost[b, nb, j] = nc
                     tok_rec[b, nb, j] = r
-                    if LEAN:
-                        f = cuda.atomic.add(rc, fc, 1)
-                    else:
-                        f = cuda.atomic.add(si, 5, 1)
+                    f = cuda.atomic.add(si, 5, 1)
                     frontier[b, 1 - fb, f] = j
-                    if LEAN:
-                        cuda.atomic.min(lk, 2 + nb, cost_key(nc))
             cuda.syncthreads()
-            if not LEAN:
-                if tid == 0:
-                    if si[n_tok_slot] > cap:
-                        si[n_tok_slot] = cap
-                    si[4] = si[5]
-                    si[2] = 0
-                    si[5] = 0
-                    si[10] += 1
-                cuda.syncthreads()
+            if tid == 0:
+                if si[n_tok_slot] > cap:
+                    si[n_tok_slot] = cap
+                si[4] = si[5]
+                si[2] = 0
+                si[5] = 0
+                si[10] += 1
             fb = 1 - fb
-        if LEAN:  # every thread read the counts after the last barrier; nothing is written since
-            n_cur = min(si[n_tok_slot], cap)
-            cur = nb
-            if gave_up or si[9] != 0 or n_cur == 0:
-                break
-            continue
+            cuda.syncthreads()
         # ---- the new set becomes current; clean its table entries; its best cost (the next
         # frame's GetCutoff starts from it)
         if tid == 0:
@@ -632,7 +554,7 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
         if si[9] != 0 or si[0] == 0:
             break
     # ---- best path: the cheapest token with its final cost where any is final, else the cheapest
-    n = n_cur if LEAN else si[0]
+    n = si[0]
     if tid == 0:
         sf[0] = inf
         si[6] = INT32_MAX
@@ -668,11 +590,9 @@ def search(e_off, e_next, e_tok, e_olab, e_w, p_off, p_next, p_olab, p_w, final,
             out_cost[b] = inf
 
 
-def build_kernel(warp_scan: bool = False, max_registers: int | None = None, lean: bool = False):
-    """``search`` compiled as a kernel, with ``WARP_SCAN = warp_scan``, ``LEAN = lean`` and this module's other
+def build_kernel(warp_scan: bool = False, max_registers: int | None = None):
+    """``search`` compiled as a kernel, with ``WARP_SCAN = warp_scan`` and this module's other
     globals as they are now (a copy: setting one later changes no kernel already built), at most
     ``max_registers`` registers a thread."""
-    fn = types.FunctionType(
-        search.__code__, dict(globals(), WARP_SCAN=warp_scan, LEAN=lean), "search_kernel"
-    )
+    fn = types.FunctionType(search.__code__, dict(globals(), WARP_SCAN=warp_scan), "search_kernel")
     return cuda.jit(max_registers=max_registers)(fn) if max_registers else cuda.jit(fn)

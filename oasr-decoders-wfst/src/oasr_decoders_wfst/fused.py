@@ -38,9 +38,8 @@ INT32_MAX = 2**31 - 1
 #: ``OASR_WFST_FUSED_THREADS`` (<= 1024) and ``wfstbench --fused-threads`` to measure another GPU
 THREADS = 1024
 #: kernel variants (``OASR_WFST_FUSED_VARIANT``, ``variant=``, ``wfstbench --fused-variants``):
-#: "arc", the kernel (``_fused_kernel.search``), the default; "lean", the same search with about
-#: six barriers fewer a frame (``_fused_kernel.LEAN``; not yet measured on a GPU)
-VARIANTS = ("arc", "lean")
+#: "arc", the one kernel (``_fused_kernel.search``), the default
+VARIANTS = ("arc",)
 DEFAULT_VARIANT = "arc"
 _kernels: dict[tuple[str, bool, int | None], object] = {}
 
@@ -124,9 +123,7 @@ def fused_decode(dec, log_probs, lengths, threads: int | None = None, token_capa
     if (variant, warp_scan, regs) not in _kernels:
         from oasr_decoders_wfst import _fused_kernel
 
-        _kernels[variant, warp_scan, regs] = _fused_kernel.build_kernel(
-            warp_scan, regs, lean=variant == "lean"
-        )
+        _kernels[variant, warp_scan, regs] = _fused_kernel.build_kernel(warp_scan, regs)
     kernel = _kernels[variant, warp_scan, regs]
     g = dec.graph
     o = dec.options

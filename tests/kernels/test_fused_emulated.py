@@ -5,13 +5,10 @@ argument-order mistakes without a GPU; the GPU tests check the real compile and 
 
 from __future__ import annotations
 
-import ctypes
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,7 +18,7 @@ from oasr.layers.llm import RMSNorm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _emulation import emulated_common  # noqa: E402
+from _emulation import build_emulator, emulated_common, route_launches  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,31 +47,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
         names += re.findall(r"^OASR_\w+\((oasr_\w+),", source, flags=re.M)
         names += re.findall(r'extern "C" __global__ void (oasr_\w+)\(', source)
     assert len(names) == 24 + 12 + 3 + 3 + 1 + 6, names
-    table = ",\n".join(f'{{"{n}", [](void** a) {{ emu_call({n}, a); }}}}' for n in names)
-    launcher = f"""
-extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned threads,
-                      unsigned smem, void** args) {{
-  struct Entry {{ const char* n; void (*run)(void**); }};
-  static const Entry entries[] = {{ {table} }};
-  for (const Entry& e : entries)
-    if (std::strcmp(e.n, name) == 0) {{
-      auto run = e.run;
-      emu_launch3(gx, gy, gz, threads, smem, [=] {{ run(args); }});
-      return 0;
-    }}
-  return 1;
-}}
-"""
-    cpp = work / "emulated.cpp"
-    cpp.write_text(f'#include "{HERE / "cuda_host_emulation.h"}"\n' + body + launcher)
-    lib = work / "libemulated.so"
     # -O0: compiles in half the time of -O1 (3 vs 5.5 s) and the whole file runs as fast
-    proc = subprocess.run([cxx, "-std=c++20", "-O0", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-w",
-                           "-o", str(lib), str(cpp), "-lpthread"], capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    dll = ctypes.CDLL(str(lib))
-    dll.launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 5 + [ctypes.c_void_p]
-    return dll
+    return build_emulator(work, cxx, body, names, opt="-O0")
 
 
 @pytest.fixture
@@ -82,20 +56,7 @@ def emulated(emulator, monkeypatch):
     """The launchers' MODULE.launch routed to the emulator (CPU tensors)."""
     from oasr_kernels import fused, prefill_attention
 
-    launched: list[tuple] = []
-
-    def launch(name, grid, block, args, device, shared_mem=0):
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        values = [np.array(a) for a in args]  # keep alive during the call
-        argv = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
-        assert all(v.dtype.itemsize in (4, 8) for v in values)
-        assert shared_mem <= 48 * 1024 and block[0] % 32 == 0 and block[0] <= 1024
-        assert emulator.launch(name.encode(), *grid, block[0], shared_mem, argv) == 0, name
-        launched.append(name)
-        return True
-
-    monkeypatch.setattr(fused.MODULE, "launch", launch)
-    monkeypatch.setattr(prefill_attention.MODULE, "launch", launch)
+    launched = route_launches(emulator, [fused, prefill_attention], monkeypatch, max_smem=48 * 1024)
     monkeypatch.setattr(fused, "_sms", lambda device: 2)
     return launched
 

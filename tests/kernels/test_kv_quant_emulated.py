@@ -8,19 +8,16 @@ every e4m3 byte. Vectorised and scalar paths, fp32 / fp16 / bf16."""
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow  # one host C++ build of the emulated kernels
 sys.path.insert(0, str(HERE))
-from _emulation import emulated_common  # noqa: E402
+from _emulation import build_emulator, emulated_common, route_launches  # noqa: E402
 
 TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 NAMES = [f"oasr_{op}_{tag}" for op in ("quantize_kv", "dequantize_kv") for tag in TAGS.values()]
@@ -32,32 +29,9 @@ INTRINSICS = ("inline float __fmul_rn(float a, float b) { return a * b; }\n"
 def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
     from oasr_kernels import quantize_act
 
-    work = tmp_path_factory.mktemp("emu_kv_quant")
     csrc = Path(quantize_act.__file__).parent / "csrc"
     body = emulated_common(csrc) + "\n" + INTRINSICS + (csrc / "quantize_act.cu").read_text()
-    table = ",\n".join(f'{{"{n}", [](void** a) {{ emu_call({n}, a); }}}}' for n in NAMES)
-    launcher = f"""
-extern "C" int launch(const char* name, unsigned gx, unsigned threads, void** args) {{
-  struct Entry {{ const char* n; void (*run)(void**); }};
-  static const Entry entries[] = {{ {table} }};
-  for (const Entry& e : entries)
-    if (std::strcmp(e.n, name) == 0) {{
-      auto run = e.run;
-      emu_launch3(gx, 1, 1, threads, 0, [=] {{ run(args); }});
-      return 0;
-    }}
-  return 1;
-}}
-"""
-    cpp = work / "emulated.cpp"
-    cpp.write_text(f'#include "{HERE / "cuda_host_emulation.h"}"\n' + body + launcher)
-    lib = work / "libemulated.so"
-    proc = subprocess.run([cxx20, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-o", str(lib), str(cpp),
-                           "-lpthread"], capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    dll = ctypes.CDLL(str(lib))
-    dll.launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p]
-    return dll
+    return build_emulator(tmp_path_factory.mktemp("emu_kv_quant"), cxx20, body, NAMES)
 
 
 @pytest.fixture
@@ -65,17 +39,7 @@ def launched(emulator, monkeypatch):
     """The launchers' MODULE.launch routed to the emulator (CPU tensors taken as CUDA ones)."""
     from oasr_kernels import quantize_act
 
-    names: list[str] = []
-
-    def launch(name, grid, block, args, device, shared_mem=0):
-        assert len(grid) == 1 and block[0] % 32 == 0 and block[0] <= 1024 and shared_mem == 0
-        values = [np.array(a) for a in args]  # alive during the call
-        argv = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
-        assert emulator.launch(name.encode(), grid[0], block[0], argv) == 0, name
-        names.append(name)
-        return True
-
-    monkeypatch.setattr(quantize_act.MODULE, "launch", launch)
+    names = route_launches(emulator, [quantize_act], monkeypatch)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     return names
 

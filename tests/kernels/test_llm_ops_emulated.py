@@ -6,12 +6,9 @@ torch's CPU exp may differ in the last bit), vectorised and scalar."""
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 # one host C++ build of the emulated kernels (10-80 s on 2 shared cores)
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(HERE))
-from _emulation import emulated_common  # noqa: E402
+from _emulation import build_emulator, emulated_common, route_launches  # noqa: E402
 
 TAGS = ("f32", "f16", "bf16")
 NAMES = [f"oasr_{op}_{tag}{v}" for op, vs in (("rotary_qk", ("",)), ("silu_mul", ("", "_v"))) for tag in TAGS
@@ -37,38 +34,9 @@ INTRINSICS = ("inline float __fmul_rn(float a, float b) { return a * b; }\n"
 def emulator(tmp_path_factory: pytest.TempPathFactory, cxx20: str):
     from oasr_kernels import llm_ops
 
-    work = tmp_path_factory.mktemp("emu_llm_ops")
     csrc = Path(llm_ops.__file__).parent / "csrc"
     body = emulated_common(csrc) + "\n" + INTRINSICS + (csrc / "llm_ops.cu").read_text()
-    table = ",\n".join(f'{{"{n}", [](void** a) {{ emu_call({n}, a); }}}}' for n in NAMES)
-    launcher = f"""
-extern "C" int launch(const char* name, unsigned gx, unsigned gy, unsigned threads, void** args) {{
-  struct Entry {{ const char* n; void (*run)(void**); }};
-  static const Entry entries[] = {{ {table} }};
-  for (const Entry& e : entries)
-    if (std::strcmp(e.n, name) == 0) {{
-      auto run = e.run;
-      emu_launch3(gx, gy, 1, threads, 0, [=] {{ run(args); }});
-      return 0;
-    }}
-  return 1;
-}}
-"""
-    cpp = work / "emulated.cpp"
-    cpp.write_text(f'#include "{HERE / "cuda_host_emulation.h"}"\n' + body + launcher)
-    lib = work / "libemulated.so"
-    proc = subprocess.run([cxx20, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-o", str(lib), str(cpp),
-                           "-lpthread"], capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    dll = ctypes.CDLL(str(lib))
-    dll.launch.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_uint,
-        ctypes.c_uint,
-        ctypes.c_uint,
-        ctypes.c_void_p,
-    ]
-    return dll
+    return build_emulator(tmp_path_factory.mktemp("emu_llm_ops"), cxx20, body, NAMES)
 
 
 @pytest.fixture
@@ -76,19 +44,7 @@ def launched(emulator, monkeypatch):
     """The launcher's MODULE.launch routed to the emulator (CPU tensors taken as CUDA ones)."""
     from oasr_kernels import llm_ops
 
-    names: list[str] = []
-
-    def launch(name, grid, block, args, device, shared_mem=0):
-        assert len(grid) in (1, 2) and block[0] % 32 == 0 and block[0] <= 1024 and shared_mem == 0
-        values = [np.array(a) for a in args]  # alive during the call
-        assert all(v.dtype.itemsize in (4, 8) for v in values)
-        argv = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
-        gy = grid[1] if len(grid) == 2 else 1
-        assert emulator.launch(name.encode(), grid[0], gy, block[0], argv) == 0, name
-        names.append(name)
-        return True
-
-    monkeypatch.setattr(llm_ops.MODULE, "launch", launch)
+    names = route_launches(emulator, [llm_ops], monkeypatch)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     return names
 

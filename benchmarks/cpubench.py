@@ -132,18 +132,19 @@ PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 def compiled_env(tmp: Path) -> dict[str, str]:
     """The environment both sides run in: Python's bytecode of every OASR source compiled
-    beforehand into a cache under ``tmp`` (``PYTHONPYCACHEPREFIX``), as a wheel install has it.
-    faster-whisper, torch and the rest of site-packages carry their ``.pyc`` files from pip;
+    beforehand, in place (each package's ``__pycache__``, git-ignored), as a wheel install has
+    it. faster-whisper, torch and the rest of site-packages carry their ``.pyc`` files from pip;
     OASR's editable sources in a checkout may have none, and where ``PYTHONDONTWRITEBYTECODE``
     is set (as on CI machines) every OASR process would compile its ~70 modules again (about
-    0.25 s here): a cost of the checkout, not of OASR."""
+    0.25 s here): a cost of the checkout, not of OASR. (It once compiled them under
+    ``PYTHONPYCACHEPREFIX`` in ``tmp``; that prefix also hides site-packages' own ``.pyc``, so
+    the first timed process compiled torch from source, ~4 s of CPU in its round.) ``tmp`` is
+    kept for the callers."""
     import compileall
 
-    prefix = tmp / "pycache"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = str(prefix)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
     old = sys.pycache_prefix
-    sys.pycache_prefix = str(prefix)  # where compileall writes (the prefix the children read)
+    sys.pycache_prefix = None  # next to the sources, where the children look
     try:
         for src in sorted(REPO.glob("oasr*/src")):
             compileall.compile_dir(src, quiet=1, workers=1)

@@ -148,18 +148,10 @@ class PagedKVCache:
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """An fp8 cache's blocks of ``block_tables`` (B, n), dequantized to ``compute_dtype``:
         K and V pools (B * n, block_size, heads, head_dim) and the tables into them (B, n)."""
-        import torch
+        from oasr.layers.quantized import dequantize_blocks
 
-        from oasr.quantization.numerics import dequantize_kv
-
-        b, n = block_tables.shape
-        flat = block_tables.reshape(-1)
-        k = dequantize_kv(self.k[layer].index_select(0, flat), self.k_scale[layer].index_select(0, flat),
-                          self.compute_dtype)  # fmt: skip
-        v = dequantize_kv(self.v[layer].index_select(0, flat), self.v_scale[layer].index_select(0, flat),
-                          self.compute_dtype)  # fmt: skip
-        tables = torch.arange(b * n, device=block_tables.device, dtype=block_tables.dtype).view(b, n)
-        return k, v, tables
+        return dequantize_blocks(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
+                                 block_tables, self.compute_dtype)  # fmt: skip
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V (B, heads, n * block_size, head_dim) for ``block_tables`` (B, n)."""

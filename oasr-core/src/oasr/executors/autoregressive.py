@@ -54,8 +54,12 @@ from oasr.layers import (
     paged_prefill_attention,
 )
 from oasr.layers.attention import fixed_shape_attention
-from oasr.layers.quantized import cross_attention_fp8, paged_decode_attention_fp8, quantize_kv_into
-from oasr.quantization.numerics import dequantize_kv
+from oasr.layers.quantized import (
+    cross_attention_fp8,
+    dequantize_kv_op,
+    paged_decode_attention_fp8,
+    quantize_kv_into,
+)
 from oasr.stream_cache import CAPTURE_LOCK
 
 if TYPE_CHECKING:
@@ -306,7 +310,7 @@ class AttentionContext:
             k, v, ks, vs = (self._rows_of(t[layer]) for t in (ex.cross_k, ex.cross_v, ex.cross_k_scale,
                                                               ex.cross_v_scale))  # fmt: skip
             b, h, s, d = k.shape
-            return tuple(dequantize_kv(x, sx, ex.dtype).transpose(1, 2).reshape(b, s, h * d)
+            return tuple(dequantize_kv_op(x, sx, ex.dtype).transpose(1, 2).reshape(b, s, h * d)
                          for x, sx in ((k, ks), (v, vs)))  # type: ignore[return-value]  # fmt: skip
         return self._rows_of(ex.cross_k[layer]), self._rows_of(ex.cross_v[layer])
 

@@ -60,6 +60,7 @@ __all__ = [
     "FORMATS",
     "QuantizedLinear",
     "dense_rows_limit",
+    "dequantize_blocks",
     "dequantize_kv_op",
     "keep_dense_weights",
     "prepack_in_background",
@@ -739,12 +740,22 @@ def _paged_decode_fp8_native(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
                              lengths: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
     from oasr.layers.attention import paged_decode_attention
 
+    k, v, tables = dequantize_blocks(k_pool, v_pool, k_scale, v_scale, block_tables, q.dtype)
+    return paged_decode_attention(q, k, v, tables, lengths, scale)
+
+
+def dequantize_blocks(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The blocks of ``block_tables`` (B, n) of fp8 K/V pools (num_blocks, block_size, H, D),
+    dequantized to ``dtype`` (:func:`dequantize_kv_op`): K and V (B * n, block_size, H, D) and
+    the tables into them (B, n)."""
     b, n = block_tables.shape
     flat = block_tables.reshape(-1)
-    k = dequantize_kv_op(k_pool.index_select(0, flat), k_scale.index_select(0, flat), q.dtype)
-    v = dequantize_kv_op(v_pool.index_select(0, flat), v_scale.index_select(0, flat), q.dtype)
+    k = dequantize_kv_op(k_pool.index_select(0, flat), k_scale.index_select(0, flat), dtype)
+    v = dequantize_kv_op(v_pool.index_select(0, flat), v_scale.index_select(0, flat), dtype)
     tables = torch.arange(b * n, device=block_tables.device, dtype=block_tables.dtype).view(b, n)
-    return paged_decode_attention(q, k, v, tables, lengths, scale)
+    return k, v, tables
 
 
 # --------------------------------------------------------------------------- fp8 cross-attention K/V

@@ -31,8 +31,9 @@ import numpy as np
 INT32_MAX = 2**31 - 1
 #: threads per block (one block per utterance). Each thread walks a share of the frame's work, so
 #: more threads per block pay where 64 utterances leave half the SMs idle. H200 (5000-word graph,
-#: 64 x 30 s, beam 12, every setting 64/64 words equal to kaldi-decoder's): 0.0272 s at 1024
-#: threads (8.84x kaldi-decoder on 16 processes, 0.2407 s, in that call); the barrier-scan build
+#: 64 x 30 s, beam 12, every setting 64/64 words equal to kaldi-decoder's): 0.0272-0.0286 s at
+#: 1024 threads (10.1-10.7x kaldi-decoder on 16 processes with both sides timed repeatedly,
+#: 8.8x in a call where it ran 20 % faster); the barrier-scan build
 #: 0.0296 s at 1024, 0.0299 s at 768. Above 512 threads the kernel is built with at most
 #: 65536 / threads registers a thread (64 at 1024, 80 at 768) so that the block launches.
 #: ``OASR_WFST_FUSED_THREADS`` (<= 1024) and ``wfstbench --fused-threads`` to measure another GPU

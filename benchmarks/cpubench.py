@@ -130,16 +130,15 @@ def input_set(name: str, tmp: Path) -> tuple[list[Path], list[str], float]:
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def compiled_env(tmp: Path) -> dict[str, str]:
+def compiled_env() -> dict[str, str]:
     """The environment both sides run in: Python's bytecode of every OASR source compiled
     beforehand, in place (each package's ``__pycache__``, git-ignored), as a wheel install has
     it. faster-whisper, torch and the rest of site-packages carry their ``.pyc`` files from pip;
     OASR's editable sources in a checkout may have none, and where ``PYTHONDONTWRITEBYTECODE``
     is set (as on CI machines) every OASR process would compile its ~70 modules again (about
     0.25 s here): a cost of the checkout, not of OASR. (It once compiled them under
-    ``PYTHONPYCACHEPREFIX`` in ``tmp``; that prefix also hides site-packages' own ``.pyc``, so
-    the first timed process compiled torch from source, ~4 s of CPU in its round.) ``tmp`` is
-    kept for the callers."""
+    ``PYTHONPYCACHEPREFIX`` in a temporary directory; that prefix also hides site-packages' own ``.pyc``, so
+    the first timed process compiled torch from source, ~4 s of CPU in its round.)"""
     import compileall
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
@@ -288,7 +287,7 @@ def bench(args: argparse.Namespace) -> dict:
     results: list[InputResult] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        env = compiled_env(tmp)
+        env = compiled_env()
         for name in args.inputs.split(","):
             files, refs, audio_s = input_set(name, tmp)
             res = InputResult(name, len(files), round(audio_s, 2), args.busy)

@@ -134,7 +134,7 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        base_env = compiled_env(tmp)  # OASR's bytecode compiled first, as installed (cpubench)
+        base_env = compiled_env()  # OASR's bytecode compiled first, as installed (cpubench)
         files, refs, audio_s = english_set() if args.inputs == "english" else input_set(args.inputs, tmp)
         for _ in range(args.repeats):
             for name, (kind, extra) in sides.items():

@@ -104,8 +104,9 @@ def test_rotary_qk_kernel_declines_what_it_does_not_take(launched) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# whole 16-byte vectors (f16/bf16: 3 per row), or single elements
-@pytest.mark.parametrize("hidden", [24, 13])
+# whole 16-byte vectors (f16/bf16: 3 per row), or single elements; 4120 / 600: several column
+# chunks per row (a block per 256 vectors or 256 elements), the last one partial
+@pytest.mark.parametrize("hidden", [24, 13, 4120, 600])
 def test_silu_mul_kernel_matches_native(launched, dtype, hidden) -> None:
     from oasr_kernels.llm_ops import silu_mul_cuda
 

@@ -90,9 +90,13 @@ def silu_mul_cuda(x: torch.Tensor, hidden: int) -> Any:
     vec = hidden % per_vec == 0 and x.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
     units = hidden // per_vec if vec else hidden
     threads = min(_THREADS, -(-units // 32) * 32)
+    # a block per (row, chunk of one element or vector per thread): a decode step's few rows
+    # still give the GPU a few hundred blocks, each with one round of loads in flight
+    chunk = threads * (per_vec if vec else 1)
+    chunks = -(-hidden // chunk)
     name = f"oasr_silu_mul_{DTYPE_TAGS[x.dtype]}{'_v' if vec else ''}"
     if not MODULE.launch(
-        name, (rows,), (threads,), (_ptr(x), _ptr(out), np.int32(hidden)), x.device
+        name, (rows, chunks), (threads,), (_ptr(x), _ptr(out), np.int32(hidden), np.int32(chunk)), x.device
     ):
         return NotImplemented
     return out

@@ -95,8 +95,7 @@ def silu_mul_cuda(x: torch.Tensor, hidden: int) -> Any:
     chunk = threads * (per_vec if vec else 1)
     chunks = -(-hidden // chunk)
     name = f"oasr_silu_mul_{DTYPE_TAGS[x.dtype]}{'_v' if vec else ''}"
-    if not MODULE.launch(
-        name, (rows, chunks), (threads,), (_ptr(x), _ptr(out), np.int32(hidden), np.int32(chunk)), x.device
-    ):
+    args = (_ptr(x), _ptr(out), np.int32(hidden), np.int32(chunk))
+    if not MODULE.launch(name, (rows, chunks), (threads,), args, x.device):
         return NotImplemented
     return out

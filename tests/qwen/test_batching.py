@@ -14,7 +14,12 @@ import torch
 pytest.importorskip("transformers")
 
 from oasr.checkpoint import load_model  # noqa: E402
-from oasr.executors.autoregressive import Window, _causal_attention  # noqa: E402
+from oasr.executors.autoregressive import (  # noqa: E402
+    Window,
+    _as_words_ok,
+    _causal_attention,
+    _store_rows,
+)
 from oasr.features.whisper import N_FRAMES, N_SAMPLES  # noqa: E402
 from oasr.layers.attention import _paged_prefill_attention_native  # noqa: E402
 from oasr.types import EngineConfig  # noqa: E402
@@ -79,3 +84,64 @@ def test_prefill_attends_over_its_own_keys(kv_heads):
     v_pool.view(-1, kv_heads, d).index_copy_(0, slots, v.reshape(b * t, kv_heads, d))
     want = _paged_prefill_attention_native(q, k_pool, v_pool, tables, torch.full((b,), t), None)
     torch.testing.assert_close(_causal_attention(q, k, v), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_prefill_last_queries_see_their_causal_keys(kv_heads):
+    """The last ``tq`` positions' queries alone (the decoder's last layer in a prefill that reads
+    only the last hidden state) equal those rows of the whole prompt's causal attention."""
+    g = torch.Generator().manual_seed(10 + kv_heads)
+    b, h, t, d = 2, 4, 29, 16
+    q = torch.randn(b, h, t, d, generator=g)
+    k = torch.randn(b, t, kv_heads, d, generator=g)
+    v = torch.randn(b, t, kv_heads, d, generator=g)
+    whole = _causal_attention(q, k, v)
+    for tq in (1, 5):
+        got = _causal_attention(q[:, :, -tq:], k, v)
+        torch.testing.assert_close(got, whole[:, :, -tq:], atol=1e-5, rtol=1e-5)
+
+
+def test_store_rows_moves_the_same_bytes_as_index_copy():
+    """The prefill's K/V write (16-byte words where the layouts allow) against index_copy_:
+    bf16 rows from a strided view of a fused projection (the values' columns), and a layout
+    that cannot be read as words (falls back to the element copy)."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, 48, generator=g).to(torch.bfloat16)
+    rows = qkv[:, 32:]  # row stride 48, offset 32: 16-byte aligned
+    index = torch.tensor([7, 2, 9, 0, 4, 11])
+    for src in (rows, qkv[:, 1:17], torch.randn(6, 3, generator=g)):
+        dst = torch.randn(12, src.shape[1], generator=g).to(src.dtype)
+        want = dst.clone().index_copy_(0, index, src)
+        _store_rows(dst, index, src)
+        assert torch.equal(dst.view(torch.uint8) if dst.dtype == torch.bfloat16 else dst,
+                           want.view(torch.uint8) if want.dtype == torch.bfloat16 else want)  # fmt: skip
+    assert _as_words_ok(rows) and not _as_words_ok(qkv[:, 1:17])
+
+
+def test_decoder_last_position_only(model):
+    """``Qwen2Decoder(last_only=True)`` (the executor's prefill) equals the last position of the
+    whole forward, and stores every position's keys/values."""
+    net = model.network
+    dims = net.config.text
+    g = torch.Generator().manual_seed(8)
+    b, t = 2, 23
+    x = torch.randn(b, t, dims.hidden, generator=g)
+    positions = torch.arange(t).expand(b, t)
+    stored: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attend(last_only):  # noqa: ANN001, ANN202
+        def run(li, q, k, v):  # noqa: ANN001, ANN202
+            stored[(last_only, li)] = (k.clone(), v.clone())
+            shape = (b, t, dims.kv_heads, dims.head_dim)
+            return _causal_attention(q, k.reshape(shape), v.reshape(shape))
+
+        return run
+
+    with torch.no_grad():
+        whole = net.decoder(x, positions, attend(False))
+        last = net.decoder(x, positions, attend(True), last_only=True)
+    assert last.shape == (b, 1, dims.hidden)
+    torch.testing.assert_close(last, whole[:, -1:], atol=1e-5, rtol=1e-5)
+    for li in range(dims.layers):
+        for a, w in zip(stored[(True, li)], stored[(False, li)], strict=True):
+            torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)

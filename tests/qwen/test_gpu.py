@@ -87,3 +87,33 @@ def test_whole_30s_windows_parity_on_cuda(qwen_chat_dir, clips):
     ours = load_model(EngineConfig(ckpt_dir=str(qwen_chat_dir), device="cuda", dtype="float32"))
     got = ours.transcribe(batch, DecodingOptions(max_new_tokens=N_NEW))
     assert [g.segments[0].tokens for g in got] == want
+
+
+def test_long_prefill_attention_and_kv_store_on_cuda():
+    """The executor's prefill pieces in bf16 on the device, in the decoder's layouts (views of
+    one fused q/k/v output): a long prompt's causal attention (cuDNN first from
+    ``CUDNN_PREFILL_TOKENS``) against float32 math, the last query alone against the whole
+    prompt's last row, and the 16-byte-word K/V store byte-equal to ``index_copy_``."""
+    from oasr.executors.autoregressive import CUDNN_PREFILL_TOKENS, _causal_attention, _store_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, d = 4, 8, 128
+    t = CUDNN_PREFILL_TOKENS + 517
+    qkv = torch.randn(b, t, 3 * h * d, device="cuda", generator=g).to(torch.bfloat16)
+    q = qkv[..., : h * d].view(b, t, h, d).transpose(1, 2)
+    k = qkv[..., h * d : 2 * h * d].view(b, t, h, d)
+    v = qkv[..., 2 * h * d :].view(b, t, h, d)
+    got = _causal_attention(q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), is_causal=True
+    )
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    last = _causal_attention(q[:, :, -1:], k, v)
+    torch.testing.assert_close(last.float(), want[:, :, -1:], atol=2e-2, rtol=2e-2)
+
+    rows = qkv[..., 2 * h * d :].reshape(b * t, h * d)  # strided: the fused output's values
+    slots = torch.randperm(2 * b * t, device="cuda", generator=g)[: b * t]
+    pool = torch.zeros(2 * b * t, h * d, device="cuda", dtype=torch.bfloat16)
+    want_pool = pool.clone().index_copy_(0, slots, rows)
+    _store_rows(pool, slots, rows)
+    assert torch.equal(pool.view(torch.int16), want_pool.view(torch.int16))

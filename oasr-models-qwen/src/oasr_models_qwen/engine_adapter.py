@@ -118,9 +118,9 @@ class QwenStepModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = ctx.input_embeddings(self.net.decoder.embed_tokens(tokens))
-        h = self.net.decoder(x, positions, ctx.self_attention)
-        if tokens.shape[1] > 1:  # a prefill: only the next token's logits are read
-            h = h[:, -1:]
+        # a prefill reads only the next token's logits: the decoder's last layer runs on the
+        # last position alone (its keys/values are all stored)
+        h = self.net.decoder(x, positions, ctx.self_attention, last_only=tokens.shape[1] > 1)
         return self.net.logits(h).float()
 
 

@@ -112,10 +112,16 @@ class Qwen2Decoder(nn.Module):
         self.norm = RMSNorm(dims.hidden, dims.rms_eps, **kw)
         self.rotary = RotaryEmbedding(dims.head_dim, dims.rope_theta, device=kw.get("device"))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Any,
+                last_only: bool = False) -> torch.Tensor:  # fmt: skip
         """Hidden states (B, T, hidden) of inputs ``x`` (B, T, hidden) at ``positions`` (B, T);
         ``attend(layer, q (B, H, T, hd), k (B, T, kv*hd), v (B, T, kv*hd))`` -> (B, H, T, hd)
-        stores the keys/values and attends (``AttentionContext.self_attention``)."""
+        stores the keys/values and attends (``AttentionContext.self_attention``).
+        ``last_only``: the hidden state of the last position alone (B, 1, hidden), for a
+        prefill that reads only the next token's logits: the last layer stores every key/value
+        but attends with the last query only and runs its output projection and feed-forward
+        on that one position (a 32nd of a 7B prefill's work); ``attend`` then gets q
+        (B, H, 1, hd)."""
         b, t, _ = x.shape
         cos, sin = self.rotary(positions, x.dtype)
         # rotary positions on the queries and keys together, in the projection's (B, T, heads,
@@ -132,6 +138,8 @@ class Qwen2Decoder(nn.Module):
             nqk = att.split[0] + att.split[1]
             qk = qkv[..., :nqk].view(b, t, att.heads + att.kv_heads, att.head_dim)
             q, k = rotary_qk(qk, cos, sin, att.heads)
+            if last_only and li == len(layers) - 1 and t > 1:
+                q, x, t = q[:, -1:], x[:, -1:].contiguous(), 1
             out = attend(li, q.transpose(1, 2), k, qkv[..., nqk:])
             x, h = add_norm(att.o_proj(out.transpose(1, 2).reshape(b, t, -1)), x, layer.post_attention_layernorm)
             following = layers[li + 1].input_layernorm if li + 1 < len(layers) else self.norm

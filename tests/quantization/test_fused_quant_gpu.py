@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from qact_cases import tie_rows  # noqa: E402
 from qhelpers import rel_err, whisper_net  # noqa: E402
 
 pytestmark = [
@@ -23,7 +24,9 @@ pytestmark = [
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("shape", [(1, 1280), (64, 5120), (1500, 1280), (7, 1003), (3, 8)])
+# 9000 rows: a warp per row on an H200 (the encoder batches' plan), the others larger groups
+@pytest.mark.parametrize("shape", [(1, 1280), (64, 5120), (1500, 1280), (7, 1003), (3, 8),
+                                   (9000, 1280), (9000, 5120)])  # fmt: skip
 def test_kernel_matches_native_bytes_and_scales(fmt, dtype, shape):
     pytest.importorskip("cupy")
     from oasr.quantization.numerics import quantize_activations
@@ -42,6 +45,24 @@ def test_kernel_matches_native_bytes_and_scales(fmt, dtype, shape):
     q0, s0 = quantize_activations(x, fmt)
     assert q.dtype == q0.dtype and s.shape == s0.shape
     assert torch.equal(s, s0)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("width,copies", [(256, 1), (1280, 1), (1280, 3000)])
+def test_kernel_rounds_every_case_as_native(fmt, dtype, width, copies):
+    """Exact quotients on every representable value, every tie and (float32) the floats either
+    side of each tie: sm_89+'s hardware e4m3 conversion rounds as torch's cast does. 3000
+    copies: 9000 rows, the warp-per-row kernel holding 6 vectors a thread (fp16 / bf16)."""
+    pytest.importorskip("cupy")
+    from oasr.quantization.numerics import quantize_activations
+    from oasr_kernels.quantize_act import quantize_activations_cuda
+
+    x = tie_rows(fmt, getattr(torch, dtype), width).cuda().repeat(copies, 1)
+    q, s = quantize_activations_cuda(x, fmt)
+    q0, s0 = quantize_activations(x, fmt)
+    assert torch.equal(s, s0) and bool((s0.log2() == s0.log2().round()).all())  # exact quotients
     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
 
 
@@ -68,7 +89,8 @@ def test_fused_decode_step_matches_the_unfused_path(monkeypatch):
     from oasr_models_whisper.engine_adapter import WhisperStepModel
 
     install_kernel_providers("cuda")
-    monkeypatch.setenv("OASR_FP8_DENSE_ROWS", "0")  # the fp8 GEMMs, not the decode steps' dense copies
+    # the fp8 GEMMs, not the decode steps' dense copies
+    monkeypatch.setenv("OASR_FP8_DENSE_ROWS", "0")
     net = whisper_net(seed=2, d=256).cuda().half()
     quantize_module(net, "fp8_w8a8")
     torch.manual_seed(0)

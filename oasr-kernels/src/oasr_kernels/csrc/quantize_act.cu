@@ -1,10 +1,16 @@
 // Per-token activation quantization in one launch (oasr.layers.quantized.quantize_activations):
-// one block per row of x (M, K): the row's max |x| -> scale = max(amax * (1 / QMAX), 1e-12) ->
-// q = x / scale as e4m3 bytes (RNE) or int8 (round half to even). The same float32 operations
-// in the same order as the native torch ops (numerics.quantize_activations on CUDA: torch divides
-// by a Python scalar as a multiply by its float32 reciprocal, then a true division per element),
-// so the bytes and scales are identical; the native path is five launches and writes a float32
-// copy of x between them.
+// per row of x (M, K): max |x| -> scale = max(amax * (1 / QMAX), 1e-12) -> q = x / scale as e4m3
+// bytes (RNE) or int8 (round half to even). The same float32 operations in the same order as the
+// native torch ops (numerics.quantize_activations on CUDA: torch divides by a Python scalar as a
+// multiply by its float32 reciprocal, then a true division per element), so the bytes and scales
+// are identical; the native path is five launches and writes a float32 copy of x between them.
+//
+// A row belongs to a group of `group` threads (whole warps; a block holds blockDim.x / group
+// rows): a warp per row when there are rows enough to fill the GPU (Whisper's 96 000-frame
+// encoder batches), up to a thread per 16-byte vector for the few rows of a decode step. The
+// oasr_quantize_act_* kernels with a suffix _vV hold each thread's V vectors in registers between
+// the maximum and the quantization (x is read from memory once); _v0 reads the row twice (rows
+// too long for the registers, or not whole aligned vectors).
 
 namespace oasr_qact {
 
@@ -26,70 +32,155 @@ __device__ __forceinline__ unsigned char e4m3_from_float(float f) {
   return (unsigned char)(sign | r);
 }
 
-template <typename T, bool kFp8>
-__device__ __forceinline__ void quantize_row(const T* __restrict__ x, unsigned char* __restrict__ q,
-                                             float* __restrict__ scales, int k, float inv_qmax) {
-  __shared__ float red[32];
-  const long row = blockIdx.x;
-  const T* xr = x + row * (long)k;
-  unsigned char* qr = q + row * (long)k;
+// Two e4m3 bytes, lo's in the low byte. sm_89+ converts in hardware: the same round to nearest
+// even with saturation to 448 in one instruction for both (the software conversion is about ten
+// integer instructions per element, as many as the rest of the kernel's work on it). The
+// software path elsewhere, and in the host emulation of the tests.
+__device__ __forceinline__ unsigned int e4m3x2_from_floats(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (unsigned int)e4m3_from_float(lo) | ((unsigned int)e4m3_from_float(hi) << 8);
+#endif
+}
+
+__device__ __forceinline__ unsigned int int8_from_float(float v) {
+  return (unsigned char)(signed char)(int)rintf(v);
+}
+
+// N (8 or 4) floats divided by s -> N bytes, element j in byte j
+template <int N, bool kFp8>
+__device__ __forceinline__ unsigned long long quantize_vec(const float* f, float s) {
+  unsigned long long packed = 0;
+#pragma unroll
+  for (int j = 0; j < N; j += 2) {
+    const float a = __fdiv_rn(f[j], s), b = __fdiv_rn(f[j + 1], s);
+    const unsigned int two = kFp8 ? e4m3x2_from_floats(a, b) : int8_from_float(a) | (int8_from_float(b) << 8);
+    packed |= (unsigned long long)two << (8 * j);
+  }
+  return packed;
+}
+
+template <int N>
+__device__ __forceinline__ void store_bytes(unsigned char* p, unsigned long long packed) {
+  // N bytes in one store (q's rows start at multiples of N: k % N == 0, q 256-byte aligned)
+  if (N == 8) {
+    *reinterpret_cast<unsigned long long*>(p) = packed;
+  } else {
+    *reinterpret_cast<unsigned int*>(p) = (unsigned int)packed;
+  }
+}
+
+// The maximum over the row's group (`group` a multiple of 32). Every thread of the block calls
+// it: the groups of more than one warp meet at a barrier; red holds a float per warp.
+__device__ __forceinline__ float group_max(float m, int group, float* red) {
+  m = oasr::warp_max(m);
+  if (group == 32) return m;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  const int warps = group >> 5, first = (threadIdx.x / group) * warps;
+  m = red[first];
+  for (int w = 1; w < warps; ++w) m = fmaxf(m, red[first + w]);
+  return m;
+}
+
+template <typename T, bool kFp8, int V>
+__device__ __forceinline__ void quantize_rows(const T* __restrict__ x, unsigned char* __restrict__ q,
+                                              float* __restrict__ scales, int rows, int k, int group,
+                                              float inv_qmax, int vec) {
+  extern __shared__ float oasr_qact_smem[];
   constexpr int N = oasr::VecTraits<T>::N;
-  const bool vec = (k % N == 0) && ((reinterpret_cast<unsigned long>(xr) & 15u) == 0);
+  const int t = threadIdx.x % group;
+  const long long row = (long long)blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
+  const bool live = row < rows;  // the last block's spare groups still meet at the barrier
+  const T* xr = x + (live ? row : 0) * (long long)k;
+  unsigned char* qr = q + (live ? row : 0) * (long long)k;
   float m = 0.f;
   float f[N];
-  if (vec) {
-    for (int i = threadIdx.x * N; i < k; i += blockDim.x * N) {
-      oasr::load_vec<T>(xr + i, f);
+  if constexpr (V > 0) {
+    const int units = k / N;  // 16-byte vectors of the row (vec: k % N == 0, x 16-byte aligned)
+    oasr::Vec16 v[V];
+    // every load issued before the first is used
 #pragma unroll
-      for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(f[j]));
+    for (int i = 0; i < V; ++i) {
+      const int u = t + i * group;
+      if (live && u < units) v[i] = *reinterpret_cast<const oasr::Vec16*>(xr + (long long)u * N);
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if (live && t + i * group < units) {
+        oasr::load_vec<T>(reinterpret_cast<const T*>(&v[i]), f);
+#pragma unroll
+        for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(f[j]));
+      }
+    }
+    m = group_max(m, group, oasr_qact_smem);
+    if (!live) return;
+    const float s = fmaxf(m * inv_qmax, 1e-12f);
+    if (t == 0) scales[row] = s;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int u = t + i * group;
+      if (u < units) {
+        oasr::load_vec<T>(reinterpret_cast<const T*>(&v[i]), f);
+        store_bytes<N>(qr + (long long)u * N, quantize_vec<N, kFp8>(f, s));
+      }
     }
   } else {
-    for (int i = threadIdx.x; i < k; i += blockDim.x) m = fmaxf(m, fabsf(oasr::to_float(xr[i])));
-  }
-  m = oasr::warp_max(m);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-  for (int w = 1; w < warps; ++w) m = fmaxf(m, red[w]);
-  const float s = fmaxf(m * inv_qmax, 1e-12f);
-  if (threadIdx.x == 0) scales[row] = s;
-  if (vec) {
-    for (int i = threadIdx.x * N; i < k; i += blockDim.x * N) {
-      oasr::load_vec<T>(xr + i, f);
-      // N bytes in one store (q's rows start at multiples of N: k % N == 0, q 256-byte aligned)
-      unsigned long long packed = 0;
+    if (live) {
+      if (vec) {
+        for (int i = t * N; i < k; i += group * N) {
+          oasr::load_vec<T>(xr + i, f);
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float v = __fdiv_rn(f[j], s);
-        const unsigned char b = kFp8 ? e4m3_from_float(v) : (unsigned char)(signed char)(int)rintf(v);
-        packed |= (unsigned long long)b << (8 * j);
-      }
-      if (N == 8) {
-        *reinterpret_cast<unsigned long long*>(qr + i) = packed;
+          for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(f[j]));
+        }
       } else {
-        *reinterpret_cast<unsigned int*>(qr + i) = (unsigned int)packed;
+        for (int i = t; i < k; i += group) m = fmaxf(m, fabsf(oasr::to_float(xr[i])));
       }
     }
-  } else {
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-      const float v = __fdiv_rn(oasr::to_float(xr[i]), s);
-      qr[i] = kFp8 ? e4m3_from_float(v) : (unsigned char)(signed char)(int)rintf(v);
+    m = group_max(m, group, oasr_qact_smem);
+    if (!live) return;
+    const float s = fmaxf(m * inv_qmax, 1e-12f);
+    if (t == 0) scales[row] = s;
+    if (vec) {
+      for (int i = t * N; i < k; i += group * N) {
+        oasr::load_vec<T>(xr + i, f);
+        store_bytes<N>(qr + i, quantize_vec<N, kFp8>(f, s));
+      }
+    } else {
+      for (int i = t; i < k; i += group) {
+        const float v = __fdiv_rn(oasr::to_float(xr[i]), s);
+        qr[i] = (unsigned char)(kFp8 ? e4m3_from_float(v) : int8_from_float(v));
+      }
     }
   }
 }
 
 }  // namespace oasr_qact
 
-#define OASR_QACT(TAG, T)                                                                            \
-  extern "C" __global__ void oasr_quantize_act_fp8_##TAG(const T* x, unsigned char* q, float* s, \
-                                                         int k, float inv_qmax) {                   \
-    oasr_qact::quantize_row<T, true>(x, q, s, k, inv_qmax);                                          \
-  }                                                                                                  \
-  extern "C" __global__ void oasr_quantize_act_int8_##TAG(const T* x, unsigned char* q, float* s, \
-                                                          int k, float inv_qmax) {                  \
-    oasr_qact::quantize_row<T, false>(x, q, s, k, inv_qmax);                                         \
+#define OASR_QACT_V(TAG, T, V)                                                                      \
+  extern "C" __global__ void oasr_quantize_act_fp8_##TAG##_v##V(                                    \
+      const T* x, unsigned char* q, float* s, int rows, int k, int group, float inv_qmax, int vec) { \
+    oasr_qact::quantize_rows<T, true, V>(x, q, s, rows, k, group, inv_qmax, vec);                   \
+  }                                                                                                 \
+  extern "C" __global__ void oasr_quantize_act_int8_##TAG##_v##V(                                   \
+      const T* x, unsigned char* q, float* s, int rows, int k, int group, float inv_qmax, int vec) { \
+    oasr_qact::quantize_rows<T, false, V>(x, q, s, rows, k, group, inv_qmax, vec);                  \
   }
+
+// V: quantize_act.py's _VECS (and 0)
+#define OASR_QACT(TAG, T) \
+  OASR_QACT_V(TAG, T, 0)  \
+  OASR_QACT_V(TAG, T, 1)  \
+  OASR_QACT_V(TAG, T, 2)  \
+  OASR_QACT_V(TAG, T, 3)  \
+  OASR_QACT_V(TAG, T, 4)  \
+  OASR_QACT_V(TAG, T, 6)  \
+  OASR_QACT_V(TAG, T, 8)  \
+  OASR_QACT_V(TAG, T, 12) \
+  OASR_QACT_V(TAG, T, 16)
 
 OASR_QACT(f32, float)
 OASR_QACT(f16, oasr::f16)

@@ -89,16 +89,17 @@ def test_whole_30s_windows_parity_on_cuda(qwen_chat_dir, clips):
     assert [g.segments[0].tokens for g in got] == want
 
 
-def test_long_prefill_attention_and_kv_store_on_cuda():
+def test_long_prefill_attention_and_kv_store_on_cuda(monkeypatch):
     """The executor's prefill pieces in bf16 on the device, in the decoder's layouts (views of
-    one fused q/k/v output): a long prompt's causal attention (cuDNN first from
-    ``CUDNN_PREFILL_TOKENS``) against float32 math, the last query alone against the whole
+    one fused q/k/v output): a long prompt's causal attention (cuDNN first: the size threshold
+    lowered to this test's prompt) against float32 math, the last query alone against the whole
     prompt's last row, and the 16-byte-word K/V store byte-equal to ``index_copy_``."""
-    from oasr.executors.autoregressive import CUDNN_PREFILL_TOKENS, _causal_attention, _store_rows
+    from oasr.executors import autoregressive
+    from oasr.executors.autoregressive import _causal_attention, _store_rows
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    b, h, d = 4, 8, 128
-    t = CUDNN_PREFILL_TOKENS + 517
+    b, h, d, t = 4, 8, 128, 773
+    monkeypatch.setattr(autoregressive, "CUDNN_PREFILL_WORK", b * h * t * t)
     qkv = torch.randn(b, t, 3 * h * d, device="cuda", generator=g).to(torch.bfloat16)
     q = qkv[..., : h * d].view(b, t, h, d).transpose(1, 2)
     k = qkv[..., h * d : 2 * h * d].view(b, t, h, d)

@@ -325,11 +325,12 @@ class AttentionContext:
         return pool.index_select(0, self.rows)
 
 
-#: prompts of at least this many tokens attend with cuDNN's SDPA first: its Hopper kernel runs
-#: a long causal prefill about twice as fast as flash (the attention of 32 Qwen2-Audio prompts of
-#: 770 tokens: 1.2 ms per layer with flash on an H200), and its one-off plan per shape (a few ms
-#: of CPU) is small beside such a prefill. Shorter prompts (Whisper's) keep flash: no plan
-CUDNN_PREFILL_TOKENS = 256
+#: prefills whose attention is at least this big (batch x heads x prompt tokens^2) attend
+#: with cuDNN's SDPA first: its Hopper kernel runs a long causal prefill about twice as fast as
+#: flash (32 Qwen2-Audio 7B prompts of 770 tokens, 1.2 ms per layer with flash on an H200), and
+#: at this size that saving outweighs its one-off plan per new shape (a few ms of CPU). Smaller
+#: prefills (Whisper's, one or a few Qwen requests) keep flash: no plan
+CUDNN_PREFILL_WORK = 1 << 28
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -345,7 +346,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
         k = k.repeat_interleave(h // hkv, dim=1)
         v = v.repeat_interleave(h // hkv, dim=1)
     if tq == t:
-        with fixed_shape_attention() if t >= CUDNN_PREFILL_TOKENS else nullcontext():
+        big = q.shape[0] * h * t * t >= CUDNN_PREFILL_WORK
+        with fixed_shape_attention() if big else nullcontext():
             return attention(q, k, v, is_causal=True)
     # the last tq positions: query i sees keys 0 .. t - tq + i (none masked for the last one)
     mask = None if tq == 1 else torch.ones(tq, t, dtype=torch.bool, device=q.device).tril(t - tq)

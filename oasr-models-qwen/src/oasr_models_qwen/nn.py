@@ -120,7 +120,7 @@ class Qwen2Decoder(nn.Module):
         ``last_only``: the hidden state of the last position alone (B, 1, hidden), for a
         prefill that reads only the next token's logits: the last layer stores every key/value
         but attends with the last query only and runs its output projection and feed-forward
-        on that one position (a 32nd of a 7B prefill's work); ``attend`` then gets q
+        on that one position (three quarters of that layer's GEMMs); ``attend`` then gets q
         (B, H, 1, hd)."""
         b, t, _ = x.shape
         cos, sin = self.rotary(positions, x.dtype)

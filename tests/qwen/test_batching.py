@@ -14,13 +14,9 @@ import torch
 pytest.importorskip("transformers")
 
 from oasr.checkpoint import load_model  # noqa: E402
-from oasr.executors.autoregressive import (  # noqa: E402
-    Window,
-    _as_words_ok,
-    _causal_attention,
-    _store_rows,
-)
+from oasr.executors.autoregressive import Window, _causal_attention  # noqa: E402
 from oasr.features.whisper import N_FRAMES, N_SAMPLES  # noqa: E402
+from oasr.kv_cache import rows_fit_words, store_rows  # noqa: E402
 from oasr.layers.attention import _paged_prefill_attention_native  # noqa: E402
 from oasr.types import EngineConfig  # noqa: E402
 from oasr_models_qwen.engine_adapter import QwenDriver, QwenStepModel, window_mel  # noqa: E402
@@ -102,7 +98,7 @@ def test_prefill_last_queries_see_their_causal_keys(kv_heads):
 
 
 def test_store_rows_moves_the_same_bytes_as_index_copy():
-    """The prefill's K/V write (16-byte words where the layouts allow) against index_copy_:
+    """The cache's K/V write (16-byte words where the layouts allow) against index_copy_:
     bf16 rows from a strided view of a fused projection (the values' columns), and a layout
     that cannot be read as words (falls back to the element copy)."""
     g = torch.Generator().manual_seed(5)
@@ -112,10 +108,10 @@ def test_store_rows_moves_the_same_bytes_as_index_copy():
     for src in (rows, qkv[:, 1:17], torch.randn(6, 3, generator=g)):
         dst = torch.randn(12, src.shape[1], generator=g).to(src.dtype)
         want = dst.clone().index_copy_(0, index, src)
-        _store_rows(dst, index, src)
+        store_rows(dst, index, src)
         assert torch.equal(dst.view(torch.uint8) if dst.dtype == torch.bfloat16 else dst,
                            want.view(torch.uint8) if want.dtype == torch.bfloat16 else want)  # fmt: skip
-    assert _as_words_ok(rows) and not _as_words_ok(qkv[:, 1:17])
+    assert rows_fit_words(rows) and not rows_fit_words(qkv[:, 1:17])
 
 
 def test_decoder_last_position_only(model):

@@ -95,7 +95,8 @@ def test_long_prefill_attention_and_kv_store_on_cuda(monkeypatch):
     lowered to this test's prompt) against float32 math, the last query alone against the whole
     prompt's last row, and the 16-byte-word K/V store byte-equal to ``index_copy_``."""
     from oasr.executors import autoregressive
-    from oasr.executors.autoregressive import _causal_attention, _store_rows
+    from oasr.executors.autoregressive import _causal_attention
+    from oasr.kv_cache import store_rows
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, h, d, t = 4, 8, 128, 773
@@ -116,5 +117,5 @@ def test_long_prefill_attention_and_kv_store_on_cuda(monkeypatch):
     slots = torch.randperm(2 * b * t, device="cuda", generator=g)[: b * t]
     pool = torch.zeros(2 * b * t, h * d, device="cuda", dtype=torch.bfloat16)
     want_pool = pool.clone().index_copy_(0, slots, rows)
-    _store_rows(pool, slots, rows)
+    store_rows(pool, slots, rows)
     assert torch.equal(pool.view(torch.int16), want_pool.view(torch.int16))

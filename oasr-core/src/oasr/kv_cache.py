@@ -31,11 +31,31 @@ from oasr.errors import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BlockAllocator", "PagedKVCache", "blocks_for"]
+__all__ = ["BlockAllocator", "PagedKVCache", "blocks_for", "rows_fit_words", "store_rows"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return max(1, math.ceil(num_tokens / block_size))
+
+
+def store_rows(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst[index] = rows`` for ``dst`` (S, W) and ``rows`` (N, W) (``index_copy_``), the rows
+    moved as 16-byte words where both layouts allow: torch's index copy moves one element per
+    thread, so a bf16 K/V write (Qwen2-Audio 7B's prefill of 32 prompts: 24k rows of 4096) ran
+    at a third of the memory bandwidth. The same bytes either way."""
+    import torch
+
+    if dst.dtype == rows.dtype and rows_fit_words(dst) and rows_fit_words(rows):
+        dst, rows = dst.view(torch.complex128), rows.view(torch.complex128)
+    dst.index_copy_(0, index, rows)
+
+
+def rows_fit_words(x: torch.Tensor) -> bool:
+    """Whether every row of the 2-D ``x`` is whole, aligned 16-byte words (a complex128 view)."""
+    size = x.element_size()
+    return (x.dim() == 2 and x.stride(1) == 1 and 16 % size == 0 and (x.shape[1] * size) % 16 == 0
+            and (x.stride(0) * size) % 16 == 0 and (x.storage_offset() * size) % 16 == 0
+            and x.data_ptr() % 16 == 0)  # fmt: skip
 
 
 class BlockAllocator:
@@ -141,8 +161,9 @@ class PagedKVCache:
                 quantize_kv_into(x.unsqueeze(1), pool[layer].view(-1, 1, self.num_heads, self.head_dim),
                                  scales[layer].view(-1, 1, self.num_heads), slots)  # fmt: skip
             return
-        self.k[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, k)
-        self.v[layer].view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, v)
+        width = self.num_heads * self.head_dim  # whole slots as rows: 16-byte words (store_rows)
+        store_rows(self.k[layer].view(-1, width), slots, k.reshape(-1, width))
+        store_rows(self.v[layer].view(-1, width), slots, v.reshape(-1, width))
 
     def dequantized_blocks(self, layer: int, block_tables: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip

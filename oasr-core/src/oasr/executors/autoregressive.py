@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from oasr.errors import InvalidRequestError
-from oasr.kv_cache import PagedKVCache, blocks_for
+from oasr.kv_cache import PagedKVCache, blocks_for, store_rows
 from oasr.layers import (
     attention,
     install_kernel_providers,
@@ -257,7 +257,7 @@ class AttentionContext:
         index, values = self.embeds
         b, t, d = x.shape
         out = x.reshape(b * t, d).clone()
-        _store_rows(out, index, values.to(x.dtype))
+        store_rows(out, index, values.to(x.dtype))
         return out.view(b, t, d)
 
     def self_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -269,14 +269,6 @@ class AttentionContext:
         ex = self._ex
         cache = ex.cache
         b, t = self.positions.shape
-        if t > 1 and not cache.fp8:
-            # a prefill from position 0 (``_start_ready``): the keys/values stored as whole
-            # 16-byte words, then causal attention over them as computed (flash / cuDNN), not
-            # read back from the pools. ``q`` may hold only the last positions' queries.
-            _store_rows(cache.k[layer].view(-1, k.shape[-1]), self.slots, k.reshape(b * t, -1))
-            _store_rows(cache.v[layer].view(-1, v.shape[-1]), self.slots, v.reshape(b * t, -1))
-            return _causal_attention(q, k.reshape(b, t, cache.num_heads, cache.head_dim),
-                                     v.reshape(b, t, cache.num_heads, cache.head_dim))  # fmt: skip
         cache.write(layer, self.slots, k.reshape(b * t, cache.num_heads, cache.head_dim),
                     v.reshape(b * t, cache.num_heads, cache.head_dim))  # fmt: skip
         if cache.fp8:  # fp8 KV cache (EngineConfig.kv_cache_dtype): the pools hold e4m3 bytes
@@ -285,6 +277,12 @@ class AttentionContext:
                                                   cache.v_scale[layer], self.tables, self.lengths)  # fmt: skip
             k_pool, v_pool, tables = cache.dequantized_blocks(layer, self.tables)
             return paged_prefill_attention(q, k_pool, v_pool, tables, self.lengths)
+        if t > 1:
+            # a prefill from position 0 (``_start_ready``): causal attention over the new
+            # keys/values as computed (flash / cuDNN), not read back from the pools. ``q`` may
+            # hold only the last positions' queries.
+            return _causal_attention(q, k.reshape(b, t, cache.num_heads, cache.head_dim),
+                                     v.reshape(b, t, cache.num_heads, cache.head_dim))  # fmt: skip
         return paged_decode_attention(q, cache.k[layer], cache.v[layer], self.tables, self.lengths)
 
     def cross_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -352,23 +350,6 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     # the last tq positions: query i sees keys 0 .. t - tq + i (none masked for the last one)
     mask = None if tq == 1 else torch.ones(tq, t, dtype=torch.bool, device=q.device).tril(t - tq)
     return attention(q, k, v, mask=mask)
-
-
-def _store_rows(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """``dst[index] = rows`` for ``dst`` (S, W) and ``rows`` (N, W) (``index_copy_``), the rows
-    moved as 16-byte words where both layouts allow: torch's index copy moves one element per
-    thread, so a prefill's bf16 K/V write (Qwen2-Audio 7B, 32 prompts: 24k rows of 4096) ran at
-    a third of the memory bandwidth. The same bytes either way."""
-    if dst.dtype == rows.dtype and all(_as_words_ok(x) for x in (dst, rows)):
-        dst, rows = dst.view(torch.complex128), rows.view(torch.complex128)
-    dst.index_copy_(0, index, rows)
-
-
-def _as_words_ok(x: torch.Tensor) -> bool:
-    size = x.element_size()
-    return (x.dim() == 2 and x.stride(1) == 1 and 16 % size == 0 and (x.shape[1] * size) % 16 == 0
-            and (x.stride(0) * size) % 16 == 0 and (x.storage_offset() * size) % 16 == 0
-            and x.data_ptr() % 16 == 0)  # fmt: skip
 
 
 class _Graph:

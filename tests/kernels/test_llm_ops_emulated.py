@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE))
 from _emulation import build_emulator, emulated_common, route_launches  # noqa: E402
 
 TAGS = ("f32", "f16", "bf16")
-NAMES = [f"oasr_{op}_{tag}{v}" for op, vs in (("rotary_qk", ("",)), ("silu_mul", ("", "_v"))) for tag in TAGS
+NAMES = [f"oasr_{op}_{tag}{v}" for op, vs in (("rotary_qk", ("", "_v")), ("silu_mul", ("", "_v"))) for tag in TAGS
          for v in vs]  # fmt: skip
 # the round-to-nearest intrinsics the kernels use against FMA contraction (the host build has none)
 INTRINSICS = ("inline float __fmul_rn(float a, float b) { return a * b; }\n"
@@ -62,17 +62,19 @@ ULP = {torch.float32: {"atol": 1e-6, "rtol": 1e-6}, torch.float16: {"atol": 1e-3
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch_cos", [True, False])  # per-row positions, or one table broadcast
-@pytest.mark.parametrize("group_pairs", [256, 20])  # one block per token; three, the last partial
-def test_rotary_qk_kernel_equals_native(
-    launched, dtype, batch_cos, group_pairs, monkeypatch
-) -> None:
+# one block per token; several, the last partial (20 pairs or 5 vectors a block)
+@pytest.mark.parametrize("group", [256, 5])
+# d = 16: half a whole number of 16-byte vectors (the "_v" kernel); d = 12: one pair per thread
+@pytest.mark.parametrize("d", [16, 12])
+def test_rotary_qk_kernel_equals_native(launched, dtype, batch_cos, group, d, monkeypatch) -> None:
     from oasr_kernels import llm_ops
     from oasr_kernels.llm_ops import rotary_qk_cuda
 
-    monkeypatch.setattr(llm_ops, "_ROTARY_GROUP_PAIRS", group_pairs)
+    monkeypatch.setattr(llm_ops, "_ROTARY_GROUP_PAIRS", 20 if group == 5 else group)
+    monkeypatch.setattr(llm_ops, "_ROTARY_VEC_UNITS", group)
 
     g = torch.Generator().manual_seed(0)
-    b, t, heads, kv, d = 2, 3, 4, 2, 16
+    b, t, heads, kv = 2, 3, 4, 2
     # the fused projection's output (q, k, v side by side): q/k is a strided view of it
     qkv = (torch.randn(b, t, (heads + 2 * kv) * d, generator=g) * 4).to(dtype)
     qk = qkv[..., : (heads + kv) * d].view(b, t, heads + kv, d)
@@ -80,7 +82,8 @@ def test_rotary_qk_kernel_equals_native(
     cos, sin = RotaryEmbedding(d, 10000.0)(positions, dtype)
     cos, sin = cos[:, :, None], signed_rotary_sin(sin)[:, :, None]
     q, k = rotary_qk_cuda(qk, cos, sin, heads)
-    assert launched == [f"oasr_rotary_qk_{TAGS[DTYPES.index(dtype)]}"]
+    vec = (d // 2) % (16 // qk.element_size()) == 0
+    assert launched == [f"oasr_rotary_qk_{TAGS[DTYPES.index(dtype)]}{'_v' if vec else ''}"]
     q_ref, k_ref = _native(rotary_qk, qk, cos, sin, heads)
     assert (
         q.is_contiguous()

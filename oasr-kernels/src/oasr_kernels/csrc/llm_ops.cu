@@ -105,31 +105,22 @@ __device__ __forceinline__ void rotary_qk_vec(const T* __restrict__ x, long long
 
 }  // namespace oasr_rope
 
-#define OASR_ROTARY_QK_VEC(NAME, T)                                                            \
+// FN: rotary_qk (GROUP = pairs a block) or rotary_qk_vec (GROUP = 16-byte units a block)
+#define OASR_ROTARY_QK(NAME, T, FN)                                                            \
   extern "C" __global__ void NAME(const T* x, long long xb, long long xt, long long xh,       \
                                   const T* cosv, long long cb, long long ct, const T* ssin,    \
                                   long long sb, long long st, T* q, T* k, int t_len,           \
-                                  int heads, int kv_heads, int d, int group_units) {           \
-    oasr_rope::rotary_qk_vec<T>(x, xb, xt, xh, cosv, cb, ct, ssin, sb, st, q, k, t_len, heads, \
-                                kv_heads, d, group_units);                                     \
+                                  int heads, int kv_heads, int d, int group) {                 \
+    oasr_rope::FN<T>(x, xb, xt, xh, cosv, cb, ct, ssin, sb, st, q, k, t_len, heads, kv_heads,  \
+                     d, group);                                                                \
   }
 
-OASR_ROTARY_QK_VEC(oasr_rotary_qk_f32_v, float)
-OASR_ROTARY_QK_VEC(oasr_rotary_qk_f16_v, oasr::f16)
-OASR_ROTARY_QK_VEC(oasr_rotary_qk_bf16_v, oasr::bf16)
-
-#define OASR_ROTARY_QK(NAME, T)                                                                \
-  extern "C" __global__ void NAME(const T* x, long long xb, long long xt, long long xh,       \
-                                  const T* cosv, long long cb, long long ct, const T* ssin,    \
-                                  long long sb, long long st, T* q, T* k, int t_len,           \
-                                  int heads, int kv_heads, int d, int group_pairs) {           \
-    oasr_rope::rotary_qk<T>(x, xb, xt, xh, cosv, cb, ct, ssin, sb, st, q, k, t_len, heads,     \
-                            kv_heads, d, group_pairs);                                         \
-  }
-
-OASR_ROTARY_QK(oasr_rotary_qk_f32, float)
-OASR_ROTARY_QK(oasr_rotary_qk_f16, oasr::f16)
-OASR_ROTARY_QK(oasr_rotary_qk_bf16, oasr::bf16)
+OASR_ROTARY_QK(oasr_rotary_qk_f32, float, rotary_qk)
+OASR_ROTARY_QK(oasr_rotary_qk_f16, oasr::f16, rotary_qk)
+OASR_ROTARY_QK(oasr_rotary_qk_bf16, oasr::bf16, rotary_qk)
+OASR_ROTARY_QK(oasr_rotary_qk_f32_v, float, rotary_qk_vec)
+OASR_ROTARY_QK(oasr_rotary_qk_f16_v, oasr::f16, rotary_qk_vec)
+OASR_ROTARY_QK(oasr_rotary_qk_bf16_v, oasr::bf16, rotary_qk_vec)
 
 // Gated SiLU of a fused gate/up projection: x (rows, 2H) (gate, then up, per row; contiguous)
 //   out (rows, H) = round(silu(gate)) * up,   silu(g) = g / (1 + exp(-g))

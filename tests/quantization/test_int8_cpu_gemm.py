@@ -67,3 +67,38 @@ def test_forced_by_environment(monkeypatch):
     assert Q._int_mm_is_slow() is True
     monkeypatch.setenv("OASR_INT8_FLOAT32_GEMM", "0")
     assert Q._int_mm_is_slow() is False
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_float_held_activations_are_the_int8_values(terms):
+    """``as_float``: the same integers and scales as the int8 activations, held in float32 (the
+    float32-matmul GEMM's input)."""
+    from oasr.quantization.numerics import quantize_activation_terms
+
+    x = torch.randn(33, 384, generator=torch.Generator().manual_seed(terms)) * 5
+    xq, sx = quantize_activation_terms(x, "int8", terms)
+    xf, sf = quantize_activation_terms(x, "int8", terms, as_float=True)
+    assert xq.dtype == torch.int8 and xf.dtype == torch.float32
+    assert torch.equal(xf, xq.to(torch.float32)) and torch.equal(sf, sx)
+
+
+def test_layer_uses_float_held_activations_on_the_float32_path(gemm_path, monkeypatch):
+    """Where the float32 matmuls are the int8 GEMM (and oneDNN's int8 linear is not used), the
+    layer hands them float32 activations; its outputs stay those of torch._int_mm."""
+    monkeypatch.setattr(Q, "_ONEDNN_INT8", [False])
+    seen = []
+    real = Q._int_mm_cpu
+
+    def spy(module, xq):
+        seen.append(xq.dtype)
+        return real(module, xq)
+
+    monkeypatch.setattr(Q, "_int_mm_cpu", spy)
+    x = torch.randn(20, 384, generator=torch.Generator().manual_seed(5))
+    layer = _layer(384, 72, seed=5)
+    gemm_path(False)
+    want = layer(x)
+    gemm_path(True)
+    got = layer(x)
+    assert seen == [torch.int8, torch.float32]
+    assert torch.equal(got, want)

@@ -282,14 +282,17 @@ class QuantizedLinear(Op):
             return avx2_int8_linear(self, x2)
         # two terms: (2m, K) rows, the second m the first's rounding errors; one GEMM reads the
         # weight once for both
+        # float32 matmuls as this CPU's int8 GEMM: the rounded activations stay float32 (the
+        # same integers, without an int8 copy and its conversion back: ~7 % of tiny.en's encoder)
+        float_gemm = dev == "cpu" and _int8_gemm_takes_float32()
         if self.act_terms == 1 and dev == "cuda":
             xq, sx = quantize_activations_op(x2, "int8")
         else:
-            xq, sx = quantize_activation_terms(x2, "int8", self.act_terms)
+            xq, sx = quantize_activation_terms(x2, "int8", self.act_terms, as_float=float_gemm)
         rows = xq.shape[0]
         if dev == "cuda" and rows <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
             xq = F.pad(xq, (0, 0, 0, 17 - rows))
-        y = _onednn_int8_gemm(self, xq) if dev == "cpu" else None
+        y = _onednn_int8_gemm(self, xq) if dev == "cpu" and not float_gemm else None
         if y is not None:  # the per-channel weight scales are applied inside
             # (a fused ``addcmul(bias, y, sx)`` would save a pass over the output, but its
             # multiply-add rounds once where this rounds twice: a different last bit moves
@@ -461,6 +464,14 @@ def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor
     return y
 
 
+def _int8_gemm_takes_float32() -> bool:
+    """Whether this CPU's int8 GEMM is :func:`_int_mm_cpu`'s float32 matmuls (oneDNN's int8
+    linear unusable here and ``torch._int_mm`` slow), which take the activations as float32."""
+    if not _ONEDNN_INT8:
+        _ONEDNN_INT8.append(_onednn_int8_works())
+    return not _ONEDNN_INT8[0] and int8_gemm_is_float32()
+
+
 def _onednn_int8_works() -> bool:
     """Whether oneDNN's int8 linear exists here and gives exact integer products for int8
     (signed) activations on this CPU (checked once against an int64 matmul; never on an x86 CPU
@@ -523,7 +534,7 @@ _F32_EXACT_K = 1024
 
 def _int_mm_cpu(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor:
     """``xq @ W_q^T``, the exact integer products, on the CPU: ``torch._int_mm``, or where that is
-    slow here (a CPU without VNNI, e.g. an AVX2 EPYC: oneDNN's reference int8 kernel, 40x a
+    slow here (``xq`` may then hold its integers in float32 already) (a CPU without VNNI, e.g. an AVX2 EPYC: oneDNN's reference int8 kernel, 40x a
     float32 matmul of the same shape) the same integers through float32 matmuls over K chunks of
     at most :data:`_F32_EXACT_K`, where every partial sum is exact. int32, or float32 holding the
     int32 values: the caller converts to float32 either way, so the outputs are identical."""

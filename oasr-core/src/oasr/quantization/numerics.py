@@ -88,11 +88,13 @@ def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
 
 
 def quantize_activations(
-    x: torch.Tensor, fmt: str, act_qmax: float | None = None
+    x: torch.Tensor, fmt: str, act_qmax: float | None = None, as_float: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_q (M, K), s_x (M, 1) float32)``: per-token dynamic quantization of a 2-D input
     (``act_qmax``: the largest magnitude of an int8 value, default 127; 64 on an AVX2 CPU's FBGEMM
-    path, :data:`AVX2_ACT_QMAX`). The
+    path, :data:`AVX2_ACT_QMAX`). ``as_float`` (int8 only): ``x_q``'s integers held in float32,
+    for a GEMM that takes float32 operands (the CPU's float32-matmul int8 path), which saves
+    the int8 copy and its conversion back. The
     scale and the division are float32 whatever the input's dtype (fp16 rows quantize the same
     on CPU and GPU). Few passes over ``x``: this runs before every quantized GEMM (on CUDA five
     kernels: the row maxima, two on the (M, 1) scales, the division, the cast)."""
@@ -112,23 +114,25 @@ def quantize_activations(
     # |x / s| <= QMAX by construction (s = max|x| / QMAX, float32 rounding included: 127.00002
     # rounds to 127, 448.0001 to e4m3's 448): no clamp pass
     if fmt == "int8":
-        return scaled.round_().to(torch.int8), scale
+        rounded = scaled.round_()
+        return (rounded if as_float else rounded.to(torch.int8)), scale
     return scaled.to(FP8_DTYPE), scale
 
 
 def quantize_activation_terms(
-    x: torch.Tensor, fmt: str, terms: int = 1, act_qmax: float | None = None
+    x: torch.Tensor, fmt: str, terms: int = 1, act_qmax: float | None = None, as_float: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_activations` with ``terms`` int8 terms per row: for 2, the rounding error
     of the first, ``r = x - s1 q1`` (float32), quantized per token the same way, so that
     ``x ~ s1 q1 + s2 q2`` (about 14 bits per element instead of 8). Returns the terms stacked
     (``terms * M``, K) and their scales (``terms * M``, 1): a GEMM over the stack reads the weight
-    once, and output rows ``m`` and ``M + m`` add up to row ``m``."""
-    xq, sx = quantize_activations(x, fmt, act_qmax)
+    once, and output rows ``m`` and ``M + m`` add up to row ``m``. ``as_float``: as in
+    :func:`quantize_activations`."""
+    xq, sx = quantize_activations(x, fmt, act_qmax, as_float)
     if terms == 1:
         return xq, sx
     rest = x.float() - xq.float() * sx
-    rq, rs = quantize_activations(rest, fmt, act_qmax)
+    rq, rs = quantize_activations(rest, fmt, act_qmax, as_float)
     return torch.cat([xq, rq]), torch.cat([sx, rs])
 
 

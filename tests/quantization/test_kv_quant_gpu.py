@@ -159,3 +159,29 @@ def test_dense_decode_path_against_reference_and_its_time():
     dense_us = timed()
     print(f"\nlarge-v3 decoder layer, 64 rows: fp8 quantize + GEMM {fp8_us:.1f} us, dense fp16 {dense_us:.1f} us")
     assert dense_us < fp8_us
+
+
+def test_int8_dense_decode_path_on_cuda():
+    """int8 layers keep the dense copy on CUDA too (the decode steps' W8A16: real tiny.en's GPU
+    WER, docs/quantization.md): calls of up to the row limit match the float64 reference of the
+    dense path (the int8 weight, unquantized activations), larger calls stay W8A8 and match
+    theirs; the same layer on the CPU keeps no copy."""
+    import oasr.layers as L
+    from oasr.layers.quantized import QuantizedLinear
+
+    torch.manual_seed(0)
+    lin = L.Linear(1280, 5120, device="cuda", dtype=torch.float16)
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    layer = QuantizedLinear.from_linear(lin, "int8_w8a8")
+    x = torch.randn(64, 1280, device="cuda", dtype=torch.float16)
+    w8a8 = layer(x)
+    assert layer.keep_dense_weight(rows=64) == 1280 * 5120 * 2
+    dense = layer(x)
+    assert rel_err(dense, layer(x.double())) < 2e-3
+    # against the unquantized layer: W8A8 adds the activations' rounding to the weight's
+    exact = x.double() @ lin.weight.double().t() + lin.bias.double()
+    assert rel_err(dense, exact) < rel_err(w8a8, exact)
+    big = torch.randn(65, 1280, device="cuda", dtype=torch.float16)
+    assert rel_err(layer(big), layer(big.double())) < 4e-3  # 65 rows: W8A8, its own reference
+    cpu = QuantizedLinear.from_linear(L.Linear(64, 48), "int8_w8a8")
+    assert cpu.keep_dense_weight() == 0 and cpu.dense_weight is None

@@ -20,10 +20,10 @@ GEMM paths (``forward_native``; op ``quantized_linear``, overridable like every 
 * fp8, CUDA (compute capability >= 8.9) and CPU: ``torch._scaled_mm`` with row-wise scales
   (the per-token and per-channel scales applied inside the GEMM); K and N must be multiples of
   16, else the float32 matmul of the quantized values (logged once);
-* fp8, a layer that keeps a dense copy (:meth:`QuantizedLinear.keep_dense_weight`; Whisper's
-  step model on CUDA for the decode step's linears): calls of at most 256 rows are one GEMM in
-  the compute dtype over the dequantized weight (faster than quantizing and the row-scaled fp8
-  GEMM at a decode step's few rows);
+* fp8, and int8 on CUDA, a layer that keeps a dense copy (:meth:`QuantizedLinear.keep_dense_weight`;
+  Whisper's step model on CUDA for the decode step's linears): calls of at most 256 rows are one
+  GEMM in the compute dtype over the dequantized weight (faster than quantizing and the
+  quantized GEMM at a decode step's few rows, and the activations keep their precision);
 * float64 inputs: :func:`~oasr.quantization.numerics.reference_linear` (the parity reference;
   :func:`~oasr.quantization.numerics.reference_dense_linear` for the dense copy's rows).
 """
@@ -196,13 +196,20 @@ class QuantizedLinear(Op):
         """Keep the dequantized weight (:attr:`weight`: compute dtype, smoothing undone) for calls
         of at most ``rows`` rows (default :func:`dense_rows_limit`: 256, ``OASR_FP8_DENSE_ROWS``),
         which then run one GEMM in the compute dtype (the weight quantized, the activations not:
-        W8A16) instead of the quantization kernel and the fp8 GEMM. For fp8 layers whose calls
+        W8A16) instead of the quantization kernel and the quantized GEMM. For layers whose calls
         are mostly a decode step's few rows: on the H200 cuBLASLt's fp8 GEMM with row-wise scales
         is 1.4-2x slower than fp16 there (docs/quantization.md), before the quantization
-        kernel's launch. Costs the weight again in the compute dtype. Returns the copy's bytes
-        (made once; 0 when the limit is 0 or for an int8 layer)."""
+        kernel's launch; int8's pads a step to 17 rows and rescales in separate kernels. For
+        int8 on CUDA it is also what keeps real tiny.en's GPU WER in budget: per-token int8
+        activations in every decode step moved near-tie tokens (6.52 % against fp16's 5.95 % on
+        the English clips; docs/quantization.md). Costs the weight again in the compute dtype.
+        Returns the copy's bytes (made once; 0 when the limit is 0, or for an int8 layer off
+        CUDA: a CPU with an int8 dot product runs its int8 GEMM faster than float, one without
+        keeps such layers float)."""
         rows = dense_rows_limit() if rows is None else rows
-        if self.fmt != "fp8" or rows <= 0 or self.qweight.device.type == "meta":
+        if rows <= 0 or self.qweight.device.type == "meta":
+            return 0
+        if self.fmt == "int8" and self.qweight.device.type != "cuda":
             return 0
         self.dense_rows = rows
         if self.dense_weight is None:
@@ -595,7 +602,7 @@ _DENSE_ROWS_DEFAULT = 256
 
 
 def dense_rows_limit() -> int:
-    """Rows up to which an fp8 layer with a dense copy (:meth:`QuantizedLinear.keep_dense_weight`)
+    """Rows up to which an fp8 (or CUDA int8) layer with a dense copy (:meth:`QuantizedLinear.keep_dense_weight`)
     uses it: ``OASR_FP8_DENSE_ROWS``, default 256 (a decode step of up to 256 rows, a prefill
     of 64 rows x 4 prompt tokens); 0 makes no copies (every call on the fp8 GEMM, the path
     before, and the fp8 weights' memory only)."""
@@ -610,8 +617,9 @@ def dense_rows_limit() -> int:
 
 
 def keep_dense_weights(modules: Iterable[nn.Module], rows: int | None = None) -> int:
-    """:meth:`QuantizedLinear.keep_dense_weight` on each fp8 :class:`QuantizedLinear` among
-    ``modules`` (others are skipped). Returns the copies' bytes."""
+    """:meth:`QuantizedLinear.keep_dense_weight` on each :class:`QuantizedLinear` among
+    ``modules`` (other modules are skipped; it decides which formats and devices keep one).
+    Returns the copies' bytes."""
     return sum(m.keep_dense_weight(rows) for m in modules if isinstance(m, QuantizedLinear))
 
 

@@ -287,11 +287,11 @@ class QuantizedLinear(Op):
             # an x86 CPU without VNNI / AMX: FBGEMM with 7-bit terms (int8_avx2), for two-term
             # layers only (one 7-bit term cost tiny.en's WER 1.7 points)
             return avx2_int8_linear(self, x2)
-        # two terms: (2m, K) rows, the second m the first's rounding errors; one GEMM reads the
-        # weight once for both
         # float32 matmuls as this CPU's int8 GEMM: the rounded activations stay float32 (the
         # same integers, without an int8 copy and its conversion back: ~7 % of tiny.en's encoder)
         float_gemm = dev == "cpu" and _int8_gemm_takes_float32()
+        # two terms: (2m, K) rows, the second m the first's rounding errors; one GEMM reads the
+        # weight once for both
         if self.act_terms == 1 and dev == "cuda":
             xq, sx = quantize_activations_op(x2, "int8")
         else:
@@ -541,10 +541,11 @@ _F32_EXACT_K = 1024
 
 def _int_mm_cpu(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor:
     """``xq @ W_q^T``, the exact integer products, on the CPU: ``torch._int_mm``, or where that is
-    slow here (``xq`` may then hold its integers in float32 already) (a CPU without VNNI, e.g. an AVX2 EPYC: oneDNN's reference int8 kernel, 40x a
+    slow here (a CPU without VNNI, e.g. an AVX2 EPYC: oneDNN's reference int8 kernel, 40x a
     float32 matmul of the same shape) the same integers through float32 matmuls over K chunks of
-    at most :data:`_F32_EXACT_K`, where every partial sum is exact. int32, or float32 holding the
-    int32 values: the caller converts to float32 either way, so the outputs are identical."""
+    at most :data:`_F32_EXACT_K`, where every partial sum is exact (``xq`` may then hold its
+    integers in float32 already). int32, or float32 holding the int32 values: the caller
+    converts to float32 either way, so the outputs are identical."""
     if not int8_gemm_is_float32():
         return torch._int_mm(xq, module._weight_kn())
     key = (module.qweight.device, module.qweight._version, module.qweight.data_ptr(), "float32")
@@ -602,8 +603,8 @@ _DENSE_ROWS_DEFAULT = 256
 
 
 def dense_rows_limit() -> int:
-    """Rows up to which an fp8 (or CUDA int8) layer with a dense copy (:meth:`QuantizedLinear.keep_dense_weight`)
-    uses it: ``OASR_FP8_DENSE_ROWS``, default 256 (a decode step of up to 256 rows, a prefill
+    """Rows up to which an fp8 (or CUDA int8) layer with a dense copy
+    (:meth:`QuantizedLinear.keep_dense_weight`) uses it: ``OASR_FP8_DENSE_ROWS``, default 256 (a decode step of up to 256 rows, a prefill
     of 64 rows x 4 prompt tokens); 0 makes no copies (every call on the fp8 GEMM, the path
     before, and the fp8 weights' memory only)."""
     value = os.environ.get(DENSE_ROWS_ENV, "").strip()

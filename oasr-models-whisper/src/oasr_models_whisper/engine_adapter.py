@@ -196,9 +196,10 @@ class WhisperStepModel:
         few rows (:meth:`~oasr.layers.quantized.QuantizedLinear.keep_dense_weight`): a step's six
         GEMMs per layer in fp16 instead of six quantization kernels and six quantized GEMMs
         (fp8: about half the time on the H200), and unquantized activations (int8: the decode
-        steps' per-token int8 activations cost real tiny.en WER on the GPU). Not the cross-attention K/V projections (1500
-        frames per window: the fp8 GEMM's shape). Returns the bytes of the network's layers'
-        copies (the fused q/k/v layers' copies are among their buffers, counted with them)."""
+        steps' per-token int8 activations cost real tiny.en WER on the GPU). Not the
+        cross-attention K/V projections (1500 frames per window: the quantized GEMM's shape).
+        Returns the bytes of the network's layers' copies (the fused q/k/v layers' copies are
+        among their buffers, counted with them)."""
         from oasr.layers.quantized import keep_dense_weights
 
         keep_dense_weights(self._fused_qkv_quant or ())

@@ -604,9 +604,9 @@ _DENSE_ROWS_DEFAULT = 256
 
 def dense_rows_limit() -> int:
     """Rows up to which an fp8 (or CUDA int8) layer with a dense copy
-    (:meth:`QuantizedLinear.keep_dense_weight`) uses it: ``OASR_FP8_DENSE_ROWS``, default 256 (a decode step of up to 256 rows, a prefill
-    of 64 rows x 4 prompt tokens); 0 makes no copies (every call on the fp8 GEMM, the path
-    before, and the fp8 weights' memory only)."""
+    (:meth:`QuantizedLinear.keep_dense_weight`) uses it: ``OASR_FP8_DENSE_ROWS``, default 256 (a
+    decode step of up to 256 rows, a prefill of 64 rows x 4 prompt tokens); 0 makes no copies
+    (every call on the quantized GEMM, and the quantized weights' memory only)."""
     value = os.environ.get(DENSE_ROWS_ENV, "").strip()
     if not value:
         return _DENSE_ROWS_DEFAULT

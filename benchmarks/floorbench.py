@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import warnings
 from collections.abc import Callable
@@ -132,43 +131,26 @@ def table_rows(
 
 
 # ----------------------------------------------------------------- measurement (CUDA)
-def _ms(fn: Callable[[], Any], repeats: int, inner: int = 1, warmup: int = 3) -> float:
-    """Median GPU milliseconds per call, CUDA events around ``inner`` calls (back to back: the
-    host's time to launch the first is the only idle gap, shared by all)."""
-    import torch
+def _ms(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
+    """Median GPU milliseconds per call: ``oasr.tune``'s CUDA-event timer (3 warm-up calls)
+    around ``inner`` calls back to back (the host's time to launch the first is the only idle
+    gap, shared by all)."""
+    from oasr.tune import cuda_event_timer
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def calls() -> None:
         for _ in range(inner):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
+
+    return cuda_event_timer(repeats=repeats)(calls) * 1e3 / inner
 
 
 def _graph_ms(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
-    """:func:`_ms` of ``fn`` captured in a CUDA graph and replayed (no launch overhead)."""
-    import torch
+    """Milliseconds per call of ``inner`` calls captured in one CUDA graph and replayed (no launch
+    overhead): ``oasr.tune``'s graph timer, the one kernelbench and the autotuner use (a call
+    that cannot be captured is timed eagerly there)."""
+    from oasr.tune import cuda_graph_timer
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    try:
-        return _ms(graph.replay, repeats, inner)
-    finally:
-        del graph
+    return cuda_graph_timer(repeats=repeats, inner=inner)(fn) * 1e3
 
 
 def _free() -> None:

@@ -410,9 +410,7 @@ def prepack_in_background(modules: Iterable[QuantizedLinear]) -> threading.Threa
                 if not fbgemm_int8_applies():
                     return
             else:
-                if not _ONEDNN_INT8:
-                    _ONEDNN_INT8.append(_onednn_int8_works())
-                if not _ONEDNN_INT8[0]:
+                if not _onednn_int8_usable():
                     return
             for m in todo:
                 if _PREPACK_STOP.is_set():
@@ -456,9 +454,7 @@ def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor
     Sapphire Rapids core). Activations enter with scale 1 and zero point 0 (the per-token scales
     are applied by the caller), so the integer products are the same. None when this torch has
     no such op or it refuses the inputs (the caller then uses ``torch._int_mm``)."""
-    if not _ONEDNN_INT8:
-        _ONEDNN_INT8.append(_onednn_int8_works())
-    if not _ONEDNN_INT8[0]:
+    if not _onednn_int8_usable():
         return None
     try:
         _, packed, zero = module._packed()
@@ -471,12 +467,17 @@ def _onednn_int8_gemm(module: QuantizedLinear, xq: torch.Tensor) -> torch.Tensor
     return y
 
 
+def _onednn_int8_usable() -> bool:
+    """:func:`_onednn_int8_works`, checked once (``_ONEDNN_INT8``; a refused call turns it off)."""
+    if not _ONEDNN_INT8:
+        _ONEDNN_INT8.append(_onednn_int8_works())
+    return _ONEDNN_INT8[0]
+
+
 def _int8_gemm_takes_float32() -> bool:
     """Whether this CPU's int8 GEMM is :func:`_int_mm_cpu`'s float32 matmuls (oneDNN's int8
     linear unusable here and ``torch._int_mm`` slow), which take the activations as float32."""
-    if not _ONEDNN_INT8:
-        _ONEDNN_INT8.append(_onednn_int8_works())
-    return not _ONEDNN_INT8[0] and int8_gemm_is_float32()
+    return not _onednn_int8_usable() and int8_gemm_is_float32()
 
 
 def _onednn_int8_works() -> bool:

@@ -456,6 +456,12 @@ def _draining_server(config: Any) -> Any:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        stopped_by_signal = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.stopped_by_signal = True
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
             state = getattr(getattr(self.config.app, "state", None), "oasr", None)
             if state is not None:
@@ -473,14 +479,17 @@ def _run_until_stopped(server: Any) -> None:
     """Serve until SIGTERM / SIGINT. uvicorn drains in-flight requests, then re-raises the signal
     it caught; SIGTERM is how orchestrators ask a server to stop, so after a graceful drain it
     ends with status 0 (not 143). While uvicorn runs, its own handlers apply (a second Ctrl-C
-    forces an exit)."""
+    forces an exit). Once a signal has stopped the server, SIGTERM stays ignored: orchestrators
+    repeat it, and one landing while the drained process tears down would otherwise kill it
+    with status 143."""
     import signal
 
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        stopping = getattr(server, "stopped_by_signal", False)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if stopping else previous)
 
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

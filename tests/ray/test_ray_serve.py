@@ -52,6 +52,38 @@ def test_server_and_cli_do_not_import_ray() -> None:
     assert "--ray-replicas" in done.stdout
 
 
+def test_serve_on_ray_ignores_a_repeated_sigterm_while_deleting_the_app(monkeypatch) -> None:
+    """After SIGTERM stops ``oasr serve --ray``, a second SIGTERM (orchestrators repeat it) must
+    not kill the process before the Serve application is deleted."""
+    import signal
+    import types
+
+    from ray import serve
+
+    from oasr_server import ray_serve
+
+    layout = types.SimpleNamespace(autoscaling=None, num_replicas=1, gpus_per_replica=0.0,
+                                   device="cpu")  # fmt: skip
+    monkeypatch.setattr(ray_serve, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(ray_serve, "deploy", lambda *a, **k: layout)
+    monkeypatch.setattr(ray_serve, "wait_running", lambda *a, **k: True)
+    seen: list[Any] = []
+    monkeypatch.setattr(serve, "delete", lambda name: seen.append(signal.getsignal(signal.SIGTERM)))
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    options = types.SimpleNamespace(address=None, app_name="oasr")
+    before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code = ray_serve.serve_on_ray(None, None, options, host="127.0.0.1", port=0,  # type: ignore[arg-type]
+                                      log=lambda _: None)  # fmt: skip
+    finally:
+        timer.join()
+        signal.signal(signal.SIGTERM, before)
+    assert code == 0
+    assert seen == [signal.SIG_IGN]
+
+
 def test_plan_layout_one_replica_per_gpu_and_cpu_fallback() -> None:
     from oasr.errors import InvalidRequestError
     from oasr_server.ray_serve import RayOptions, plan_layout

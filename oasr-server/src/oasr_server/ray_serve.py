@@ -828,6 +828,10 @@ def serve_on_ray(
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if stop.is_set():
+                # as in oasr_server.cli._run_until_stopped: a repeated SIGTERM must not kill
+                # the process before the application is deleted below
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return 0
     finally:
         try:
